@@ -1,0 +1,30 @@
+# Two set-up commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv on first use, installs torch==2.13.0 first (a looser pin
+# pulls a multi-GB CUDA build), then cpkv with its extras.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench simulate clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/cpkv simulate
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=10
+
+bench: $(STAMP)
+	$(VENV)/bin/cpkv bench all
+
+simulate: $(STAMP)
+	$(VENV)/bin/cpkv simulate
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

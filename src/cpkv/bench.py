@@ -1,0 +1,111 @@
+"""Benchmarks: every figure is a median ratio against a baseline measured in the
+same run (the machine is noisy; timed tests are not used)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .allocator import OwnerLaneAllocator
+
+
+def median_seconds(cases: dict[str, tuple[Callable, Callable | None]], repeats: int = 21) -> dict[str, float]:
+    """Median wall time of each case's ``fn`` over ``repeats`` rounds.
+
+    Cases run round-robin (one of each per round) so machine noise hits them
+    alike; ``setup`` runs untimed before each timed call, and each result is
+    kept until that case's next call, as a caller would keep it.
+    """
+    times = {k: [] for k in cases}
+    kept = {}
+    for i in range(repeats + 2):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            kept[name] = fn()
+            dt = time.perf_counter() - t0
+            if i >= 2:  # the first two rounds warm up
+                times[name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _extend_case(cp: int, bs: int, tokens: int, page: int, ragged: bool = False):
+    if ragged:  # lengths spread over [per/2, 3per/2), summing to ``tokens``
+        g = torch.Generator().manual_seed(1)
+        w = torch.rand(bs, generator=g) + 0.5
+        seq = (w / w.sum() * tokens).to(torch.int64).clamp_(min=1)
+        seq[0] += tokens - int(seq.sum())
+    else:
+        per = tokens // bs
+        seq = torch.full((bs,), per, dtype=torch.int64)
+        seq[: tokens - per * bs] += 1
+    prefix = torch.zeros(bs, dtype=torch.int64)
+    last = torch.full((bs,), -1, dtype=torch.int64)
+    alloc = OwnerLaneAllocator(2 * tokens + 4 * page * cp * bs, page, cp)
+
+    def run():
+        out = alloc.alloc_extend(prefix, prefix, seq, seq, last, tokens)
+        assert out is not None and out.numel() == tokens
+        return out
+
+    return run, alloc.clear
+
+
+def _decode_case(cp: int, bs: int, page: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, 8 * page, (bs,), generator=g)
+    alloc = OwnerLaneAllocator(int(prompt.sum()) * 2 + 4 * page * cp * bs, page, cp)
+    state = {}
+
+    def setup():
+        alloc.clear()
+        a = alloc.allocate_extend(torch.zeros(bs, dtype=torch.int64), prompt, torch.full((bs,), -1))
+        state["last"] = a.out_cache_loc[a.extend_start_loc + a.extend_lens - 1]
+
+    seq = prompt + 1
+
+    def run():
+        out = alloc.alloc_decode(seq, seq, state["last"])
+        assert out is not None and out.numel() == bs
+        return out
+
+    return run, setup
+
+
+def bench_alloc(page: int = 64, cp: int = 8, tokens: int = 262144, batch_sizes=(1, 32, 256),
+                decode_bs: int = 1024, repeats: int = 21) -> list[dict]:
+    """Owner-lane ``alloc_extend`` against the same allocator at cp 1 and
+    against the floor (``torch.arange`` of the same length); decode at
+    ``decode_bs`` against cp 1. Also one ragged-length extend row, where lane
+    bases must be chosen request by request."""
+    rows = []
+    cases = [(f"extend bs={bs}", _extend_case, (bs, tokens, page), tokens) for bs in batch_sizes]
+    cases.append((f"extend bs={batch_sizes[-1]} ragged", _extend_case, (batch_sizes[-1], tokens, page, True), tokens))
+    cases.append((f"decode bs={decode_bs}", _decode_case, (decode_bs, page), decode_bs))
+    for name, make, args, n in cases:
+        t = median_seconds({
+            "cp": make(cp, *args),
+            "cp1": make(1, *args),
+            "floor": (lambda n=n: torch.arange(n, dtype=torch.int64), None),
+        }, repeats)
+        rows.append({"case": name, f"cp{cp} ms": t["cp"] * 1e3, "cp1 ms": t["cp1"] * 1e3,
+                     "floor ms": t["floor"] * 1e3, f"cp{cp}/cp1": t["cp"] / t["cp1"],
+                     f"cp{cp}/floor": t["cp"] / t["floor"]})
+    return rows
+
+
+def format_rows(rows: list[dict], title: str) -> str:
+    """A plain text table of benchmark rows."""
+    keys = list(rows[0])
+    width = {k: max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in keys}
+    lines = [title, "  ".join(k.rjust(width[k]) for k in keys)]
+    lines += ["  ".join(_fmt(r[k]).rjust(width[k]) for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)

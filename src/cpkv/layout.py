@@ -1,0 +1,200 @@
+"""Shared-KV layout: the one place where cpkv does its index arithmetic.
+
+A logical slot ``s`` lies on logical page ``p = s // S`` at offset ``s % S``.
+
+* owner ``p % N``                                   [[RFC-0001:C-LAYOUT-OWNER]]
+* local slot ``(p // N) * S + s % S`` in the owner's own segment
+* rank-major slot ``((p % N) * pages_per_rank + p // N) * S + s % S``
+  in the shared view of all N segments laid end to end
+
+The padding value passes through every translation unchanged
+([[RFC-0001:C-PADDING]]); any other negative slot, or a slot past the
+layout's capacity, raises. With ``cp_size == 1`` every translation is the
+identity. Method names follow SGLang's shared-KV layout so an engine can swap
+this class in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INT_LIMITS = {
+    torch.int32: (-(2**31), 2**31 - 1),
+    torch.int64: (-(2**63), 2**63 - 1),
+}
+
+
+def page_of(slots, page_size: int):
+    """Logical page of each (non-negative) slot: ``s // S``. Ints, numpy or torch."""
+    return slots // page_size
+
+
+def owner_of(pages, cp_size: int):
+    """Owner rank (lane) of each logical page: ``p % N``. Ints, numpy or torch."""
+    return pages % cp_size
+
+
+def lane_of_position(lane_base, page_position, cp_size: int):
+    """Lane of request-local page position q for lane base b: ``(b + q) % N``.
+
+    Works on ints and tensors alike. [[RFC-0001:C-OWNER-LANE]]
+    """
+    return (lane_base + page_position) % cp_size
+
+
+def lane_base_from_prefix(owner_of_last, prefix_len, page_size: int, cp_size: int):
+    """Lane base implied by a prefix whose last slot sits in lane ``owner_of_last``:
+    ``b = (owner(last_loc) - (prefix_len - 1) // S) mod N``. Ints or tensors.
+    [[RFC-0001:C-REQUEST-RELATIVE]]
+    """
+    return (owner_of_last - (prefix_len - 1) // page_size) % cp_size
+
+
+def _cast(out: torch.Tensor, output_dtype: torch.dtype | None) -> torch.Tensor:
+    if output_dtype is None or output_dtype == out.dtype:
+        return out
+    lo, hi = _INT_LIMITS.get(output_dtype, (None, None))
+    if lo is None:
+        raise TypeError(f"output_dtype must be torch.int32 or torch.int64, got {output_dtype}")
+    if out.numel() and (int(out.max()) > hi or int(out.min()) < lo):
+        raise OverflowError(
+            f"translated slots span [{int(out.min())}, {int(out.max())}], "
+            f"which does not fit {output_dtype}"
+        )
+    return out.to(output_dtype)
+
+
+@dataclass(frozen=True)
+class SharedKVLayout:
+    """Where every logical slot of one CP group's shared KV cache is stored.
+
+    ``cp_size`` ranks each hold ``pages_per_rank`` pages of ``slots_per_page``
+    slots. Logical pages ``0 .. cp_size * pages_per_rank - 1`` exist; page 0 is
+    reserved for padding by the allocator.
+    """
+
+    cp_size: int
+    slots_per_page: int
+    pages_per_rank: int
+    padding_value: int = -1
+
+    def __post_init__(self):
+        for name in ("cp_size", "slots_per_page", "pages_per_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.padding_value >= 0:
+            raise ValueError(f"padding_value must be negative, got {self.padding_value}")
+
+    # -- sizes --------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Logical pages in the whole group (page 0 included)."""
+        return self.cp_size * self.pages_per_rank
+
+    @property
+    def capacity(self) -> int:
+        """Logical slots in the whole group."""
+        return self.num_pages * self.slots_per_page
+
+    @property
+    def slots_per_rank(self) -> int:
+        """Slots in one rank's segment."""
+        return self.pages_per_rank * self.slots_per_page
+
+    # -- checks -------------------------------------------------------------
+    def _valid(self, slots: torch.Tensor) -> torch.Tensor:
+        """Mask of non-padding slots; raises on any other out-of-range slot."""
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slots must be int32 or int64, got {slots.dtype}")
+        valid = slots != self.padding_value
+        if slots.numel():
+            lo = int(torch.where(valid, slots, 0).min())
+            hi = int(slots.max())
+            if lo < 0 or hi >= self.capacity:
+                bad = slots[valid & ((slots < 0) | (slots >= self.capacity))]
+                raise IndexError(
+                    f"slot {int(bad[0])} is outside the layout "
+                    f"[0, {self.capacity}) (padding {self.padding_value} excepted)"
+                )
+        return valid
+
+    # -- translations ---------------------------------------------------------
+    def owner_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Owner rank of each slot; padding maps to the padding value."""
+        valid = self._valid(slots)
+        own = owner_of(page_of(slots, self.slots_per_page), self.cp_size)
+        return torch.where(valid, own, slots.new_tensor(self.padding_value))
+
+    def translate_read_slots(
+        self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Logical slots -> rank-major slots of the shared view.
+
+        [[RFC-0001:C-READ-PATH]]
+        """
+        valid = self._valid(slot_indices)
+        if self.cp_size == 1:
+            return _cast(slot_indices, output_dtype)
+        S, N = self.slots_per_page, self.cp_size
+        p = page_of(slot_indices, S)
+        out = (owner_of(p, N) * self.pages_per_rank + p // N) * S + (slot_indices - p * S)
+        return _cast(torch.where(valid, out, slot_indices), output_dtype)
+
+    def translate_write_slots(
+        self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Logical slots -> slots in the owner's own segment.
+
+        [[RFC-0001:C-DIRECT-WRITE]]
+        """
+        valid = self._valid(slot_indices)
+        if self.cp_size == 1:
+            return _cast(slot_indices, output_dtype)
+        S, N = self.slots_per_page, self.cp_size
+        p = page_of(slot_indices, S)
+        out = (p // N) * S + (slot_indices - p * S)
+        return _cast(torch.where(valid, out, slot_indices), output_dtype)
+
+    def owned_slot_mask(self, slot_indices: torch.Tensor, *, owner_rank: int) -> torch.Tensor:
+        """True where a slot is not padding and lies on a page ``owner_rank`` owns."""
+        self._check_rank(owner_rank, "owner_rank")
+        valid = self._valid(slot_indices)
+        if self.cp_size == 1:
+            return valid
+        return valid & (owner_of(page_of(slot_indices, self.slots_per_page), self.cp_size) == owner_rank)
+
+    def select_host_to_device_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, owner_rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a host->device load: the pairs ``owner_rank`` loads, device side as
+        local (write) slots. Only the owner loads a page. [[RFC-0001:C-HICACHE]]"""
+        if host_indices.shape != device_indices.shape:
+            raise ValueError("host_indices and device_indices must have the same shape")
+        mask = self.owned_slot_mask(device_indices, owner_rank=owner_rank)
+        return host_indices[mask], self.translate_write_slots(device_indices[mask])
+
+    def select_device_to_host_indices(
+        self,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        *,
+        current_rank: int,
+        io_rank: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a device->host backup: the IO rank copies every pair, reading the
+        shared view (rank-major slots); every other rank copies nothing.
+        [[RFC-0001:C-HICACHE]]"""
+        if host_indices.shape != device_indices.shape:
+            raise ValueError("host_indices and device_indices must have the same shape")
+        self._check_rank(current_rank, "current_rank")
+        self._check_rank(io_rank, "io_rank")
+        if current_rank != io_rank:
+            return host_indices[:0], device_indices[:0]
+        return host_indices, self.translate_read_slots(device_indices)
+
+    def _check_rank(self, rank: int, name: str) -> None:
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"{name}={rank} is not a rank of a CP group of {self.cp_size}")

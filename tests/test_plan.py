@@ -1,0 +1,97 @@
+"""W1 planner: owner plans, lane bases and the per-rank token splits."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpkv import OwnerLaneAllocator, UnsupportedPagePlan, split_interleave
+from cpkv.plan import choose_lane_bases, owner_plan
+
+
+@st.composite
+def batches(draw):
+    N = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    S = draw(st.sampled_from([1, 4, 16]))
+    lens = draw(st.lists(st.integers(1, 5 * S), min_size=1, max_size=12))
+    return N, S, lens
+
+
+@given(batches())
+def test_page_split_partitions_the_batch_by_owner(case):
+    """Rank k computes exactly the tokens on pages it owns; ranks partition the
+    batch. [[RFC-0001:C-PLANNER-SPLIT]] [[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
+    N, S, lens = case
+    a = OwnerLaneAllocator(sum(lens) * 2 + 4 * S * N * len(lens), S, N)
+    r = a.allocate_extend([0] * len(lens), lens, torch.full((len(lens),), -1))
+    seen = torch.zeros(r.out_cache_loc.numel(), dtype=torch.int64)
+    total_q = torch.zeros(len(lens), dtype=torch.int64)
+    for k in range(N):
+        sp = r.rank_split(k)
+        seen[sp.token_indices] += 1
+        total_q += sp.query_lens
+        assert ((r.out_cache_loc[sp.token_indices] // S) % N == k).all()
+        assert torch.equal(sp.positions, r.positions[sp.token_indices])
+        assert torch.equal(sp.token_indices, r.rank_token_indices(k))
+    assert (seen == 1).all()
+    assert total_q.tolist() == lens
+    with pytest.raises(ValueError):
+        r.rank_split(N)
+
+
+@given(batches())
+def test_interleave_split(case):
+    """Token i goes to rank i % N. [[RFC-0001:C-PLANNER-SPLIT]]"""
+    N, S, lens = case
+    lens_t = torch.tensor(lens)
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    if len(req) < N:
+        with pytest.raises(UnsupportedPagePlan, match="interleave-too-short"):
+            split_interleave(req, pos, len(lens), 0, N)
+        return
+    counts = torch.zeros(len(lens), dtype=torch.int64)
+    for k in range(N):
+        sp = split_interleave(req, pos, len(lens), k, N)
+        assert (sp.token_indices % N == k).all()
+        counts += sp.query_lens
+        assert torch.equal(sp.positions, pos[sp.token_indices])
+    assert counts.tolist() == lens
+
+
+def test_lane_bases_are_request_relative_and_least_full():
+    """Fixed bases stay; chosen ones take the fullest lane, lowest on ties,
+    counting earlier requests of the batch. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    fixed = np.array([0, 3, 0, 0])
+    has = np.array([False, True, False, False])
+    first = np.array([0, 2, 0, 0])
+    n = np.array([1, 3, 2, 1])
+    free = np.array([5, 5, 5, 5])
+    # r0 takes lane 0; r1 (base 3, from q 2) takes lanes 1,2,3; r2 picks lane 0?
+    # after r0, r1: free [4,4,4,4] -> lane 0, takes 0,1; r3: [3,3,4,4] -> lane 2
+    assert choose_lane_bases(fixed, has, first, n, free, 4).tolist() == [0, 3, 0, 2]
+    assert choose_lane_bases(fixed, has, first, n, free, 4, "lane0").tolist() == [0, 3, 0, 0]
+    with pytest.raises(ValueError):
+        choose_lane_bases(fixed, has, first, n, free, 4, "random")
+
+
+@given(
+    N=st.sampled_from([1, 2, 3, 8]),
+    reqs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 9), st.integers(0, 20)), min_size=1, max_size=10),
+)
+def test_owner_plan_matches_its_definition(N, reqs):
+    """Owners cycle from each request's base; ranks and lane counts agree with a
+    per-page count. [[RFC-0001:C-OWNER-LANE]]"""
+    base, first, n = (np.array(x) for x in zip(*reqs))
+    base = base % N
+    op = owner_plan(base, first, n, N)
+    owners, seen = [], [0] * N
+    for r in range(len(n)):
+        for j in range(n[r]):
+            lane = (base[r] + first[r] + j) % N
+            owners.append(lane)
+            assert op.rank_in_lane[len(owners) - 1] == seen[lane]
+            seen[lane] += 1
+    assert op.owners.tolist() == owners
+    assert op.lane_counts.tolist() == seen
