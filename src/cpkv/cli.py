@@ -24,13 +24,91 @@ def _simulate(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import bench_alloc, format_rows
+    from .bench import bench_alloc, bench_kv, format_rows
 
     if args.what in ("alloc", "all"):
         rows = bench_alloc(repeats=args.repeats)
         print(format_rows(rows, "alloc: page 64, cp 8, 262144 extend tokens; median of "
                                 f"{args.repeats} interleaved runs; floor = torch.arange of the same length"))
+    if args.what in ("kv", "all"):
+        rows = bench_kv(repeats=args.repeats)
+        print(format_rows(rows, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of "
+                                f"{args.repeats} interleaved runs; plain = index_copy_/index_select on an "
+                                "unshared buffer of the same size"))
     return 0
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _requests(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        cached, _, total = item.strip().rpartition(":")
+        try:
+            c, t = int(cached or 0), int(total)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not [cached_prefix:]prompt_len") from None
+        if not 0 <= c < t:
+            raise argparse.ArgumentTypeError(f"{item!r}: need 0 <= cached prefix < prompt length")
+        out.append((c, t))
+    return out
+
+
+def _run(args) -> int:
+    from .models import TinyLlama
+    from .runtime import RankFailure, RunConfig, launch
+
+    cfg = RunConfig(
+        cp_size=args.cp, page_size=args.page, requests=args.requests, decode_steps=args.decode_steps,
+        model=TinyLlama(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                        intermediate=2 * args.hidden, vocab=args.vocab, seed=args.seed),
+        seed=args.seed, check_plans=args.check_plans, timeout=args.timeout,
+    )
+    try:
+        r = launch(cfg)
+    except (RankFailure, ValueError) as e:
+        print(f"cpkv run: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(format_run(r))
+    worst = max(r["max_abs_diff"].values())
+    if worst > args.tolerance:
+        print(f"FAIL: max abs logit difference {worst:.3g} > {args.tolerance}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_run(r: dict) -> str:
+    """Human-readable report of one ``cpkv run``."""
+    from .bench import format_rows
+
+    c = r["config"]
+    n = len(r["ranks"])
+    lines = [
+        f"CP group of {n} ranks, page size {c['page_size']}, batch of {r['batch_size']} requests "
+        f"(cached prefix:prompt = {', '.join(f'{a}:{b}' for a, b in c['requests'])}), "
+        f"{c['decode_steps']} decode steps each; Llama {c['model']['layers']} layers, hidden "
+        f"{c['model']['hidden']}, {c['model']['heads']} heads / {c['model']['kv_heads']} KV heads, fp32",
+        "",
+        format_rows([{"rank": x["rank"], "KV bytes held": x["kv_bytes_held"],
+                      "share of replicated": round(x["kv_bytes_held"] / r["replicated_kv_bytes"], 3),
+                      "prefill tokens": x["prefill_tokens"], "decode tokens": x["decode_tokens"]}
+                     for x in r["ranks"]], "per rank:"),
+        "",
+        f"replicated cache (every rank a full copy): {r['replicated_kv_bytes']} bytes per rank; "
+        f"shared: {sum(x['kv_bytes_held'] for x in r['ranks'])} bytes in all",
+        f"max |logit - transformers|: prefill {r['max_abs_diff']['prefill']:.3g}, "
+        f"decode {r['max_abs_diff']['decode']:.3g}",
+        "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["seconds"].items()),
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,18 +117,43 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("simulate", help="run a seeded serving trace through the owner-lane allocator")
-    s.add_argument("--cp", type=int, default=8, help="ranks in the CP group (default 8)")
-    s.add_argument("--page", type=int, default=16, help="tokens per page (default 16)")
-    s.add_argument("--lane-pages", type=int, default=448, help="pages per lane, i.e. per rank (default 448)")
-    s.add_argument("--conversations", type=int, default=160, help="conversations in the trace (default 160)")
+    s.add_argument("--cp", type=_positive, default=8, help="ranks in the CP group (default 8)")
+    s.add_argument("--page", type=_positive, default=16, help="tokens per page (default 16)")
+    s.add_argument("--lane-pages", type=_positive, default=448, help="pages per lane, i.e. per rank (default 448)")
+    s.add_argument("--conversations", type=_positive, default=160, help="conversations in the trace (default 160)")
     s.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_simulate)
 
+    r = sub.add_parser(
+        "run", help="prefill and decode a batch on an N-process CP group sharing one KV cache, checked against transformers",
+        description="Start N rank processes sharing one KV cache in POSIX shared memory; prefill a batch "
+        "(each rank computes the tokens on pages it owns, writes them into its own segment, one fence per "
+        "layer), then decode; compare every logit with transformers' forward of the full sequence. "
+        "Exits 1 if a difference exceeds --tolerance, 2 if a rank fails.")
+    r.add_argument("--cp", type=_positive, default=4, help="ranks in the CP group (default 4)")
+    r.add_argument("--page", type=_positive, default=16, help="tokens per page (default 16)")
+    r.add_argument("--requests", type=_requests, default="37:61,0:50,32:45,0:9,0:83",
+                   help="comma list of [cached_prefix:]prompt_len; a cached prefix is prefilled first and "
+                        "continued by the batch (default 37:61,0:50,32:45,0:9,0:83: one mid-page and one "
+                        "page-aligned continuation)")
+    r.add_argument("--decode-steps", type=int, default=8, help="greedy decode steps per request (default 8)")
+    r.add_argument("--layers", type=_positive, default=2, help="decoder layers (default 2)")
+    r.add_argument("--hidden", type=_positive, default=64, help="hidden size (default 64)")
+    r.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
+    r.add_argument("--kv-heads", type=_positive, default=2, help="KV heads, GQA (default 2)")
+    r.add_argument("--vocab", type=_positive, default=256, help="vocabulary size (default 256)")
+    r.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    r.add_argument("--check-plans", action="store_true", help="debug: one collective per batch checks all ranks planned alike")
+    r.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed (default 1e-4)")
+    r.add_argument("--timeout", type=float, default=300.0, help="seconds before the group is stopped (default 300)")
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.set_defaults(func=_run)
+
     b = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "all"], help="which benchmark")
-    b.add_argument("--repeats", type=int, default=21, help="timed rounds; the median is reported (default 21)")
+    b.add_argument("what", choices=["alloc", "kv", "all"], help="which benchmark")
+    b.add_argument("--repeats", type=_positive, default=21, help="timed rounds; the median is reported (default 21)")
     b.set_defaults(func=_bench)
 
     args = p.parse_args(argv)

@@ -158,6 +158,18 @@ class SharedKVLayout:
         out = (p // N) * S + (slot_indices - p * S)
         return _cast(torch.where(valid, out, slot_indices), output_dtype)
 
+    def local_pages_and_mask(self, slot_indices: torch.Tensor, owner_rank: int):
+        """For a writer: ``(local_slots, local_pages, owned)`` in one pass, where
+        ``owned`` marks non-padding slots on pages ``owner_rank`` owns and the
+        other two are meaningful where ``owned`` holds. [[RFC-0001:C-DIRECT-WRITE]]"""
+        self._check_rank(owner_rank, "owner_rank")
+        valid = self._valid(slot_indices)
+        S, N = self.slots_per_page, self.cp_size
+        p = page_of(slot_indices, S)
+        local_page = p // N
+        owned = valid & (owner_of(p, N) == owner_rank) if N > 1 else valid
+        return local_page * S + (slot_indices - p * S), local_page, owned
+
     def owned_slot_mask(self, slot_indices: torch.Tensor, *, owner_rank: int) -> torch.Tensor:
         """True where a slot is not padding and lies on a page ``owner_rank`` owns."""
         self._check_rank(owner_rank, "owner_rank")
