@@ -223,6 +223,15 @@ class OwnerLaneAllocator:
         """
         return self.cp_size * int(self._free.min()) * self.page_size
 
+    def lane_for_new_chain(self, position: int) -> int:
+        """Lane for a request's first own page at request-local position
+        ``position`` when nothing fixes it yet: the lane with the most free
+        pages, ties to the lowest (``least_full``), or the lane that gives
+        base 0 (``lane0``). [[RFC-0001:C-REQUEST-RELATIVE]]"""
+        if self.base_policy == "lane0":
+            return position % self.cp_size
+        return int(np.argmax(self._free))
+
     def snapshot(self) -> tuple:
         """A copy of the whole allocator state (for tests and debugging)."""
         lanes = tuple(tuple(self._stack[l, : self._free[l]].tolist()) for l in range(self.cp_size))

@@ -9,17 +9,33 @@ import sys
 
 def _simulate(args) -> int:
     from .bench import format_rows
-    from .simulate import compare, multiturn_trace
+    from .simulate import WORKLOADS, compare, plot
 
-    trace = multiturn_trace(args.conversations, args.seed)
-    runs = compare(trace, cp_size=args.cp, page_size=args.page, lane_pages=args.lane_pages,
-                   progress=not args.no_progress and not args.json)
-    rows = [r.summary() for r in runs]
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    results, tables = [], []
+    for name in names:
+        w = WORKLOADS[name](seed=args.seed)
+        runs = compare(w, policies=args.policies, cp_size=args.cp, page_size=args.page,
+                       lane_pages=args.lane_pages, admission=args.admission,
+                       progress=not args.no_progress and not args.json)
+        results += runs
+        rows = [r.summary() for r in runs]
+        ref = next((r for r in rows if r["policy"] == "oblivious"), None)
+        for r in rows:
+            if ref is not None:
+                r["admitted vs oblivious"] = round(r["tokens before 1st refusal"] / max(ref["tokens before 1st refusal"], 1), 3)
+        tables.append((name, w, rows))
+    if args.plot:
+        plot(results, args.plot)
     if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(format_rows(rows, f"multiturn trace: {args.conversations} conversations, seed {args.seed}, "
-                                f"N={args.cp}, page {args.page}, {args.lane_pages} pages per lane"))
+        print(json.dumps([row for _, _, rows in tables for row in rows], indent=2))
+        return 0
+    for name, w, rows in tables:
+        print(format_rows(rows, f"{name}: {len(w.sessions)} sessions, seed {args.seed}, N={args.cp}, page {args.page}, "
+                                f"{args.lane_pages or w.lane_pages} pages per lane, admission {args.admission}"))
+        print()
+    if args.plot:
+        print(f"lane occupancy plot: {args.plot}")
     return 0
 
 
@@ -116,12 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpkv", description="Owner-lane shared KV cache for context-parallel inference.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("simulate", help="run a seeded serving trace through the owner-lane allocator")
+    s = sub.add_parser("simulate", help="seeded serving traces through the allocator and prefix cache, policies side by side")
+    s.add_argument("--workload", choices=["multiturn", "shared-prompt", "longdoc", "all"], default="all",
+                   help="which built-in trace (default all)")
+    s.add_argument("--policies", type=lambda t: t.split(","), default=["least_full", "lane0", "oblivious"],
+                   help="comma list of least_full, lane0, oblivious (default all three)")
     s.add_argument("--cp", type=_positive, default=8, help="ranks in the CP group (default 8)")
     s.add_argument("--page", type=_positive, default=16, help="tokens per page (default 16)")
-    s.add_argument("--lane-pages", type=_positive, default=448, help="pages per lane, i.e. per rank (default 448)")
-    s.add_argument("--conversations", type=_positive, default=160, help="conversations in the trace (default 160)")
+    s.add_argument("--lane-pages", type=_positive, default=None, help="pages per lane (default: the workload's own)")
+    s.add_argument("--admission", choices=["lanes", "none"], default="lanes",
+                   help="lanes: admit while every lane can hold the running requests' needs (default); "
+                        "none: admit everything, a stress mode")
     s.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    s.add_argument("--plot", metavar="FILE.png", help="write lane occupancy over time per policy")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_simulate)

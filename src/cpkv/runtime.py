@@ -343,10 +343,12 @@ def _run_rank(cfg, rank, shm, shape, layout, adapter) -> dict | None:
     return _scenario(runner, cfg, rank)
 
 
-def shm_segments() -> set[str]:
-    """cpkv's POSIX shared-memory segments currently on the system."""
+def shm_segments(pid: int | None = None) -> set[str]:
+    """cpkv's POSIX shared-memory segments currently on the system; with
+    ``pid``, only those of runs that process launched."""
+    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}_"
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
     except FileNotFoundError:
         return set()
 
