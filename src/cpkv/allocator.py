@@ -33,7 +33,7 @@ import torch
 
 from . import plan
 from .errors import UnsupportedPagePlan
-from .layout import SharedKVLayout, lane_base_from_prefix, owner_of, page_of
+from .layout import SharedKVLayout, lane_base_from_prefix, lane_of_position, owner_of, page_of
 
 
 @dataclass
@@ -229,7 +229,7 @@ class OwnerLaneAllocator:
         pages, ties to the lowest (``least_full``), or the lane that gives
         base 0 (``lane0``). [[RFC-0001:C-REQUEST-RELATIVE]]"""
         if self.base_policy == "lane0":
-            return position % self.cp_size
+            return int(lane_of_position(0, position, self.cp_size))
         return int(np.argmax(self._free))
 
     def snapshot(self) -> tuple:

@@ -73,8 +73,9 @@ class SharedKVPool:
             if bool((owned | ~valid).all()):  # only padding besides owned slots: skip it
                 loc, local_page, k, v = loc[valid], local_page[valid], k[valid], v[valid]
             else:
-                bad = int(slots[valid & ~owned][0])
-                owner = (bad // self.layout.slots_per_page) % self.layout.cp_size
+                bad = slots[valid & ~owned][:1]
+                owner = int(self.layout.owner_of_slots(bad))
+                bad = int(bad)
                 raise ContractViolation(
                     f"rank {self.rank} asked to write slot {bad}, which rank {owner} owns; "
                     "only the owner of a page writes it"

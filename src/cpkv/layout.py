@@ -128,35 +128,33 @@ class SharedKVLayout:
         own = owner_of(page_of(slots, self.slots_per_page), self.cp_size)
         return torch.where(valid, own, slots.new_tensor(self.padding_value))
 
+    def _local(self, slots: torch.Tensor) -> torch.Tensor:
+        """``(p // N) * S + s % S``: the slot within its owner's segment."""
+        p = page_of(slots, self.slots_per_page)
+        return (p // self.cp_size) * self.slots_per_page + (slots - p * self.slots_per_page)
+
+    def _translate(self, slots: torch.Tensor, output_dtype, rank_major: bool) -> torch.Tensor:
+        valid = self._valid(slots)
+        if self.cp_size == 1:
+            return _cast(slots, output_dtype)
+        out = self._local(slots)
+        if rank_major:  # segments laid end to end: owner * slots_per_rank + local slot
+            out = out + owner_of(page_of(slots, self.slots_per_page), self.cp_size) * self.slots_per_rank
+        return _cast(torch.where(valid, out, slots), output_dtype)
+
     def translate_read_slots(
         self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Logical slots -> rank-major slots of the shared view.
-
-        [[RFC-0001:C-READ-PATH]]
-        """
-        valid = self._valid(slot_indices)
-        if self.cp_size == 1:
-            return _cast(slot_indices, output_dtype)
-        S, N = self.slots_per_page, self.cp_size
-        p = page_of(slot_indices, S)
-        out = (owner_of(p, N) * self.pages_per_rank + p // N) * S + (slot_indices - p * S)
-        return _cast(torch.where(valid, out, slot_indices), output_dtype)
+        """Logical slots -> rank-major slots of the shared view:
+        ``((p % N) * pages_per_rank + p // N) * S + s % S``. [[RFC-0001:C-READ-PATH]]"""
+        return self._translate(slot_indices, output_dtype, rank_major=True)
 
     def translate_write_slots(
         self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Logical slots -> slots in the owner's own segment.
-
-        [[RFC-0001:C-DIRECT-WRITE]]
-        """
-        valid = self._valid(slot_indices)
-        if self.cp_size == 1:
-            return _cast(slot_indices, output_dtype)
-        S, N = self.slots_per_page, self.cp_size
-        p = page_of(slot_indices, S)
-        out = (p // N) * S + (slot_indices - p * S)
-        return _cast(torch.where(valid, out, slot_indices), output_dtype)
+        """Logical slots -> slots in the owner's own segment:
+        ``(p // N) * S + s % S``. [[RFC-0001:C-DIRECT-WRITE]]"""
+        return self._translate(slot_indices, output_dtype, rank_major=False)
 
     def local_pages_and_mask(self, slot_indices: torch.Tensor, owner_rank: int):
         """For a writer: ``(local_slots, local_pages, owned)`` in one pass, where
@@ -164,11 +162,11 @@ class SharedKVLayout:
         other two are meaningful where ``owned`` holds. [[RFC-0001:C-DIRECT-WRITE]]"""
         self._check_rank(owner_rank, "owner_rank")
         valid = self._valid(slot_indices)
-        S, N = self.slots_per_page, self.cp_size
-        p = page_of(slot_indices, S)
-        local_page = p // N
-        owned = valid & (owner_of(p, N) == owner_rank) if N > 1 else valid
-        return local_page * S + (slot_indices - p * S), local_page, owned
+        local = self._local(slot_indices)
+        if self.cp_size == 1:
+            return local, local // self.slots_per_page, valid
+        owned = valid & (owner_of(page_of(slot_indices, self.slots_per_page), self.cp_size) == owner_rank)
+        return local, local // self.slots_per_page, owned
 
     def owned_slot_mask(self, slot_indices: torch.Tensor, *, owner_rank: int) -> torch.Tensor:
         """True where a slot is not padding and lies on a page ``owner_rank`` owns."""

@@ -65,7 +65,7 @@ def choose_lane_bases(
         if k:
             start = bases[r] + f
             for j in range(k):
-                rel[(start + j) % N] -= 1
+                rel[lane_of_position(start, j, N)] -= 1
             best = None
     return np.asarray(bases, dtype=np.int64)
 

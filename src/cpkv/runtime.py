@@ -262,7 +262,7 @@ def _scenario(runner: CPRunner, cfg: RunConfig, rank: int) -> dict:
         }
     for r in rids:
         runner.finish(r)
-    if runner.allocator.available_size() != runner.cp_size * min(runner.allocator.lane_pages) * cfg.page_size:
+    if sum(runner.allocator.lane_free_pages()) != runner.allocator.num_pages:
         raise ContractViolation("pages leaked after every request finished")
     return result
 

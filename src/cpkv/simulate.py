@@ -244,8 +244,6 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
         if r.turn + 1 < len(r.session.turns):
             nxt = r.session.turns[r.turn + 1]
             pending.append(_Req(r.session, r.turn + 1, kv_tokens + nxt.prompt, step + nxt.pause))
-        else:
-            bar.update(0)
 
     while pending or running:
         # 1. admit due requests while every lane can hold what the running ones
@@ -306,7 +304,7 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
             elif r.stalled > max_stall:
                 end(r, aborted=True)
         used = np.flatnonzero(alloc.is_allocated(all_pages))
-        res.occupancy.append(np.bincount(used % N, minlength=N).tolist())
+        res.occupancy.append(np.bincount(owner_of(used, N), minlength=N).tolist())
         step += 1
     bar.close()
     res.evictions, res.evicted_pages = cache.evicted_nodes, cache.evicted_pages
