@@ -13,7 +13,7 @@ refused or rejected call left the state identical.
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -37,6 +37,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = self.a.snapshot()
         res = call()
         if res is None:
+            event("refused: a lane was short")
             self.refusals += 1
             assert self.a.snapshot() == before, "refused call changed the state"
             assert (self.a.last_deficit > 0).any()
@@ -52,6 +53,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert b == self.reqs[rid]["base"], "a continuation changed its lane base"
             else:
                 self.reqs[rid] = {"slots": [], "base": b}
+            event("mid-page continuation" if prefix[i] % self.S else ("page-aligned continuation" if prefix[i] else "fresh"))
             for t, slot in zip(range(prefix[i], seq[i]), new):
                 assert slot % self.S == t % self.S, "slot offset != position offset"
                 if t % self.S:

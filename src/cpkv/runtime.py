@@ -14,7 +14,8 @@ slot computes that request's token (q/k/v, attention over the full context,
 MLP, logits) and is the only one that writes it. Over many requests, lane bases
 spread those owners evenly.
 
-The shared segment is unlinked on every exit path: rank 0 unlinks it when it
+The group runs on the CPU (gloo); a GPU path (NCCL, a CUDA IPC buffer) is not
+built yet. The shared segment is unlinked on every exit path: rank 0 unlinks it when it
 ends, and the launcher unlinks it again in a ``finally`` (after a rank raised,
 was killed, or the launcher got Ctrl-C), so no segment outlives a run.
 """
@@ -67,11 +68,13 @@ class CPRunner:
     """
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator,
-                 *, check_plans: bool = False, distributed: bool = False):
+                 *, max_requests: int, max_len: int, check_plans: bool = False, distributed: bool = False):
         self.adapter, self.pool, self.allocator = adapter, pool, allocator
         self.rank, self.cp_size = pool.rank, pool.layout.cp_size
         self.check_plans, self.distributed = check_plans, distributed
-        self.slots: dict[int, torch.Tensor] = {}  # request id -> logical slots, position order
+        # req_to_token: logical slots of request r's positions 0 .. lens[r]-1, padding after
+        self.req_to_token = torch.full((max_requests, max_len), pool.layout.padding_value, dtype=torch.int64)
+        self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
 
     def _agree(self, alloc: ExtendAllocation) -> None:
@@ -85,9 +88,12 @@ class CPRunner:
 
     def allocate(self, rids: list[int], new_lens: list[int], decode: bool = False) -> ExtendAllocation:
         """Allocate a batch on this rank's allocator replica (identical on every rank)."""
-        prefix = [self.slots[r].numel() if r in self.slots else 0 for r in rids]
-        seq = [p + n for p, n in zip(prefix, new_lens)]
-        last = torch.tensor([int(self.slots[r][-1]) if p else -1 for r, p in zip(rids, prefix)])
+        rows = torch.tensor(rids, dtype=torch.int64)
+        prefix = self.lens[rows]
+        seq = prefix + torch.tensor(new_lens, dtype=torch.int64)
+        if int(seq.max()) > self.req_to_token.shape[1]:
+            raise ValueError(f"a request would exceed {self.req_to_token.shape[1]} tokens")
+        last = torch.where(prefix > 0, self.req_to_token[rows, (prefix - 1).clamp(min=0)], -1)
         alloc = (self.allocator.allocate_decode(seq, last) if decode
                  else self.allocator.allocate_extend(prefix, seq, last))
         if alloc is None:
@@ -95,10 +101,8 @@ class CPRunner:
         self.pool.check(alloc)
         if self.check_plans:
             self._agree(alloc)
-        for i, r in enumerate(rids):  # bookkeeping per request (req_to_token)
-            a, n = int(alloc.extend_start_loc[i]), int(alloc.extend_lens[i])
-            new = alloc.out_cache_loc[a : a + n]
-            self.slots[r] = torch.cat([self.slots[r], new]) if r in self.slots else new
+        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
+        self.lens[rows] = seq
         return alloc
 
     def forward(self, rids: list[int], alloc: ExtendAllocation, ids: torch.Tensor):
@@ -111,11 +115,7 @@ class CPRunner:
         req = alloc.request_of_token[idx]
         pos = split.positions
         # the batch's page table, translated to rank-major once for every layer
-        lens = alloc.seq_lens
-        L = int(lens.max())
-        table = torch.full((len(rids), L), pool.layout.padding_value, dtype=torch.int64)
-        for i, r in enumerate(rids):
-            table[i, : self.slots[r].numel()] = self.slots[r]
+        table = self.req_to_token[torch.tensor(rids, dtype=torch.int64), : int(alloc.seq_lens.max())]
         read = pool.read_index(table)
         read = torch.where(read < 0, 0, read)  # padding is masked by position in attention
         h = ad.embed(ids[idx])
@@ -150,7 +150,9 @@ class CPRunner:
 
     def finish(self, rid: int) -> None:
         """Free a request's pages."""
-        slots = self.slots.pop(rid)
+        slots = self.req_to_token[rid, : int(self.lens[rid])].clone()
+        self.req_to_token[rid] = self.pool.layout.padding_value
+        self.lens[rid] = 0
         self.allocator.free(slots)
         self.pool.release(slots)
 
@@ -301,9 +303,7 @@ def _rank_main(rank: int, cfg: RunConfig, shm_name: str, init_file: str, out) ->
     shm = None
     try:
         torch.set_num_threads(1)
-        device = torch.device("cpu")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=cfg.cp_size, timeout=timedelta(seconds=cfg.timeout))
         adapter = LlamaAdapter(cfg.model.build())
         layout = SharedKVLayout(cfg.cp_size, cfg.page_size, cfg.pages_per_rank or pages_needed(cfg))
@@ -339,7 +339,9 @@ def _run_rank(cfg, rank, shm, shape, layout, adapter) -> dict | None:
     dist.barrier()
     pool = SharedKVPool(layout, rank, buf, fence=dist.barrier)
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * cfg.page_size, cfg.page_size, cfg.cp_size, layout=layout)
-    runner = CPRunner(adapter, pool, alloc, check_plans=cfg.check_plans, distributed=True)
+    runner = CPRunner(adapter, pool, alloc, max_requests=len(cfg.requests),
+                      max_len=max(n for _, n in cfg.requests) + cfg.decode_steps,
+                      check_plans=cfg.check_plans, distributed=True)
     return _scenario(runner, cfg, rank)
 
 
