@@ -62,9 +62,11 @@ class LlamaAdapter(ModelAdapter):
         self._rope = apply_rotary_pos_emb
 
     def embed(self, ids):
+        """Token embeddings."""
         return self.model.model.embed_tokens(ids)
 
     def qkv(self, layer, h, positions):
+        """Input norm, q/k/v projections and Llama's rotary embedding."""
         blk = self.layers[layer]
         x = blk.input_layernorm(h)
         T = x.shape[0]
@@ -76,11 +78,13 @@ class LlamaAdapter(ModelAdapter):
         return q[0], k[0], v
 
     def finish_layer(self, layer, h, attn):
+        """Output projection and residual, then post-attention norm, MLP and residual."""
         blk = self.layers[layer]
         h = h + blk.self_attn.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
         return h + blk.mlp(blk.post_attention_layernorm(h))
 
     def logits(self, h):
+        """Final norm and LM head."""
         return self.model.lm_head(self.model.model.norm(h))
 
 

@@ -84,6 +84,7 @@ class PrefixMatch:
 
     @property
     def last_loc(self) -> int:
+        """Slot of the last cached token, -1 when nothing matched."""
         return int(self.slots[-1]) if self.length else -1
 
 
