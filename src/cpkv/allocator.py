@@ -223,13 +223,16 @@ class OwnerLaneAllocator:
         """
         return self.cp_size * int(self._free.min()) * self.page_size
 
-    def lane_for_new_chain(self, position: int) -> int:
+    def lane_for_new_chain(self, position: int, prefer: int | None = None) -> int:
         """Lane for a request's first own page at request-local position
         ``position`` when nothing fixes it yet: the lane with the most free
-        pages, ties to the lowest (``least_full``), or the lane that gives
-        base 0 (``lane0``). [[RFC-0001:C-REQUEST-RELATIVE]]"""
+        pages (``least_full``; ties to ``prefer`` if it is among them, else to
+        the lowest), or the lane that gives base 0 (``lane0``).
+        [[RFC-0001:C-REQUEST-RELATIVE]]"""
         if self.base_policy == "lane0":
             return int(lane_of_position(0, position, self.cp_size))
+        if prefer is not None and self._free[prefer] == self._free.max():
+            return int(prefer)
         return int(np.argmax(self._free))
 
     def snapshot(self) -> tuple:

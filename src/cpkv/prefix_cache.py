@@ -13,7 +13,8 @@ reference count per node keeps them alive while in use). Invariants
   to a private page and the request extends that copy, so two live requests
   never write the same slot. The copy is the first page the request owns, so
   its lane is free to choose: the allocator's rule for a fresh request picks
-  it (the lane with the most free pages). Continuations of one long shared
+  it (the lane with the most free pages; on a tie, the source page's own
+  lane, which keeps the chain's lanes). Continuations of one long shared
   prefix therefore spread over the lanes instead of all starting in the lane
   after the prefix. The destination's owner reads the source through the
   shared view and writes its own segment; nothing else moves;
@@ -186,7 +187,8 @@ class PrefixCache:
         shared = node.slots.new_empty(0) if not path else torch.cat([p.slots for p in path])
         copy_src = copy_dst = shared.new_empty(0)
         if src is not None:
-            lane = self.alloc.lane_for_new_chain(i // S)
+            natural = int(owner_of(page_of(int(src.slots[0]), S), self.alloc.cp_size))
+            lane = self.alloc.lane_for_new_chain(i // S, prefer=natural)
             self._touch(src, +1)  # the source must survive the eviction the copy page may cause
             page = self._with_eviction(lambda: self.alloc.alloc_pages_with_owners([lane]))
             self._touch(src, -1)

@@ -149,6 +149,7 @@ class RunResult:
     finished: int = 0
     tokens: int = 0  # tokens served: cached prefixes matched, prefilled and decoded
     tokens_before_refusal: int | None = None
+    max_request_skew: int = 0  # max over requests of (most - fewest pages in a lane)
     occupancy: list = field(default_factory=list)  # per step: used pages per lane
 
     def summary(self) -> dict:
@@ -166,6 +167,7 @@ class RunResult:
             "peak pages/lane min": int(peak.min()),
             "peak pages/lane max": int(peak.max()),
             "max lane gap %": round(100.0 * float((occ.max(1) - occ.min(1)).max()) / self.lane_pages, 3),
+            "max request skew": self.max_request_skew,
             "tokens before 1st refusal": self.tokens if self.tokens_before_refusal is None else self.tokens_before_refusal,
         }
 
@@ -232,6 +234,9 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
 
     def end(r: _Req, aborted: bool):
         slots = torch.cat(r.slots) if r.slots else torch.empty(0, dtype=torch.int64)
+        if slots.numel():  # how unevenly this request's pages sit over the lanes
+            per_lane = np.bincount(owner_of(np.unique(page_of(slots.numpy(), S)), N), minlength=N)
+            res.max_request_skew = max(res.max_request_skew, int(per_lane.max() - per_lane.min()))
         running.remove(r)
         bar.update(1)
         if aborted:
