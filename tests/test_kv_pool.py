@@ -32,16 +32,18 @@ def test_owners_write_their_segments_and_everyone_reads_the_whole():
     T = r.out_cache_loc.numel()
     k = torch.arange(T, dtype=torch.float32)[:, None, None].expand(T, 2, 3)
     for pool in pools:
+        before = buf.clone()
         idx = r.rank_token_indices(pool.rank)
-        pool.write(0, r.out_cache_loc[idx], k[idx], -k[idx])
-        seg = slice(pool.rank * lay.slots_per_rank, (pool.rank + 1) * lay.slots_per_rank)
-        others = torch.ones(buf.shape[2], dtype=torch.bool)
-        others[seg] = False
+        pool.write(0, r.out_cache_loc[idx], k[idx] + 1, -k[idx] - 1)
+        changed = (buf != before).flatten(3).any(-1).any(0).any(0)  # per rank-major slot
+        seg = torch.zeros(buf.shape[2], dtype=torch.bool)
+        seg[pool.rank * lay.slots_per_rank : (pool.rank + 1) * lay.slots_per_rank] = True
+        assert changed.any() and not (changed & ~seg).any(), "a rank wrote outside its own segment"
     for pool in pools:
         read = pool.read_index(r.out_cache_loc)
         assert read.dtype == torch.int32
         kk, vv = pool.gather(0, read)
-        assert torch.equal(kk, k) and torch.equal(vv, -k)
+        assert torch.equal(kk, k + 1) and torch.equal(vv, -k - 1)
     assert sum(p.bytes_held() for p in pools) == 4 * pools[0].page_bytes  # 2 + 2 pages
 
 
@@ -57,7 +59,6 @@ def test_pool_rejects_an_allocation_for_another_layout():
 def test_paged_attention_matches_dense_causal_attention():
     torch.manual_seed(0)
     H, Hkv, D = 4, 2, 8
-    lens = [5, 3]
     k = torch.randn(2, 5, Hkv, D)
     v = torch.randn(2, 5, Hkv, D)
     q = torch.randn(4, H, D)
@@ -69,4 +70,3 @@ def test_paged_attention_matches_dense_causal_attention():
         vv = v[r, : p + 1].repeat_interleave(H // Hkv, 1)
         w = torch.softmax(torch.einsum("hd,thd->ht", q[i], kk) * D**-0.5, -1)
         assert torch.allclose(out[i], torch.einsum("ht,thd->hd", w, vv), atol=1e-6)
-    assert lens
