@@ -100,3 +100,11 @@ def test_cli_run_refuses_bad_arguments():
             main(argv)
         assert e.value.code == 2
     assert main(["run", "--heads", "3"]) == 2  # impossible model shape, refused before any process starts
+
+
+def test_a_group_that_does_not_finish_in_time_is_stopped():
+    t = time.monotonic()
+    with pytest.raises(RankFailure, match="CP group failed: did not finish within 1.0 s") as e:
+        launch(RunConfig(cp_size=2, timeout=1.0))
+    assert e.value.rank is None and time.monotonic() - t < 30
+    assert not shm_segments(os.getpid())

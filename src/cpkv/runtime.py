@@ -51,11 +51,12 @@ SHM_PREFIX = "cpkv_"
 
 
 class RankFailure(RuntimeError):
-    """A rank of the CP group failed; ``rank`` names it."""
+    """A rank of the CP group failed; ``rank`` names it (``None``: the group as
+    a whole, e.g. it did not finish in time)."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int | None, message: str):
         self.rank = rank
-        super().__init__(f"rank {rank} failed: {message}")
+        super().__init__(f"{'CP group' if rank is None else f'rank {rank}'} failed: {message}")
 
 
 # -- one rank ---------------------------------------------------------------------
@@ -368,7 +369,7 @@ def _root_cause(procs, errors: dict, out, *, timed_out: bool, timeout: float) ->
     connection to a peer), then the first error reported.
     """
     if timed_out:
-        return RankFailure(-1, f"the group did not finish within {timeout} s")
+        return RankFailure(None, f"did not finish within {timeout} s")
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
         try:
