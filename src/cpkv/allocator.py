@@ -148,6 +148,14 @@ def _expand_runs(pages, q, prefix, seq, S: int, total: int, device) -> torch.Ten
     return torch.cumsum(steps, 0, out=steps)
 
 
+def _rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each entry, how many earlier entries share its lane (one stable sort)."""
+    order = np.argsort(lanes, kind="stable")
+    rank = np.empty_like(lanes)
+    rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
+    return rank
+
+
 def _host_ints(x) -> np.ndarray:
     """A flat int64 host copy of a list, array or tensor (any device)."""
     if isinstance(x, torch.Tensor):
@@ -259,9 +267,7 @@ class OwnerLaneAllocator:
             self.last_deficit = deficit
             return None
         if rank is None:
-            order = np.argsort(owners, kind="stable")
-            rank = np.empty_like(owners)
-            rank[order] = np.arange(owners.size) - (np.cumsum(counts) - counts)[owners[order]]
+            rank = _rank_in_lane(owners, counts)
         pages = self._stack.ravel()[owners * self._stack.shape[1] + self._free[owners] - 1 - rank]
         self._free -= counts
         self._allocated[pages] = True
@@ -296,9 +302,7 @@ class OwnerLaneAllocator:
             raise ValueError(f"free: page {pages[~live][0]} is not allocated (double free?)")
         lanes = owner_of(pages, self.cp_size)
         counts = np.bincount(lanes, minlength=self.cp_size)
-        order = np.argsort(lanes, kind="stable")
-        rank = np.empty_like(lanes)
-        rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
+        rank = _rank_in_lane(lanes, counts)
         self._stack.ravel()[lanes * self._stack.shape[1] + self._free[lanes] + rank] = pages
         self._free += counts
         self._allocated[pages] = False

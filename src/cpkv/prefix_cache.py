@@ -122,6 +122,15 @@ class PrefixCache:
         upper.children[node.key[: self.S]] = node
         return upper
 
+    def _follow(self, child: _Node, tokens: tuple, i: int, limit: int) -> tuple[_Node, int]:
+        """How many whole pages of ``child`` (whose first page matched at ``i``)
+        ``tokens[:limit]`` follows; splits ``child`` there. Returns the node
+        covering exactly those pages and their count."""
+        S, m, n_pages = self.S, 1, len(child.key) // self.S
+        while m < n_pages and i + (m + 1) * S <= limit and child.key[m * S : (m + 1) * S] == tokens[i + m * S : i + (m + 1) * S]:
+            m += 1
+        return (self._split(child, m) if m < n_pages else child), m
+
     def _touch(self, node: _Node | None, delta: int) -> None:
         """Add ``delta`` to the reference count of ``node`` and every ancestor,
         and mark them used now (splits keep counts, so walking parents is exact)."""
@@ -168,11 +177,7 @@ class PrefixCache:
             child = node.children.get(tokens[i : i + S])
             if child is None or len(child.key) < S:
                 break
-            m, n_pages = 1, len(child.key) // S
-            while m < n_pages and i + (m + 1) * S <= limit and child.key[m * S : (m + 1) * S] == tokens[i + m * S : i + (m + 1) * S]:
-                m += 1
-            if m < n_pages:
-                child = self._split(child, m)
+            child, m = self._follow(child, tokens, i, limit)
             path.append(child)
             node, i = child, i + m * S
         # a partly matched page: the child sharing the longest run of tokens
@@ -279,11 +284,7 @@ class PrefixCache:
         while i < n:
             child = node.children.get(tokens[i : i + S])
             if n - i >= S and child is not None and len(child.key) >= S:
-                m, n_pages = 1, len(child.key) // S
-                while m < n_pages and i + (m + 1) * S <= n and child.key[m * S : (m + 1) * S] == tokens[i + m * S : i + (m + 1) * S]:
-                    m += 1
-                if m < n_pages:
-                    child = self._split(child, m)
+                child, m = self._follow(child, tokens, i, n)
                 mine = slots[i : i + m * S]
                 if i + m * S > match.shared:
                     spare.append(mine[max(0, match.shared - i) :])  # the tree has these tokens already
