@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
-from cpkv.disagg import transfer_pairs
+from cpkv.consumers.disagg import transfer_pairs
 
 
 @pytest.mark.parametrize("n_src,n_dst", [(4, 2), (2, 8), (3, 3), (1, 4)])

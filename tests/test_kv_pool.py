@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
-from cpkv.kv_pool import SharedKVPool, buffer_shape
+from cpkv.consumers.kv_pool import SharedKVPool, buffer_shape
 from cpkv.models import paged_attention
 
 

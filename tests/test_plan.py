@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan, split_interleave
-from cpkv.plan import choose_lane_bases, owner_plan
+from cpkv.contract.plan import choose_lane_bases, owner_plan
 
 
 @st.composite

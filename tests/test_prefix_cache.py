@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cpkv import OwnerLaneAllocator
-from cpkv.prefix_cache import PrefixCache
+from cpkv.consumers.prefix_cache import PrefixCache
 
 
 class Engine:

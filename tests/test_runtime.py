@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cpkv.runtime import RankFailure, RunConfig, launch, shm_segments
+from cpkv.runtime import RankFailure, RunConfig, run_scenario, shm_segments
 
 pytestmark = pytest.mark.multiproc
 REQUESTS = [(37, 61), (0, 50), (32, 45), (0, 9), (0, 83)]  # mid-page and page-aligned continuations
@@ -22,7 +22,7 @@ REQUESTS = [(37, 61), (0, 50), (32, 45), (0, 9), (0, 83)]  # mid-page and page-a
 def test_group_matches_transformers_and_holds_a_share(cp, page):
     mine = os.getpid()  # other test workers may run groups at the same time
     assert not shm_segments(mine)
-    r = launch(RunConfig(cp_size=cp, page_size=page, requests=REQUESTS, decode_steps=8, check_plans=cp == 2))
+    r = run_scenario(RunConfig(cp_size=cp, page_size=page, requests=REQUESTS, decode_steps=8, check_plans=cp == 2))
     assert r["max_abs_diff"]["prefill"] < 1e-4
     assert r["max_abs_diff"]["decode"] < 1e-4
     # per rank: exactly the pages of its lane the allocator handed out; all
@@ -41,7 +41,7 @@ def test_group_matches_transformers_and_holds_a_share(cp, page):
 
 def test_decode_crosses_page_boundaries():
     """Prompts ending 3 slots before a page end decode across it. [[RFC-0001:C-OWNER-LANE]]"""
-    r = launch(RunConfig(cp_size=2, page_size=4, requests=[(5, 9), (0, 13)], decode_steps=6))
+    r = run_scenario(RunConfig(cp_size=2, page_size=4, requests=[(5, 9), (0, 13)], decode_steps=6))
     assert max(r["max_abs_diff"].values()) < 1e-4
 
 
@@ -49,7 +49,7 @@ def test_decode_crosses_page_boundaries():
 def test_a_failing_rank_stops_the_group_and_leaves_no_segment(fault):
     t = time.monotonic()
     with pytest.raises(RankFailure) as e:
-        launch(RunConfig(cp_size=3, page_size=4, **{fault: 1}))
+        run_scenario(RunConfig(cp_size=3, page_size=4, **{fault: 1}))
     assert time.monotonic() - t < 30
     assert e.value.rank == 1
     assert ("injected fault on rank 1" in str(e.value)) if fault == "fail_rank" else ("code -9" in str(e.value))
@@ -59,9 +59,9 @@ def test_a_failing_rank_stops_the_group_and_leaves_no_segment(fault):
 def test_ctrl_c_leaves_no_segment(tmp_path):
     """SIGINT to the launcher and its ranks mid-run: everything exits, nothing is left."""
     script = textwrap.dedent("""
-        from cpkv.runtime import RunConfig, launch
+        from cpkv.runtime import RunConfig, run_scenario
         if __name__ == "__main__":
-            launch(RunConfig(cp_size=2, page_size=4, requests=[(0, 40)] * 4, decode_steps=4000, timeout=120))
+            run_scenario(RunConfig(cp_size=2, page_size=4, requests=[(0, 40)] * 4, decode_steps=4000, timeout=120))
     """)
     p = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -80,20 +80,20 @@ def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch):
     import json
 
     import cpkv.runtime
-    from cpkv.cli import main
+    from cpkv.tools.cli import main
 
     assert main(["run", "--cp", "2", "--decode-steps", "2", "--requests", "5:20,0:7", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["ranks"]) == 2 and max(report["max_abs_diff"].values()) < 1e-4
     report["max_abs_diff"]["decode"] = 1e-3  # the same report with a difference over tolerance
-    monkeypatch.setattr(cpkv.runtime, "launch", lambda cfg: report)
+    monkeypatch.setattr(cpkv.runtime, "run_scenario", lambda cfg: report)
     assert main(["run", "--cp", "2"]) == 1
     out = capsys.readouterr()
     assert "rank" in out.out and "FAIL: max abs logit difference 0.001" in out.err
 
 
 def test_cli_run_refuses_bad_arguments():
-    from cpkv.cli import main
+    from cpkv.tools.cli import main
 
     for argv in (["run", "--cp", "0"], ["run", "--requests", "9:9"], ["run", "--requests", "x"]):
         with pytest.raises(SystemExit) as e:
@@ -105,6 +105,6 @@ def test_cli_run_refuses_bad_arguments():
 def test_a_group_that_does_not_finish_in_time_is_stopped():
     t = time.monotonic()
     with pytest.raises(RankFailure, match="CP group failed: did not finish within 1.0 s") as e:
-        launch(RunConfig(cp_size=2, timeout=1.0))
+        run_scenario(RunConfig(cp_size=2, timeout=1.0))
     assert e.value.rank is None and time.monotonic() - t < 30
     assert not shm_segments(os.getpid())

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cpkv.cli import main
-from cpkv.simulate import compare, longdoc, multiturn, run, shared_prompt
+from cpkv.tools.cli import main
+from cpkv.tools.simulate import compare, longdoc, multiturn, run, shared_prompt
 
 
 def test_multiturn_under_pressure_balances_lanes_and_reuses_history():

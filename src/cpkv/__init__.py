@@ -1,23 +1,29 @@
 """cpkv: one shared, owner-lane paged KV cache for a context-parallel group.
 
+The package is layered, arrows pointing one way: the contract
+(:mod:`cpkv.contract`: layout, plans, allocator, errors), its consumers
+(:mod:`cpkv.consumers`: KV pool, prefix cache, transfer), the models
+(:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`) and the tools
+(:mod:`cpkv.tools`: the ``cpkv`` command, benchmarks, simulator).
+
 Public entry points, one per workstream:
 
 * :class:`SharedKVLayout` - index arithmetic of the shared cache (layout)
-* :mod:`cpkv.plan` - request-local owner plans and per-rank token splits (W1)
+* :mod:`cpkv.contract.plan` - request-local owner plans and per-rank token splits (W1)
 * :class:`OwnerLaneAllocator` - owner-lane allocation (W2)
 * :class:`SharedKVPool` - direct write, fence and read of the shared cache (W3, W4)
 * :class:`PrefixCache` - radix prefix cache with lane-aware eviction (W5)
 * :func:`transfer_pairs` - prefill -> decode transfer between CP groups (W7)
-* :func:`cpkv.runtime.launch` - an N-process CP group end to end
+* :func:`cpkv.runtime.launch` - an N-process CP group
 """
 
-from .allocator import ExtendAllocation, OwnerLaneAllocator
-from .disagg import TransferPairs, transfer_pairs
-from .errors import ContractViolation, UnsupportedPagePlan
-from .kv_pool import SharedKVPool
-from .layout import SharedKVLayout
-from .plan import RankSplit, split_interleave, split_page
-from .prefix_cache import PrefixCache, PrefixMatch
+from .consumers.disagg import TransferPairs, transfer_pairs
+from .consumers.kv_pool import SharedKVPool
+from .consumers.prefix_cache import PrefixCache, PrefixMatch
+from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
+from .contract.errors import ContractViolation, UnsupportedPagePlan
+from .contract.layout import SharedKVLayout
+from .contract.plan import RankSplit, split_interleave, split_page
 
 __all__ = [
     "ContractViolation",

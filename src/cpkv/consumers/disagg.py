@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnsupportedPagePlan
-from .layout import SharedKVLayout
+from ..contract.errors import UnsupportedPagePlan
+from ..contract.layout import SharedKVLayout
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .allocator import OwnerLaneAllocator
+from ..contract.allocator import OwnerLaneAllocator
 
 
 def median_seconds(cases: dict[str, tuple[Callable, Callable | None]], repeats: int = 21) -> dict[str, float]:
@@ -121,8 +121,8 @@ def bench_kv(tokens: int = 65536, page: int = 64, cp: int = 4, kv_heads: int = 2
     through the rank-major view, with and without the once-per-batch
     translation.
     """
-    from .kv_pool import SharedKVPool, buffer_shape
-    from .layout import SharedKVLayout
+    from ..consumers.kv_pool import SharedKVPool, buffer_shape
+    from ..contract.layout import SharedKVLayout
 
     ppr = -(-(tokens // page + 1) // cp) + 1
     layout = SharedKVLayout(cp, page, ppr)

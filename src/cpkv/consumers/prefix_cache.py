@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .allocator import ExtendAllocation, OwnerLaneAllocator
-from .layout import owner_of, page_of
+from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
+from ..contract.layout import owner_of, page_of
 
 
 _serial = itertools.count()

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from .allocator import ExtendAllocation
-from .errors import ContractViolation
-from .layout import SharedKVLayout
+from ..contract.allocator import ExtendAllocation
+from ..contract.errors import ContractViolation
+from ..contract.layout import SharedKVLayout
 
 
 class SharedKVPool:

@@ -1,46 +1,12 @@
-"""Model adapters: a decoder's own modules around cpkv's paged attention.
-
-An adapter exposes the per-layer pieces a CP runner needs (embed, q/k/v with
-rotary, the rest of the layer, the head); attention itself runs over the shared
-paged cache (:func:`paged_attention`). :class:`LlamaAdapter` wraps a
-``transformers`` Llama model (GQA, causal). Further adapters (DeepSeek-V3.2 with
-MLA and its indexer) implement the same interface.
-"""
+"""Llama family (GQA, causal): ``transformers``' own modules around cpkv's paged attention."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-
-class ModelAdapter(ABC):
-    """What a CP runner needs of a decoder model."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
-    dtype: torch.dtype
-
-    @abstractmethod
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[T]`` -> hidden states ``[T, hidden]``."""
-
-    @abstractmethod
-    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
-        """Hidden states -> ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])``, rotary applied."""
-
-    @abstractmethod
-    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual, output projection and MLP of ``layer`` given attention output ``[T, H, D]``."""
-
-    @abstractmethod
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and head: ``[T, vocab]``."""
+from .base import ModelAdapter
 
 
 class LlamaAdapter(ModelAdapter):
@@ -121,33 +87,3 @@ class TinyLlama:
         cfg = self.config()
         torch.manual_seed(self.seed)
         return LlamaForCausalLM(cfg).to(torch.float32).eval()
-
-
-def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k_ctx: torch.Tensor,
-                    v_ctx: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal GQA attention of queries over their requests' gathered context.
-
-    ``q [T, H, D]`` are the queries this rank computes, in request order;
-    ``q_req[i]`` indexes the row of ``k_ctx, v_ctx [B, L, Hkv, D]`` holding
-    token i's request context in position order, and ``q_pos[i]`` is its
-    position: it attends to context positions ``0 .. q_pos[i]``. Queries are
-    grouped per request into one padded batch (no loop per token or request).
-    """
-    T = q.shape[0]
-    if T == 0:
-        return q.new_zeros(q.shape)
-    B, L = k_ctx.shape[:2]
-    counts = torch.bincount(q_req, minlength=B)
-    j = torch.arange(T, device=q.device) - (torch.cumsum(counts, 0) - counts)[q_req]
-    qmax = int(counts.max())
-    qp = q.new_zeros(B, qmax, *q.shape[1:])
-    qp[q_req, j] = q
-    pos = torch.full((B, qmax), -1, dtype=torch.int64, device=q.device)
-    pos[q_req, j] = q_pos
-    mask = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]
-    mask[:, :, 0] |= pos < 0  # padded query rows see one key, so no row is empty; discarded below
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-        attn_mask=mask[:, None], scale=scaling, enable_gqa=True,
-    )
-    return out.transpose(1, 2)[q_req, j]

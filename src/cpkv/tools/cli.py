@@ -76,8 +76,8 @@ def _requests(text: str) -> list[tuple[int, int]]:
 
 
 def _run(args) -> int:
-    from .models import TinyLlama
-    from .runtime import RankFailure, RunConfig, launch
+    from ..models import TinyLlama
+    from ..runtime import RankFailure, RunConfig, run_scenario
 
     cfg = RunConfig(
         cp_size=args.cp, page_size=args.page, requests=args.requests, decode_steps=args.decode_steps,
@@ -86,7 +86,7 @@ def _run(args) -> int:
         seed=args.seed, check_plans=args.check_plans, timeout=args.timeout,
     )
     try:
-        r = launch(cfg)
+        r = run_scenario(cfg)
     except (RankFailure, ValueError) as e:
         print(f"cpkv run: {e}", file=sys.stderr)
         return 2

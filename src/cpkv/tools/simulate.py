@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .allocator import OwnerLaneAllocator
-from .layout import lane_base_from_prefix, lane_of_position, owner_of, page_of
-from .prefix_cache import PrefixCache
+from ..contract.allocator import OwnerLaneAllocator
+from ..contract.layout import lane_base_from_prefix, lane_of_position, owner_of, page_of
+from ..consumers.prefix_cache import PrefixCache
 
 POLICIES = ("least_full", "lane0", "oblivious")
 ADMISSION = ("lanes", "none")

@@ -1,0 +1,7 @@
+"""``python -m cpkv ...`` is the ``cpkv`` command."""
+
+import sys
+
+from .tools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""POSIX shared-memory segments of a CP group: create, attach, unlink.
+
+Every segment of one run is named ``cpkv_<launcher pid>_<run id>_<tag>``, so the
+launcher can remove everything a run made, whatever happened to its ranks. cpkv
+owns these lifetimes; Python's resource tracker is kept out of them (it would
+unlink a segment when the first process that touched it exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+SHM_PREFIX = "cpkv_"
+SHM_DIR = "/dev/shm"
+
+
+@contextlib.contextmanager
+def _untracked():
+    saved = resource_tracker.register, resource_tracker.unregister
+    resource_tracker.register = resource_tracker.unregister = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        resource_tracker.register, resource_tracker.unregister = saved
+
+
+def run_prefix(run_id: str, pid: int | None = None) -> str:
+    """Name prefix of every segment of one run launched by ``pid`` (default: this process)."""
+    return f"{SHM_PREFIX}{os.getpid() if pid is None else pid}_{run_id}_"
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def create(name: str, size: int) -> shared_memory.SharedMemory:
+    """Create a segment of ``size`` bytes (``size >= 1``)."""
+    with _untracked():
+        return shared_memory.SharedMemory(name=name, create=True, size=max(int(size), 1))
+
+
+def attach(name: str) -> shared_memory.SharedMemory:
+    """Attach an existing segment."""
+    with _untracked():
+        return shared_memory.SharedMemory(name=name)
+
+
+def as_tensor(shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor view of ``shape`` and ``dtype`` over the segment's memory (no copy)."""
+    return torch.frombuffer(shm.buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def close(shm: shared_memory.SharedMemory) -> None:
+    """Close this process's mapping; a tensor still viewing it keeps the mapping alive."""
+    try:
+        shm.close()
+    except BufferError:
+        pass
+
+
+def unlink_prefix(prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix``; returns their names."""
+    gone = []
+    for name in shm_names(prefix):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            gone.append(name)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
+def shm_names(prefix: str = SHM_PREFIX) -> set[str]:
+    """Names of the segments in ``/dev/shm`` that start with ``prefix``."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+def shm_segments(pid: int | None = None) -> set[str]:
+    """cpkv's shared-memory segments on the system; with ``pid``, only those of
+    runs that process launched."""
+    return shm_names(SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}_")

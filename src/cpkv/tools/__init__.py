@@ -1,0 +1,1 @@
+"""Tools over the engine and the runtime: the ``cpkv`` command, benchmarks, the simulator."""
