@@ -1,16 +1,20 @@
-"""W3/W4: the shared KV pool of one rank — direct write, fence, read.
+"""W3/W4: the shared KV pool of one rank: direct write, fence, read.
 
-The pool of a CP group is one buffer, rank-major: rank k's segment holds the
-``pages_per_rank`` pages that rank k owns. Each rank writes only into its own
-segment ([[RFC-0001:C-DIRECT-WRITE]]) and reads the whole buffer through the
-rank-major view, after a fence that separates a layer's writes from its reads
+A model keeps one or more per-slot caches over the same logical slots and the
+same owner lanes: K and V for GQA; the MLA latent and the indexer keys for DSA
+models. Each is a :class:`Family`. The buffer of a family is rank-major: rank
+k's segment holds the ``pages_per_rank`` pages that rank k owns, for every
+layer that keeps the family. Each rank writes only into its own segment
+([[RFC-0001:C-DIRECT-WRITE]]) and reads the whole buffer through the rank-major
+view after a fence that separates a layer's writes from its reads
 ([[RFC-0001:C-READ-PATH]]). Slot arithmetic is :class:`SharedKVLayout`'s.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -19,40 +23,92 @@ from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
 
 
-class SharedKVPool:
-    """One rank's handle on the group's shared KV buffer.
+@dataclass(frozen=True)
+class Family:
+    """One per-slot cache of a model.
 
-    ``buffer`` has shape ``[2, num_layers, cp_size * slots_per_rank, kv_heads,
-    head_dim]`` (K then V), laid out rank-major; it is the same memory in every
-    rank. ``fence`` is called between a layer's writes and its reads (a barrier
-    on the CP group; a no-op for a single rank).
+    Every layer in ``layers`` keeps ``shape`` values of ``dtype`` per slot; a
+    layer not in ``layers`` keeps none (GLM-5's layers that reuse another
+    layer's indexer top-k keep no indexer keys).
     """
 
-    def __init__(self, layout: SharedKVLayout, rank: int, buffer: torch.Tensor,
-                 fence: Callable[[], None] | None = None):
-        if buffer.dim() != 5 or buffer.shape[0] != 2 or buffer.shape[2] != layout.cp_size * layout.slots_per_rank:
-            raise ValueError(f"buffer of shape {tuple(buffer.shape)} does not match {layout}")
+    name: str
+    shape: tuple[int, ...]
+    layers: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"family name {self.name!r} must be an identifier")
+        if not self.shape or any(not isinstance(d, int) or d < 1 for d in self.shape):
+            raise ValueError(f"family {self.name}: shape {self.shape} must be positive ints")
+        if len(set(self.layers)) != len(self.layers) or any(x < 0 for x in self.layers):
+            raise ValueError(f"family {self.name}: layers {self.layers} must be distinct and >= 0")
+
+    def buffer_shape(self, layout: SharedKVLayout) -> tuple[int, ...]:
+        """``[len(layers), cp_size * slots_per_rank, *shape]``: the group's buffer, rank-major."""
+        return (len(self.layers), layout.cp_size * layout.slots_per_rank, *self.shape)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over all its layers."""
+        return len(self.layers) * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def kv_families(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[Family, ...]:
+    """The K and V families of a GQA model: ``[kv_heads, head_dim]`` per slot on every layer."""
+    layers = tuple(range(num_layers))
+    return (Family("k", (kv_heads, head_dim), layers, dtype), Family("v", (kv_heads, head_dim), layers, dtype))
+
+
+def allocate_buffers(layout: SharedKVLayout, families: Sequence[Family],
+                     make: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """One zeroed buffer per family; ``make(tag, shape, dtype)`` allocates it
+    (default ``torch.zeros``; a CP group passes a shared-memory allocator)."""
+    make = make or (lambda tag, shape, dtype: torch.zeros(shape, dtype=dtype))
+    return {f.name: make(f"kv_{f.name}", f.buffer_shape(layout), f.dtype) for f in families}
+
+
+class SharedKVPool:
+    """One rank's handle on the group's shared KV buffers, one per :class:`Family`.
+
+    ``buffers[name]`` has shape ``family.buffer_shape(layout)``; it is the same
+    memory in every rank. ``fence`` is called between a layer's writes and its
+    reads (a barrier on the CP group; a no-op for a single rank).
+    """
+
+    def __init__(self, layout: SharedKVLayout, rank: int, families: Sequence[Family],
+                 buffers: Mapping[str, torch.Tensor], fence: Callable[[], None] | None = None):
         if not 0 <= rank < layout.cp_size:
             raise ValueError(f"rank {rank} is not in a CP group of {layout.cp_size}")
-        self.layout, self.rank, self.buffer = layout, rank, buffer
+        names = [f.name for f in families]
+        if len(set(names)) != len(names) or set(names) != set(buffers):
+            raise ValueError(f"families {names} and buffers {sorted(buffers)} must name the same caches once")
+        for f in families:
+            b = buffers[f.name]
+            if tuple(b.shape) != f.buffer_shape(layout) or b.dtype != f.dtype:
+                raise ValueError(f"buffer {f.name} of shape {tuple(b.shape)} {b.dtype} does not match "
+                                 f"{f.buffer_shape(layout)} {f.dtype} for {layout}")
+        self.layout, self.rank = layout, rank
+        self.families = {f.name: f for f in families}
+        self.buffers = dict(buffers)
+        self._row = {f.name: {layer: i for i, layer in enumerate(f.layers)} for f in families}
         spr = layout.slots_per_rank
-        self._own = buffer[:, :, rank * spr : (rank + 1) * spr]  # write view: this rank's segment
+        self._own = {n: b[:, rank * spr : (rank + 1) * spr] for n, b in self.buffers.items()}  # write views
         self._fence = fence or (lambda: None)
         self._written = torch.zeros(layout.pages_per_rank, dtype=torch.bool)
 
     @property
     def num_layers(self) -> int:
-        """Layers in the buffer."""
-        return self.buffer.shape[1]
+        """Model layers that keep at least one family."""
+        return len({x for f in self.families.values() for x in f.layers})
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of K and V over all layers."""
-        b = self.buffer
-        return 2 * b.shape[1] * self.layout.slots_per_page * b.shape[3] * b.shape[4] * b.element_size()
+        """Bytes of one page over every family and layer."""
+        return self.layout.slots_per_page * sum(f.slot_bytes() for f in self.families.values())
 
     def bytes_held(self) -> int:
-        """KV bytes this rank holds: pages of its segment it has written, live or not yet freed."""
+        """Bytes this rank holds: pages of its segment it has written and not released."""
         return int(self._written.sum()) * self.page_bytes
 
     def release(self, slots: torch.Tensor) -> None:
@@ -60,29 +116,63 @@ class SharedKVPool:
         mine = slots[self.layout.owned_slot_mask(slots, owner_rank=self.rank)]
         self._written[self.layout.translate_write_slots(mine) // self.layout.slots_per_page] = False
 
+    def row(self, name: str, layer: int) -> int:
+        """Row of model ``layer`` in family ``name``'s buffer; raises if the layer keeps none."""
+        try:
+            return self._row[name][layer]
+        except KeyError:
+            if name not in self._row:
+                raise KeyError(f"no family {name!r}; the pool has {list(self._row)}") from None
+            raise KeyError(f"layer {layer} keeps no {name!r} cache") from None
+
     # -- W3: direct write ---------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V of ``slots`` (logical) into this rank's own segment.
+    def _owned_local(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Local slots and pages of ``slots`` and the mask of non-padding entries
+        (``None`` when all are), refusing any slot another rank owns."""
+        loc, local_page, owned = self.layout.local_pages_and_mask(slots, self.rank)
+        if bool(owned.all()):
+            return loc, local_page, None
+        valid = slots != self.layout.padding_value
+        if not bool((owned | ~valid).all()):
+            bad = int(slots[valid & ~owned][0])
+            owner = int(self.layout.owner_of_slots(torch.tensor([bad]))[0])
+            raise ContractViolation(
+                f"rank {self.rank} asked to write slot {bad}, which rank {owner} owns; only the owner of a page writes it"
+            )
+        return loc[valid], local_page[valid], valid
+
+    def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
+        """Write ``values[name] [T, *shape]`` of logical ``slots [T]`` into this
+        rank's own segment of each named family, at model ``layer``.
 
         Padding slots are skipped. A slot this rank does not own raises
-        :class:`ContractViolation` and nothing is written.
+        :class:`ContractViolation` and nothing is written. [[RFC-0001:C-DIRECT-WRITE]]
         """
-        loc, local_page, owned = self.layout.local_pages_and_mask(slots, self.rank)
-        if not bool(owned.all()):
-            valid = slots != self.layout.padding_value
-            if bool((owned | ~valid).all()):  # only padding besides owned slots: skip it
-                loc, local_page, k, v = loc[valid], local_page[valid], k[valid], v[valid]
-            else:
-                bad = slots[valid & ~owned][:1]
-                owner = int(self.layout.owner_of_slots(bad))
-                bad = int(bad)
-                raise ContractViolation(
-                    f"rank {self.rank} asked to write slot {bad}, which rank {owner} owns; "
-                    "only the owner of a page writes it"
-                )
-        self._own[0, layer].index_copy_(0, loc, k.to(self.buffer.dtype))
-        self._own[1, layer].index_copy_(0, loc, v.to(self.buffer.dtype))
+        rows = {n: self.row(n, layer) for n in values}
+        for n, x in values.items():
+            f = self.families[n]
+            if tuple(x.shape) != (slots.numel(), *f.shape):
+                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {slots.numel()} slots of {f.shape}")
+        loc, local_page, keep = self._owned_local(slots)
+        for n, x in values.items():
+            src = x if keep is None else x[keep]
+            self._own[n][rows[n]].index_copy_(0, loc, src.to(self.families[n].dtype))
         self._written[local_page.cpu()] = True
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """Copy every family, every layer, from logical ``src`` to ``dst`` slots
+        where this rank owns ``dst``: read the source through the shared view,
+        write this rank's segment. Returns the slots this rank copied. The
+        caller fences before anyone reads ``dst``. [[RFC-0001:C-DIRECT-WRITE]]"""
+        if src.shape != dst.shape:
+            raise ValueError(f"copy of {src.numel()} source slots to {dst.numel()} destinations")
+        mine = self.layout.owned_slot_mask(dst, owner_rank=self.rank)
+        read = self.layout.translate_read_slots(src[mine])
+        loc, local_page, _ = self._owned_local(dst[mine])
+        for n, b in self.buffers.items():
+            self._own[n].index_copy_(1, loc, b.index_select(1, read))
+        self._written[local_page.cpu()] = True
+        return int(mine.sum())
 
     def fence(self) -> None:
         """Separate this layer's writes from its reads on every rank."""
@@ -91,28 +181,21 @@ class SharedKVPool:
     # -- W4: read -------------------------------------------------------------------
     def read_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Translate a page table or slot list to rank-major read indices, once
-        per batch: int32 when every value fits, else int64. Padding stays."""
-        dtype = torch.int32 if self.buffer.shape[2] <= 2**31 - 1 else torch.int64
+        per batch: int32 when every value fits, else int64. Padding stays.
+        [[RFC-0001:C-READ-PATH]]"""
+        total = self.layout.cp_size * self.layout.slots_per_rank
+        dtype = torch.int32 if total <= 2**31 - 1 else torch.int64
         return self.layout.translate_read_slots(slots, output_dtype=dtype)
 
-    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at rank-major ``index`` (no padding allowed) from the shared view."""
+    def gather(self, layer: int, index: torch.Tensor, *names: str) -> tuple[torch.Tensor, ...]:
+        """Values at rank-major ``index`` (no padding) of each named family
+        (default: every family the layer keeps, in pool order), each shaped
+        ``[*index.shape, *family.shape]``."""
+        names = names or tuple(n for n in self.families if layer in self._row[n])
         flat = index.reshape(-1)
-        k = self.buffer[0, layer].index_select(0, flat)
-        v = self.buffer[1, layer].index_select(0, flat)
-        shape = (*index.shape, *self.buffer.shape[3:])
-        return k.view(shape), v.view(shape)
+        return tuple(self.buffers[n][self.row(n, layer)].index_select(0, flat).view(*index.shape, *self.families[n].shape)
+                     for n in names)
 
     def check(self, alloc: ExtendAllocation) -> None:
         """Validate an allocation result against this pool's layout before use."""
         alloc.validate(self.layout)
-
-
-def buffer_shape(layout: SharedKVLayout, num_layers: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of the shared buffer of a CP group."""
-    return (2, num_layers, layout.cp_size * layout.slots_per_rank, kv_heads, head_dim)
-
-
-def buffer_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a buffer of ``shape`` and ``dtype``."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

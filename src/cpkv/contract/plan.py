@@ -156,3 +156,30 @@ def split_interleave(
         )
     i = torch.arange(E, device=request_of_token.device)
     return _split(i % cp_size == rank, request_of_token, positions, bs)
+
+
+def zigzag_ranks(extend_lens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of every token of the flattened batch under the zigzag split.
+
+    Each request's extend of ``n`` tokens is cut into ``2N`` consecutive blocks,
+    the first ``n % 2N`` of them one token longer; block ``b`` goes to rank
+    ``b`` for ``b < N`` and to rank ``2N - 1 - b`` otherwise, so every rank
+    gets one early (cheap) and one late (costly) block of causal attention.
+    [[RFC-0001:C-PLANNER-SPLIT]]
+    """
+    N2 = 2 * cp_size
+    n = extend_lens.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
+    j = torch.arange(req.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[req]  # index inside the extend
+    base, extra = (n // N2)[req], (n % N2)[req]
+    long_part = extra * (base + 1)
+    block = torch.where(j < long_part, j // (base + 1), extra + (j - long_part) // base.clamp(min=1))
+    return torch.where(block < cp_size, block, N2 - 1 - block)
+
+
+def split_zigzag(request_of_token: torch.Tensor, positions: torch.Tensor, extend_lens: torch.Tensor, bs: int,
+                 rank: int, cp_size: int) -> RankSplit:
+    """Zigzag split (SGLang's in-sequence CP split, balanced for causal
+    attention): rank r computes blocks r and 2N-1-r of every request's extend
+    (:func:`zigzag_ranks`). [[RFC-0001:C-PLANNER-SPLIT]]"""
+    return _split(zigzag_ranks(extend_lens, cp_size) == rank, request_of_token, positions, bs)

@@ -5,8 +5,8 @@ the shared paged cache (:mod:`cpkv.models.attention`). One module per family:
 :mod:`~cpkv.models.llama` (GQA).
 """
 
-from .attention import paged_attention
-from .base import ModelAdapter
+from .attention import attend, merge_partials, paged_attention
+from .base import CacheAccess, ModelAdapter
 from .llama import LlamaAdapter, TinyLlama
 
-__all__ = ["LlamaAdapter", "ModelAdapter", "TinyLlama", "paged_attention"]
+__all__ = ["CacheAccess", "LlamaAdapter", "ModelAdapter", "TinyLlama", "attend", "merge_partials", "paged_attention"]

@@ -34,3 +34,38 @@ def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k
         attn_mask=mask[:, None], scale=scaling, enable_gqa=True,
     )
     return out.transpose(1, 2)[q_req, j]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its own key set, with the log-sum-exp.
+
+    ``q [T, H, D]``; ``k [T, K, Hkv, D]`` and ``v [T, K, Hkv, Dv]`` are the K
+    keys of query t (``H`` a multiple of ``Hkv``: grouped-query attention);
+    ``mask [T, K]`` marks the keys query t may see. Returns ``out [T, H, Dv]``
+    and ``lse [T, H]`` (the log of the softmax denominator, on the scaled
+    scores), in fp32 math. A query that sees no key gets ``out = 0`` and
+    ``lse = -inf``, so it drops out of :func:`merge_partials`.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.float().view(T, Hkv, H // Hkv, D)
+    s = torch.einsum("tgrd,tkgd->tgrk", qg, k.float()) * scaling  # [T, Hkv, H/Hkv, K]
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [T, Hkv, H/Hkv]
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("tgrk,tkgd->tgrd", p, v.float())
+    return out.reshape(T, H, v.shape[-1]).to(q.dtype), lse.reshape(T, H)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact merge of partial attentions over disjoint key sets.
+
+    ``outs [R, T, H, Dv]`` and ``lses [R, T, H]`` from :func:`attend` on R
+    disjoint parts of each query's keys; the result equals attention over the
+    union: ``sum_r exp(lse_r - lse) * out_r`` with ``lse = logsumexp_r lse_r``.
+    """
+    lse = torch.logsumexp(lses, 0)  # [T, H]
+    w = torch.exp(lses - torch.where(torch.isinf(lse), 0.0, lse)[None])
+    w = torch.where(torch.isinf(lses), 0.0, w)
+    return (w[..., None] * outs.float()).sum(0).to(outs.dtype)

@@ -1,33 +1,76 @@
-"""What a CP runner needs of a decoder model: the adapter interface."""
+"""What a CP runner needs of a decoder model, and what the model may ask of the cache.
+
+A model is written once against :class:`CacheAccess`; the runtime implements
+it for every way of dividing a batch among ranks (the page split, token splits
+with an all-gather, the log-sum-exp decode split). The model never sees ranks,
+slots or lanes: it stores the per-token entries of its cache families and asks
+for attention over what is cached.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
+from ..consumers.kv_pool import Family
+
+
+class CacheAccess(Protocol):
+    """The cache as one layer of a model sees it, for the tokens this rank computes.
+
+    ``positions [T]`` are the sequence positions of those tokens and
+    ``num_tokens`` is T (it may be 0: a rank with nothing to compute still runs
+    every layer, because the fences are collective). ``scratch`` is a dict that
+    lives for one forward (a model keeps per-forward state there, such as the
+    top-k of the last layer that computed one).
+    """
+
+    positions: torch.Tensor
+    num_tokens: int
+    scratch: dict
+
+    def store(self, layer: int, **values: torch.Tensor) -> None:
+        """Cache ``values[family] [T, *shape]`` of this rank's tokens at ``layer``."""
+
+    def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
+                     value_dims: int | None = None) -> torch.Tensor:
+        """Causal attention of ``q [T, H, D]`` over each token's whole context
+        (positions ``0 .. position``) in families ``key`` / ``value`` (the first
+        ``value_dims`` values of ``value`` when given). Returns ``[T, H, Dv]``."""
+
+    def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's whole context in ``family``: ``(values [T, L, *shape],
+        visible [T, L])``, where ``visible`` marks positions ``0 .. position``."""
+
+    def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
+                        value: str, value_dims: int | None = None) -> torch.Tensor:
+        """Attention of ``q [T, H, D]`` over the context positions ``positions
+        [T, K]`` of each token only (``-1``: none), gathered, not masked densely."""
+
 
 class ModelAdapter(ABC):
-    """What a CP runner needs of a decoder model."""
+    """A decoder model as a CP runner drives it: embed, layers, head.
 
+    ``model`` is the ``transformers`` model whose weights it uses (the
+    reference for exactness checks).
+    """
+
+    model: torch.nn.Module
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
-    dtype: torch.dtype
+
+    @abstractmethod
+    def families(self, dtype: torch.dtype = torch.float32) -> tuple[Family, ...]:
+        """The per-slot caches this model keeps, over the same logical slots."""
 
     @abstractmethod
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> hidden states ``[T, hidden]``."""
 
     @abstractmethod
-    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
-        """Hidden states -> ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])``, rotary applied."""
-
-    @abstractmethod
-    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual, output projection and MLP of ``layer`` given attention output ``[T, H, D]``."""
+    def layer(self, layer: int, h: torch.Tensor, cache: CacheAccess) -> torch.Tensor:
+        """Decoder layer ``layer`` on ``h [T, hidden]``; caches its entries and attends through ``cache``."""
 
     @abstractmethod
     def logits(self, h: torch.Tensor) -> torch.Tensor:

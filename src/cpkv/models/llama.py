@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..consumers.kv_pool import kv_families
 from .base import ModelAdapter
 
 
 class LlamaAdapter(ModelAdapter):
     """Adapter over a ``transformers`` ``LlamaForCausalLM`` (and its relatives
-    with the same module names)."""
+    with the same module names): K and V families, dense causal GQA."""
 
     def __init__(self, model):
         self.model = model.eval()
@@ -22,17 +23,21 @@ class LlamaAdapter(ModelAdapter):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.layers[0].self_attn.scaling
-        self.dtype = next(model.parameters()).dtype
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rope = apply_rotary_pos_emb
+
+    def families(self, dtype=torch.float32):
+        """K and V, ``[kv_heads, head_dim]`` per slot on every layer."""
+        return kv_families(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
 
     def embed(self, ids):
         """Token embeddings."""
         return self.model.model.embed_tokens(ids)
 
     def qkv(self, layer, h, positions):
-        """Input norm, q/k/v projections and Llama's rotary embedding."""
+        """Input norm, q/k/v projections and Llama's rotary embedding:
+        ``q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]``."""
         blk = self.layers[layer]
         x = blk.input_layernorm(h)
         T = x.shape[0]
@@ -43,8 +48,11 @@ class LlamaAdapter(ModelAdapter):
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
         return q[0], k[0], v
 
-    def finish_layer(self, layer, h, attn):
-        """Output projection and residual, then post-attention norm, MLP and residual."""
+    def layer(self, layer, h, cache):
+        """Attention block (cache K/V, causal GQA over the context) and MLP block."""
+        q, k, v = self.qkv(layer, h, cache.positions)
+        cache.store(layer, k=k, v=v)
+        attn = cache.attend_dense(layer, q, self.scaling, "k", "v")
         blk = self.layers[layer]
         h = h + blk.self_attn.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
         return h + blk.mlp(blk.post_attention_layernorm(h))

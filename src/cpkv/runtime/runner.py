@@ -1,16 +1,12 @@
-"""One rank's forward on the shared cache: allocate a batch, compute this rank's
-tokens, write their K/V into its own segment, fence, read the whole context.
+"""One rank's model forward on the shared cache.
 
-Every rank runs the same allocator on the same inputs (no planner collective,
-[[RFC-0001:C-NO-PLANNER-COLLECTIVE]]); :class:`CPRunner` then computes, per
-batch, exactly the tokens on pages its rank owns (the page split), writes their
-K/V into its own segment, fences once per layer and attends over the whole
-context through the shared view: no all-gather of K/V.
-
-Decode is divided the same way: the rank that owns the page of a request's new
-slot computes that request's token (q/k/v, attention over the full context,
-MLP, logits) and is the only one that writes it. Over many requests, lane bases
-spread those owners evenly.
+Every rank of a CP group holds the same :class:`CPRunner` state (the page
+table ``req_to_token``) and runs the same calls: allocation is replicated, not
+communicated ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]). For each batch the runner
+builds a :class:`~cpkv.runtime.batch.ForwardBatch` (this rank's tokens under
+the chosen split) and runs the model's layers through it; only the split's own
+collectives (the fences, and the all-gathers of a token split or of the LSE
+decode split) cross ranks.
 """
 
 from __future__ import annotations
@@ -18,107 +14,140 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from ..consumers.kv_pool import SharedKVPool
 from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
 from ..contract.errors import ContractViolation
-from ..models import ModelAdapter, paged_attention
+from ..models import ModelAdapter
+from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
+from .comm import Comm, LocalComm
 
 
 class CPRunner:
-    """One rank's view of the CP group: its allocator replica, its pool, the model.
+    """One rank's view of the CP group: the page table, the pool, the model.
 
-    ``extend`` runs a batch (prefill or decode) and returns the logits this rank
-    computed; ``collect`` shares them with every rank. ``check_plans`` compares
-    every allocation across ranks with one collective (debug only).
+    ``req_to_token[row, pos]`` is the logical slot of position ``pos`` of the
+    request in ``row`` (padding past ``lens[row]``). ``prefill_split`` and
+    ``decode_split`` choose how batches are divided among ranks
+    (:mod:`cpkv.runtime.batch`). ``check_plans`` compares every allocation
+    across ranks with one collective (debugging only).
     """
 
-    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator,
-                 *, max_requests: int, max_len: int, check_plans: bool = False, distributed: bool = False):
+    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
+                 comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
+                 decode_split: str = "owner", check_plans: bool = False):
+        if prefill_split not in PREFILL_SPLITS:
+            raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {PREFILL_SPLITS}")
+        if decode_split not in DECODE_SPLITS:
+            raise ValueError(f"unknown decode split {decode_split!r}; choose from {DECODE_SPLITS}")
         self.adapter, self.pool, self.allocator = adapter, pool, allocator
+        self.comm = comm or LocalComm()
+        if self.comm.size != pool.layout.cp_size or self.comm.rank != pool.rank:
+            raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {pool.rank} "
+                             f"of {pool.layout.cp_size}")
         self.rank, self.cp_size = pool.rank, pool.layout.cp_size
-        self.check_plans, self.distributed = check_plans, distributed
-        # req_to_token: logical slots of request r's positions 0 .. lens[r]-1, padding after
+        self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
         self.req_to_token = torch.full((max_requests, max_len), pool.layout.padding_value, dtype=torch.int64)
         self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
+        self.kv_read = 0
+        self.moved_bytes = 0
+
+    # -- the page table ------------------------------------------------------------------
+    def assign(self, row: int, slots: torch.Tensor) -> None:
+        """Row ``row`` holds a request whose positions ``0 .. len(slots) - 1`` are ``slots``."""
+        n = slots.numel()
+        if n > self.req_to_token.shape[1]:
+            raise ValueError(f"a request of {n} tokens exceeds the runner's {self.req_to_token.shape[1]}")
+        self.req_to_token[row] = self.pool.layout.padding_value
+        self.req_to_token[row, :n] = slots
+        self.lens[row] = n
+
+    def last_loc(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slot of each row's last position (-1 for an empty row)."""
+        lens = self.lens[rows]
+        return torch.where(lens > 0, self.req_to_token[rows, (lens - 1).clamp(min=0)], -1)
+
+    def record(self, rows: torch.Tensor, alloc: ExtendAllocation) -> None:
+        """Enter an allocated batch's new slots into the page table."""
+        self.pool.check(alloc)
+        if self.check_plans:
+            self._agree(alloc)
+        if int(alloc.seq_lens.max()) > self.req_to_token.shape[1]:
+            raise ValueError(f"a request would exceed {self.req_to_token.shape[1]} tokens")
+        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
+        self.lens[rows] = alloc.seq_lens
+
+    def release(self, row: int) -> torch.Tensor:
+        """Empty ``row``; returns the slots it held (the caller frees them)."""
+        slots = self.req_to_token[row, : int(self.lens[row])].clone()
+        self.req_to_token[row] = self.pool.layout.padding_value
+        self.lens[row] = 0
+        return slots
 
     def _agree(self, alloc: ExtendAllocation) -> None:
         h = hashlib.sha256()
         for t in (alloc.out_cache_loc, alloc.lane_base, alloc.new_pages, alloc.extend_start_loc):
             h.update(t.cpu().numpy().tobytes())
-        digests = [None] * self.cp_size
-        dist.all_gather_object(digests, h.hexdigest())
+        digests = self.comm.all_gather_object(h.hexdigest())
         if len(set(digests)) != 1:
             raise ContractViolation(f"ranks planned differently: {digests}")
 
-    def allocate(self, rids: list[int], new_lens: list[int], decode: bool = False) -> ExtendAllocation:
-        """Allocate a batch on this rank's allocator replica (identical on every rank)."""
-        rows = torch.tensor(rids, dtype=torch.int64)
-        prefix = self.lens[rows]
+    # -- allocation, for callers without a scheduler of their own --------------------------
+    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> ExtendAllocation:
+        """Allocate a batch on this rank's allocator replica (identical on every rank) and record it."""
+        r = torch.tensor(rows, dtype=torch.int64)
+        prefix = self.lens[r]
         seq = prefix + torch.tensor(new_lens, dtype=torch.int64)
-        if int(seq.max()) > self.req_to_token.shape[1]:
-            raise ValueError(f"a request would exceed {self.req_to_token.shape[1]} tokens")
-        last = torch.where(prefix > 0, self.req_to_token[rows, (prefix - 1).clamp(min=0)], -1)
+        last = self.last_loc(r)
         alloc = (self.allocator.allocate_decode(seq, last) if decode
                  else self.allocator.allocate_extend(prefix, seq, last))
         if alloc is None:
             raise MemoryError(f"KV cache full: pages missing per lane {self.allocator.last_deficit.tolist()}")
-        self.pool.check(alloc)
-        if self.check_plans:
-            self._agree(alloc)
-        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
-        self.lens[rows] = seq
+        self.record(r, alloc)
         return alloc
 
-    def forward(self, rids: list[int], alloc: ExtendAllocation, ids: torch.Tensor):
-        """Compute this rank's tokens of an allocated batch; ``ids`` are the batch's
-        new token ids in flattened order. Returns ``(token_indices, logits)``."""
-        ad, pool = self.adapter, self.pool
-        split = alloc.rank_split(self.rank)  # taken from the allocation, never re-derived
-        idx = split.token_indices
-        slots = alloc.out_cache_loc[idx]
-        req = alloc.request_of_token[idx]
-        pos = split.positions
-        # the batch's page table, translated to rank-major once for every layer
-        table = self.req_to_token[torch.tensor(rids, dtype=torch.int64), : int(alloc.seq_lens.max())]
-        read = pool.read_index(table)
-        read = torch.where(read < 0, 0, read)  # padding is masked by position in attention
-        h = ad.embed(ids[idx])
+    # -- the forward ------------------------------------------------------------------------
+    def forward(self, rows: list[int] | torch.Tensor, alloc: ExtendAllocation, ids: torch.Tensor,
+                decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute this rank's tokens of an allocated, recorded batch.
+
+        ``ids [E]`` are the batch's new token ids in flattened order. Returns
+        ``(token_indices, logits [t, vocab])``: which entries of the flattened
+        batch this rank computed, and their logits.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        mode = self.decode_split if decode else self.prefill_split
+        table = self.req_to_token[rows]
+        fb = ForwardBatch(self.pool, self.comm, alloc, table, mode)
+        ad = self.adapter
         with torch.no_grad():
+            h = ad.embed(ids[fb.token_indices])
             for layer in range(ad.num_layers):
-                q, k, v = ad.qkv(layer, h, pos)
-                pool.write(layer, slots, k, v)
-                pool.fence()  # every rank's writes of this layer land before anyone reads
-                kc, vc = pool.gather(layer, read)
-                h = ad.finish_layer(layer, h, paged_attention(q, req, pos, kc, vc, ad.scaling))
+                h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
-        pool.fence()  # nobody reads this batch any more: its slots may be freed and reused
-        self.tokens_computed += idx.numel()
-        return idx, logits
+        fb.finish()
+        self.tokens_computed += fb.num_tokens
+        self.kv_read += fb.kv_read
+        self.moved_bytes += fb.moved_bytes
+        return fb.token_indices, logits
 
-    def extend(self, rids: list[int], new_ids: list[torch.Tensor], decode: bool = False):
-        """Allocate and compute one batch. Returns ``(alloc, token_indices, logits)``."""
-        alloc = self.allocate(rids, [t.numel() for t in new_ids], decode)
-        idx, logits = self.forward(rids, alloc, torch.cat(new_ids))
-        return alloc, idx, logits
-
-    def collect(self, alloc: ExtendAllocation, idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Every rank's logits of a batch, in flattened order, on every rank."""
-        if not self.distributed:
-            return logits
-        parts = [None] * self.cp_size
-        dist.all_gather_object(parts, (idx, logits))
-        out = torch.empty(alloc.out_cache_loc.numel(), logits.shape[-1], dtype=logits.dtype)
-        for i, lg in parts:
-            out[i] = lg
+    def collect(self, n: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``values`` of a batch of ``n`` tokens, in flattened order,
+        on every rank (tokens computed by several ranks agree; any copy is kept)."""
+        out = torch.empty((n, *values.shape[1:]), dtype=values.dtype)
+        for i, v in self.comm.all_gather_object((idx, values)):
+            out[i] = v
         return out
 
-    def finish(self, rid: int) -> None:
-        """Free a request's pages."""
-        slots = self.req_to_token[rid, : int(self.lens[rid])].clone()
-        self.req_to_token[rid] = self.pool.layout.padding_value
-        self.lens[rid] = 0
+    def extend(self, rows: list[int], new_ids: list[torch.Tensor], decode: bool = False):
+        """Allocate and compute one batch. Returns ``(alloc, token_indices, logits)``."""
+        alloc = self.allocate(rows, [t.numel() for t in new_ids], decode)
+        idx, logits = self.forward(rows, alloc, torch.cat(new_ids), decode)
+        return alloc, idx, logits
+
+    def finish(self, row: int) -> None:
+        """Free a request's pages (through this runner's allocator)."""
+        slots = self.release(row)
         self.allocator.free(slots)
         self.pool.release(slots)

@@ -10,11 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..consumers.kv_pool import SharedKVPool, buffer_shape
+from ..consumers.kv_pool import SharedKVPool, allocate_buffers
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
 from ..models import LlamaAdapter, TinyLlama
+from .comm import DistComm, LocalComm
 from .group import RankContext, launch
 from .runner import CPRunner
 
@@ -34,6 +35,8 @@ class RunConfig:
     pages_per_rank: int | None = None  # default: room for the whole run, twice over
     seed: int = 0
     check_plans: bool = False
+    prefill_split: str = "page"
+    decode_split: str = "owner"
     timeout: float = 120.0
     fail_rank: int | None = None  # fault injection: this rank raises mid-prefill
     kill_rank: int | None = None  # fault injection: this rank is killed mid-prefill
@@ -56,7 +59,7 @@ def _scenario(runner: CPRunner, cfg: RunConfig, ctx: RankContext) -> dict:
 
     def step(batch, parts, decode=False):
         alloc, idx, lg = runner.extend(batch, parts, decode)
-        full = runner.collect(alloc, idx, lg)
+        full = runner.collect(alloc.out_cache_loc.numel(), idx, lg)
         for i, r in enumerate(batch):
             a, n = int(alloc.extend_start_loc[i]), int(alloc.extend_lens[i])
             logits[r].append(full[a : a + n])
@@ -127,16 +130,25 @@ def _scenario(runner: CPRunner, cfg: RunConfig, ctx: RankContext) -> dict:
     return result
 
 
+def shared_pool(ctx: RankContext, adapter, layout: SharedKVLayout, comm: DistComm | None = None) -> SharedKVPool:
+    """This rank's pool over the group's buffers in shared memory (one segment
+    per cache family, created by the group's first rank)."""
+    fams = adapter.families()
+    if comm is None:
+        comm = DistComm() if ctx.distributed else LocalComm()
+    bufs = allocate_buffers(layout, fams, lambda tag, shape, dtype: ctx.shared(tag, shape, dtype))
+    return SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
+
+
 def _rank(ctx: RankContext, cfg: RunConfig) -> dict | None:
     adapter = LlamaAdapter(cfg.model.build())
     layout = SharedKVLayout(cfg.cp_size, cfg.page_size, cfg.pages_per_rank or pages_needed(cfg))
-    shape = buffer_shape(layout, adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
-    buf = ctx.shared("kv", shape, torch.float32)
-    pool = SharedKVPool(layout, ctx.rank, buf, fence=ctx.barrier)
+    comm = DistComm() if ctx.distributed else LocalComm()
+    pool = shared_pool(ctx, adapter, layout, comm)
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * cfg.page_size, cfg.page_size, cfg.cp_size, layout=layout)
-    runner = CPRunner(adapter, pool, alloc, max_requests=len(cfg.requests),
+    runner = CPRunner(adapter, pool, alloc, comm, max_requests=len(cfg.requests),
                       max_len=max(n for _, n in cfg.requests) + cfg.decode_steps,
-                      check_plans=cfg.check_plans, distributed=ctx.distributed)
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
     return _scenario(runner, cfg, ctx)
 
 

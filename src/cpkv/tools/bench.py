@@ -121,7 +121,7 @@ def bench_kv(tokens: int = 65536, page: int = 64, cp: int = 4, kv_heads: int = 2
     through the rank-major view, with and without the once-per-batch
     translation.
     """
-    from ..consumers.kv_pool import SharedKVPool, buffer_shape
+    from ..consumers.kv_pool import SharedKVPool, allocate_buffers, kv_families
     from ..contract.layout import SharedKVLayout
 
     ppr = -(-(tokens // page + 1) // cp) + 1
@@ -129,9 +129,10 @@ def bench_kv(tokens: int = 65536, page: int = 64, cp: int = 4, kv_heads: int = 2
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * page, page, cp, layout=layout)
     bs = 64
     a = alloc.allocate_extend([0] * bs, [tokens // bs] * bs, torch.full((bs,), -1))
-    shared = torch.zeros(buffer_shape(layout, 1, kv_heads, head_dim), dtype=dtype)
-    plain = torch.zeros_like(shared)  # same size, unshared, logical slot order
-    pool = SharedKVPool(layout, 0, shared)
+    fams = kv_families(1, kv_heads, head_dim, dtype)
+    shared = allocate_buffers(layout, fams)
+    pool = SharedKVPool(layout, 0, fams, shared)
+    plain = torch.zeros((2, *shared["k"].shape), dtype=dtype)  # same size, unshared, logical slot order
     mine = a.rank_token_indices(0)
     slots_w = a.out_cache_loc[mine]
     g = torch.Generator().manual_seed(0)
@@ -148,7 +149,7 @@ def bench_kv(tokens: int = 65536, page: int = 64, cp: int = 4, kv_heads: int = 2
         return plain[0, 0].index_select(0, slots_r), plain[1, 0].index_select(0, slots_r)
 
     t = median_seconds({
-        "write": (lambda: pool.write(0, slots_w, k, v), None),
+        "write": (lambda: pool.write(0, slots_w, k=k, v=v), None),
         "plain write": (plain_write, None),
         "read": (lambda: pool.gather(0, pool.read_index(slots_r)), None),
         "read, translated once per batch": (lambda: pool.gather(0, read), None),

@@ -1,0 +1,224 @@
+"""One rank's share of one allocated batch, and the cache as its layers see it.
+
+:class:`ForwardBatch` implements :class:`cpkv.models.CacheAccess` for every
+way of dividing a batch among the ranks of a CP group:
+
+* ``page`` (prefill) / ``owner`` (decode): rank k computes exactly the tokens
+  on pages it owns, taken from the allocation ([[RFC-0001:C-PLANNER-SPLIT]]),
+  writes their entries into its own segment ([[RFC-0001:C-DIRECT-WRITE]]), and
+  after one fence reads the whole context through the rank-major view
+  ([[RFC-0001:C-READ-PATH]]). No cache entry moves between ranks.
+* ``interleave`` / ``zigzag`` (prefill, the upstream design): a token split
+  ([[RFC-0001:C-PLANNER-SPLIT]]); each layer's new entries are all-gathered,
+  then every owner writes the slots it owns, fence, read as above.
+* ``lse`` (decode): every rank computes every request's token, attends over
+  the context positions on pages it owns only (reads of its own segment), and
+  the partial outputs merge exactly by log-sum-exp after one all-gather per
+  layer; the owner of the new token's page writes its entries.
+
+Fences are collective and lazy: a read of another rank's segment fences first
+if this batch wrote since the last fence. Every rank runs the same layers with
+the same mode, so they fence alike. Work counters (``kv_read``: context
+entries read per family, ``moved_bytes``: cache bytes received from other
+ranks) feed the split benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..consumers.kv_pool import SharedKVPool
+from ..contract import plan
+from ..contract.allocator import ExtendAllocation
+from ..contract.errors import UnsupportedPagePlan
+from ..models.attention import attend, merge_partials, paged_attention
+from .comm import Comm
+
+PREFILL_SPLITS = ("page", "interleave", "zigzag")
+DECODE_SPLITS = ("owner", "lse")
+
+
+def split_ranks(alloc: ExtendAllocation, mode: str, cp_size: int) -> torch.Tensor | None:
+    """Rank that computes each token of the flattened batch, or ``None`` when
+    every rank computes every token (``lse``). Pure: every rank gets the same."""
+    if mode in ("page", "owner"):
+        return alloc.token_owners
+    if mode == "interleave":
+        E = alloc.out_cache_loc.numel()
+        if E < cp_size:
+            raise UnsupportedPagePlan("interleave-too-short",
+                                      f"interleave split needs at least {cp_size} tokens, batch has {E}")
+        return torch.arange(E, device=alloc.out_cache_loc.device) % cp_size
+    if mode == "zigzag":
+        return plan.zigzag_ranks(alloc.extend_lens, cp_size)
+    if mode == "lse":
+        return None
+    raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
+
+
+class ForwardBatch:
+    """This rank's tokens of an allocated batch and its access to the cache.
+
+    ``table [B, L]`` holds the logical slots of every request of the batch at
+    positions ``0 .. seq_len - 1`` (padding after), the new slots included.
+    """
+
+    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: ExtendAllocation, table: torch.Tensor, mode: str):
+        self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
+        self.layout = pool.layout
+        N = self.layout.cp_size
+        ranks = split_ranks(alloc, mode, N)
+        everyone = torch.arange(alloc.out_cache_loc.numel())
+        self.token_indices = everyone if ranks is None else torch.nonzero(ranks == comm.rank).flatten()
+        # under a token split, every rank's tokens in rank order: how gathered entries map back
+        self._gathered_order = None if mode in ("page", "owner", "lse") else torch.argsort(ranks, stable=True)
+        idx = self.token_indices
+        self.req = alloc.request_of_token[idx]
+        self.positions = alloc.positions[idx]
+        self.slots = alloc.out_cache_loc[idx]
+        self.num_tokens = idx.numel()
+        self.table = table
+        self.scratch: dict = {}
+        self._dirty = False
+        self._read_all = None
+        self._read_own = None
+        self.kv_read = 0
+        self.moved_bytes = 0
+
+    # -- writes ---------------------------------------------------------------------
+    def store(self, layer: int, **values: torch.Tensor) -> None:
+        """Cache this rank's new entries; under a token split, all-gather them
+        first and write the slots this rank owns. [[RFC-0001:C-DIRECT-WRITE]]"""
+        if self._gathered_order is None:
+            if self.mode == "lse":  # every rank computed every token: the owner writes
+                mine = self.layout.owned_slot_mask(self.slots, owner_rank=self.comm.rank)
+                self.pool.write(layer, self.slots[mine], **{n: x[mine] for n, x in values.items()})
+            else:
+                self.pool.write(layer, self.slots, **values)
+        else:
+            full = {}
+            for n, x in values.items():
+                parts = self.comm.all_gather(x)
+                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
+                full[n] = torch.empty((self.alloc.out_cache_loc.numel(), *x.shape[1:]), dtype=x.dtype)
+                full[n][self._gathered_order] = torch.cat(parts)
+            loc = self.alloc.out_cache_loc
+            mine = self.layout.owned_slot_mask(loc, owner_rank=self.comm.rank)
+            self.pool.write(layer, loc[mine], **{n: x[mine] for n, x in full.items()})
+        self._dirty = True
+
+    def _fence_if_dirty(self) -> None:
+        if self._dirty:
+            self.pool.fence()
+            self._dirty = False
+
+    def finish(self) -> None:
+        """Closing fence: no rank reads this batch's context any more, so its
+        slots may be freed and reused."""
+        self.pool.fence()
+        self._dirty = False
+
+    # -- reads through the shared view -------------------------------------------------
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Requests this rank has tokens of, and each token's row among them."""
+        rows, inv = torch.unique(self.req, return_inverse=True)
+        return rows, inv
+
+    def _read_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rank-major read index ``[b, L]`` of the contexts of the requests this
+        rank has tokens of, which entries are real (not padding), and each
+        token's row among them: translated once per batch. [[RFC-0001:C-READ-PATH]]"""
+        if self._read_all is None:
+            rows, inv = self._rows()
+            L = int(self.alloc.seq_lens[rows].max()) if rows.numel() else 0
+            read = self.pool.read_index(self.table[rows, :L])
+            self._read_all = (read.clamp(min=0), read >= 0, inv)
+        return self._read_all
+
+    def _gather(self, layer: int, index: torch.Tensor, valid: torch.Tensor, names: tuple[str, ...],
+                own: bool = False) -> list[torch.Tensor]:
+        """Entries of each family in ``names`` at rank-major ``index`` where
+        ``valid`` (zeros elsewhere), ``[*index.shape, *shape]``; counts the
+        entries read. ``own``: only this rank's segment is read, so no fence."""
+        if not own:  # another rank's segment: its writes of this layer must have landed
+            self._fence_if_dirty()
+        flat = index[valid]
+        self.kv_read += flat.numel()
+        out = []
+        for x in self.pool.gather(layer, flat, *names):
+            full = x.new_zeros((*index.shape, *x.shape[1:]))
+            full[valid] = x
+            out.append(full)
+        return out
+
+    def _values(self, layer, index, valid, key, value, value_dims, own=False):
+        """Keys and values for attention, ``[*index.shape, Hkv, D]`` (a one-head
+        family such as the MLA latent gets a head axis of 1)."""
+        if key == value:
+            (k,) = self._gather(layer, index, valid, (key,), own)
+            v = k
+        else:
+            k, v = self._gather(layer, index, valid, (key, value), own)
+        if k.dim() == index.dim() + 1:
+            k, v = k.unsqueeze(-2), v.unsqueeze(-2)
+        return k, (v if value_dims is None else v[..., :value_dims])
+
+    def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's whole context in ``family`` through the shared view:
+        ``(values [T, L, *shape], visible [T, L])``."""
+        read, valid, inv = self._read_index()
+        (ctx,) = self._gather(layer, read, valid, (family,))
+        visible = torch.arange(read.shape[1])[None, :] <= self.positions[:, None]
+        return ctx[inv], visible
+
+    def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
+                     value_dims: int | None = None) -> torch.Tensor:
+        """Causal attention over each token's whole context (see :class:`cpkv.models.CacheAccess`)."""
+        if self.mode == "lse":
+            return self._attend_own(layer, q, scaling, key, value, value_dims)
+        read, valid, inv = self._read_index()
+        k, v = self._values(layer, read, valid, key, value, value_dims)
+        return paged_attention(q, inv, self.positions, k, v, scaling)
+
+    def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
+                        value: str, value_dims: int | None = None) -> torch.Tensor:
+        """Attention over the selected context positions of each token, gathered."""
+        T, K = positions.shape
+        slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
+        seen = slots >= 0
+        if self.mode == "lse":
+            seen = seen & self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank)
+        read = self.pool.read_index(torch.where(seen, slots, 0))
+        k, v = self._values(layer, read, seen, key, value, value_dims, own=self.mode == "lse")
+        out, lse = attend(q, k, v, seen, scaling)
+        return self._merge(out, lse) if self.mode == "lse" else out
+
+    # -- the log-sum-exp decode split ----------------------------------------------------
+    def _own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request of the batch, the context positions on pages this rank
+        owns, packed left (``[B, Lown]``, -1 after), and their read index."""
+        if self._read_own is None:
+            L = int(self.alloc.seq_lens.max()) if self.alloc.batch_size else 0
+            table = self.table[:, :L]
+            owned = self.layout.owned_slot_mask(table, owner_rank=self.comm.rank)
+            count = owned.sum(1)
+            width = int(count.max()) if count.numel() else 0
+            order = torch.argsort((~owned).to(torch.int8), dim=1, stable=True)[:, :width]  # owned first, in order
+            pos = torch.where(torch.arange(width)[None, :] < count[:, None], order, -1)
+            slots = torch.where(pos >= 0, table.gather(1, pos.clamp(min=0)), 0)
+            self._read_own = (pos, self.pool.read_index(slots))
+        return self._read_own
+
+    def _attend_own(self, layer, q, scaling, key, value, value_dims):
+        pos, read = self._own_positions()
+        k, v = self._values(layer, read, pos >= 0, key, value, value_dims, own=True)
+        p = pos[self.req]
+        seen = (p >= 0) & (p <= self.positions[:, None])
+        out, lse = attend(q, k[self.req], v[self.req], seen, scaling)
+        return self._merge(out, lse)
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        outs, lses = self.comm.all_gather(out), self.comm.all_gather(lse)
+        self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
+                                for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
+        return merge_partials(torch.stack(outs), torch.stack(lses))

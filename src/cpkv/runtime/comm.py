@@ -1,0 +1,171 @@
+"""The collectives a CP group uses, behind one small interface.
+
+A rank's forward needs three things from its peers: a barrier (the write
+fence), an all-gather of tensors whose first dimension may differ by rank (new
+K/V under a token split; partial attention outputs under the LSE decode split),
+and an all-gather of small Python objects (sampled tokens, reports).
+
+* :class:`DistComm` runs them on a ``torch.distributed`` group (gloo on the CPU);
+* :class:`LocalComm` is a group of one;
+* :func:`thread_group` makes N :class:`ThreadComm` that run N ranks as threads
+  of one process (tensors are shared memory between threads), so cross-rank
+  logic is tested without spawning processes. The process group is tested too.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    """Collectives of one rank of a group of ``size`` ranks; ``rank`` is its index."""
+
+    rank: int
+    size: int
+
+    def barrier(self) -> None:
+        """Every rank arrives before any leaves."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` of every rank, in rank order; first dimensions may differ, the rest must agree."""
+        raise NotImplementedError
+
+    def all_gather_object(self, obj: Any) -> list:
+        """``obj`` of every rank, in rank order."""
+        raise NotImplementedError
+
+
+class LocalComm(Comm):
+    """A group of one rank: every collective is the identity."""
+
+    def __init__(self):
+        self.rank, self.size = 0, 1
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[x]``."""
+        return [x]
+
+    def all_gather_object(self, obj: Any) -> list:
+        """``[obj]``."""
+        return [obj]
+
+
+class DistComm(Comm):
+    """Collectives on a ``torch.distributed`` process group (default: the world).
+
+    ``ranks`` lists the global ranks of ``group`` in group order (default
+    ``0 .. world_size - 1``); ``rank`` is this process's index among them.
+    """
+
+    def __init__(self, group=None, ranks: Sequence[int] | None = None):
+        self.group = group
+        self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+        self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
+
+    def barrier(self) -> None:
+        """``dist.barrier`` on the group."""
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Pads every rank's ``x`` to the longest first dimension, gathers, trims."""
+        if self.size == 1:
+            return [x]
+        n = torch.tensor([x.shape[0]], dtype=torch.int64)
+        sizes = [torch.zeros_like(n) for _ in range(self.size)]
+        dist.all_gather(sizes, n, group=self.group)
+        sizes = [int(s) for s in sizes]
+        m = max(sizes)
+        pad = x.new_zeros((m, *x.shape[1:]))
+        pad[: x.shape[0]] = x
+        out = [torch.empty_like(pad) for _ in range(self.size)]
+        dist.all_gather(out, pad.contiguous(), group=self.group)
+        return [o[:s] for o, s in zip(out, sizes)]
+
+    def all_gather_object(self, obj: Any) -> list:
+        """``dist.all_gather_object`` on the group."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+class _Rendezvous:
+    def __init__(self, n: int, timeout: float):
+        self.n, self.timeout = n, timeout
+        self.barrier = threading.Barrier(n, timeout=timeout)
+        self.slots: list = [None] * n
+
+
+class ThreadComm(Comm):
+    """One rank of a group of threads in one process (see :func:`thread_group`)."""
+
+    def __init__(self, rank: int, rv: _Rendezvous):
+        self.rank, self.size, self._rv = rank, rv.n, rv
+
+    def barrier(self) -> None:
+        """``threading.Barrier`` of the group (raises ``BrokenBarrierError`` if a rank failed)."""
+        self._rv.barrier.wait()
+
+    def _exchange(self, value) -> list:
+        rv = self._rv
+        rv.barrier.wait()  # the previous exchange has been read by everyone
+        rv.slots[self.rank] = value
+        rv.barrier.wait()
+        return list(rv.slots)
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (cloned, so later in-place changes do not leak across ranks)."""
+        return [t.clone() for t in self._exchange(x)]
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj``."""
+        return self._exchange(obj)
+
+
+def thread_group(n: int, timeout: float = 60.0) -> list[ThreadComm]:
+    """``n`` communicators whose ranks run as threads of this process."""
+    if n < 1:
+        raise ValueError(f"a group needs at least one rank, got {n}")
+    rv = _Rendezvous(n, timeout)
+    return [ThreadComm(r, rv) for r in range(n)]
+
+
+def run_threads(n: int, target: Callable[[Comm], Any], timeout: float = 120.0) -> list:
+    """Run ``target(comm)`` on ``n`` thread ranks; return every rank's result.
+
+    The first exception any rank raises is re-raised here (the others are
+    released by breaking the group's barrier).
+    """
+    comms = thread_group(n, timeout)
+    results: list = [None] * n
+    errors: list = [None] * n
+
+    def body(r: int) -> None:
+        try:
+            results[r] = target(comms[r])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+            comms[r]._rv.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"thread group of {n} did not finish within {timeout} s")
+    return results

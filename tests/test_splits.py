@@ -1,0 +1,112 @@
+"""Every way of dividing a batch among ranks gives transformers' logits: the
+page split, the interleave and zigzag token splits (all-gather, then owner
+writes), the owner and log-sum-exp decode splits. Ranks run as threads of one
+process over one shared buffer; the process group runs the same code
+(tests/test_runtime.py).
+[[RFC-0001:C-PLANNER-SPLIT]] [[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-READ-PATH]]"""
+
+import pytest
+import torch
+
+from cpkv import OwnerLaneAllocator, SharedKVLayout
+from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv.contract.plan import zigzag_ranks
+from cpkv.models import LlamaAdapter, TinyLlama
+from cpkv.runtime.comm import run_threads
+from cpkv.runtime.runner import CPRunner
+
+MODEL = TinyLlama()
+REQUESTS = [(37, 61), (0, 50), (5, 13), (0, 9), (16, 40)]  # (cached prefix, prompt): mid-page, aligned, fresh
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return LlamaAdapter(MODEL.build())
+
+
+def run_group(adapter, N, S, prefill, decode, steps=5, requests=REQUESTS):
+    """Prefill cached prefixes, then the batch, then ``steps`` greedy decode
+    steps, on N thread ranks; returns every request's logits and the runners."""
+    layout = SharedKVLayout(N, S, 64)
+    fams = adapter.families()
+    bufs = allocate_buffers(layout, fams)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, MODEL.vocab, (n,), generator=g) for _, n in requests]
+
+    def rank(comm):
+        pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
+        alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
+        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(requests), max_len=128,
+                       prefill_split=prefill, decode_split=decode)
+        out = {r: [] for r in range(len(requests))}
+
+        def step(rows, parts, dec=False):
+            a, idx, lg = run.extend(rows, parts, dec)
+            full = run.collect(a.out_cache_loc.numel(), idx, lg)
+            for i, r in enumerate(rows):
+                s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])
+                out[r].append(full[s : s + n])
+
+        warm = [r for r, (c, _) in enumerate(requests) if c]
+        step(warm, [prompts[r][: requests[r][0]] for r in warm])
+        rows = list(range(len(requests)))
+        step(rows, [prompts[r][requests[r][0] :] for r in rows])
+        gen = {r: [] for r in rows}
+        run.kv_read = run.tokens_computed = 0  # from here on: decode work only
+        for _ in range(steps):
+            nxt = [out[r][-1][-1].argmax().view(1) for r in rows]
+            for r, t in zip(rows, nxt):
+                gen[r].append(int(t))
+            step(rows, nxt, dec=True)
+        return {r: torch.cat(out[r]) for r in rows}, gen, run
+
+    return prompts, run_threads(N, rank)
+
+
+@pytest.mark.parametrize("N,S", [(1, 16), (2, 4), (3, 16), (4, 1)])
+@pytest.mark.parametrize("prefill,decode", [("page", "owner"), ("interleave", "lse"), ("zigzag", "lse"),
+                                            ("page", "lse")])
+def test_every_split_matches_transformers(llama, N, S, prefill, decode):
+    prompts, results = run_group(llama, N, S, prefill, decode)
+    logits, gen, _ = results[0]
+    for other in results[1:]:  # every rank ends with the same logits and tokens
+        assert other[1] == gen
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            seq = torch.cat([p, torch.tensor(gen[r])])
+            ref = llama.model(seq[None]).logits[0]
+            assert (logits[r] - ref[: logits[r].shape[0]]).abs().max() < 1e-4
+            assert ref[p.numel() - 1 : -1].argmax(-1).tolist() == gen[r]  # greedy tokens equal
+
+
+def test_page_split_moves_no_entries_and_token_splits_do(llama):
+    for prefill, moved in (("page", False), ("interleave", True), ("zigzag", True)):
+        _, results = run_group(llama, 2, 4, prefill, "owner", steps=1)
+        runs = [r[2] for r in results]
+        assert (sum(r.moved_bytes for r in runs) > 0) == moved, prefill
+        assert sum(r.tokens_computed for r in runs) == len(REQUESTS)  # the one decode step, once each
+
+
+def test_lse_decode_divides_context_reads_and_owner_decode_does_not_replicate(llama):
+    """Under ``lse`` every rank computes every decode token but reads only the
+    context on its own pages: reads sum to one pass over every context. Under
+    ``owner`` each token is computed once, by one rank, reading its whole context."""
+    steps, N = 3, 4
+    ctx = sum(p + 1 + j for _, p in REQUESTS for j in range(steps))  # context lengths at each decode step
+    _, lse = run_group(llama, N, 1, "page", "lse", steps=steps)
+    lse = [r[2] for r in lse]
+    assert [r.tokens_computed for r in lse] == [steps * len(REQUESTS)] * N
+    layers = llama.num_layers
+    assert sum(r.kv_read for r in lse) == layers * ctx
+    assert max(r.kv_read for r in lse) <= layers * (ctx / N + steps * len(REQUESTS))  # page 1: lanes even to a page
+    _, own = run_group(llama, N, 1, "page", "owner", steps=steps)
+    own = [r[2] for r in own]
+    assert sum(r.tokens_computed for r in own) == steps * len(REQUESTS)
+
+
+@pytest.mark.parametrize("n,N", [(10, 2), (3, 2), (8, 2), (1, 4), (17, 3), (0, 2)])
+def test_zigzag_blocks(n, N):
+    ranks = zigzag_ranks(torch.tensor([n]), N).tolist()
+    sizes = [n // (2 * N) + (b < n % (2 * N)) for b in range(2 * N)]
+    want = [b if b < N else 2 * N - 1 - b for b, k in enumerate(sizes) for _ in range(k)]
+    assert ranks == want
