@@ -174,6 +174,28 @@ class SharedKVPool:
         self._written[local_page.cpu()] = True
         return int(mine.sum())
 
+    def write_all_layers(self, slots: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
+        """Write ``values[name] [len(layers), T, *shape]`` (every layer of each
+        family at once) of logical ``slots [T]`` into this rank's own segment,
+        refusing, before any write, a slot another rank owns. A host-tier load
+        writes through here. [[RFC-0001:C-DIRECT-WRITE]]"""
+        for n, x in values.items():
+            f = self.families[n]
+            if tuple(x.shape) != (len(f.layers), slots.numel(), *f.shape):
+                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {slots.numel()} slots of "
+                                 f"{len(f.layers)} layers x {f.shape}")
+        loc, local_page, keep = self._owned_local(slots)
+        for n, x in values.items():
+            self._own[n].index_copy_(1, loc, (x if keep is None else x[:, keep]).to(self.families[n].dtype))
+        self._written[local_page.cpu()] = True
+
+    def read_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every family, every layer, at logical ``slots [T]`` (no padding),
+        read through the shared view: ``{name: [len(layers), T, *shape]}``.
+        [[RFC-0001:C-READ-PATH]]"""
+        read = self.layout.translate_read_slots(slots)
+        return {n: b.index_select(1, read) for n, b in self.buffers.items()}
+
     def fence(self) -> None:
         """Separate this layer's writes from its reads on every rank."""
         self._fence()

@@ -1,0 +1,163 @@
+"""W6: the host tier, one host KV pool for the whole CP group.
+
+Two parts, as the allocator and the pool are two parts on the device:
+
+* :class:`HostTier` - which token chains the host holds, on which host
+  slots. It is a prefix cache of its own, over a host page allocator (one lane:
+  host pages have no owner), run identically on every rank like every other
+  control state, with no collective. Host pages are evicted least recently
+  used when the host pool is full.
+* :class:`HostPool` - the data: one host buffer per cache family
+  (``[len(layers), host slots, *shape]``, in POSIX shared memory for a CP
+  group), and the two copies between it and the device pool:
+
+  - backup (device -> host): only the IO rank copies, reading every page
+    through the rank-major view (``select_device_to_host_indices``);
+  - load (host -> device): every rank copies the slots on pages it owns into
+    its own segment (``select_host_to_device_indices``), through the pool's
+    owner check.
+
+  Fences go before a backup (the device writes it reads have landed) and after
+  it (the host holds the data before its device pages are reused), and after a
+  load (before anyone reads the loaded pages).
+
+Consumers take the device allocation and its owner lanes as given: the host
+tier never recomputes owners ([[RFC-0001:C-DOWNSTREAM-CONTRACT]],
+[[RFC-0001:C-HICACHE]]).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ..contract.allocator import OwnerLaneAllocator
+from .kv_pool import Family, SharedKVPool
+from .prefix_cache import PrefixCache, PrefixHit
+
+
+class HostTier:
+    """Which whole pages of which token chains the host holds (control state only).
+
+    ``host_pages`` pages of ``page_size`` slots. The scheduler asks
+    :meth:`lookup` (pure), pins what it loads with :meth:`take` until
+    :meth:`step_done`, and backs evicted device nodes up with :meth:`backup`.
+    """
+
+    def __init__(self, host_pages: int, page_size: int):
+        if host_pages < 1:
+            raise ValueError(f"host_pages must be >= 1, got {host_pages}")
+        self.S = page_size
+        self.alloc = OwnerLaneAllocator(host_pages * page_size, page_size, 1)
+        self.index = PrefixCache(self.alloc)
+        self._held = []
+
+    @property
+    def num_pages(self) -> int:
+        """Usable host pages."""
+        return self.alloc.num_pages
+
+    def used_pages(self) -> int:
+        """Host pages holding data now."""
+        return self.num_pages - sum(self.alloc.lane_free_pages())
+
+    def lookup(self, tokens: Sequence[int], device_hit: PrefixHit) -> int:
+        """Tokens of ``tokens`` the host holds (whole pages), when that is at
+        least one page more than the device's whole-page match and more than
+        its whole match; else 0. Pure."""
+        hit = self.index.lookup(tokens)
+        n = hit.shared
+        return n if n >= device_hit.shared + self.S and n > device_hit.length else 0
+
+    def take(self, tokens: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Host slots of ``tokens[start:end]`` (held by :meth:`lookup`), pinned
+        until :meth:`step_done` so no backup of this step reuses them."""
+        m = self.index.acquire(tokens, max_length=end)
+        if m.length < end or m.copy_dst.numel():
+            self.index.release(m)
+            raise AssertionError(f"host tier holds {m.length} of the {end} tokens lookup promised")
+        self._held.append(m)
+        return m.slots[start:end].clone()
+
+    def backup(self, tokens: Sequence[int], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An evicted device chain: ``slots[j]`` holds ``tokens[j]`` on the device
+        (every token from the root through the evicted node). Allocates host
+        slots for the whole pages the host lacks (evicting host pages LRU) and
+        indexes them; returns ``(device_slots, host_slots)`` to copy, or
+        ``None`` when the host holds them already or has no room."""
+        n = len(tokens) // self.S * self.S
+        if n == 0:
+            return None
+        tokens = tuple(tokens[:n])
+        have = self.index.lookup(tokens, max_length=n).shared
+        m = self.index.acquire(tokens, max_length=have)  # whole pages only: nothing is copied
+        if m.length == n:
+            self.index.insert(tokens, m.slots, m)  # marks the chain used now
+            return None
+        a = self.index.allocate_extend([m.length], [n], torch.tensor([m.last_loc]))
+        if a is None:
+            self.index.release(m)
+            return None
+        self.index.insert(tokens, torch.cat([m.slots, a.out_cache_loc]), m)
+        return slots[m.length : n].clone(), a.out_cache_loc
+
+    def step_done(self) -> None:
+        """The step's loads have run: unpin what :meth:`take` pinned."""
+        for m in self._held:
+            self.index.release(m)
+        self._held.clear()
+
+    def clear(self) -> None:
+        """Drop everything the host holds."""
+        self.step_done()
+        self.index.clear()
+
+
+class HostPool:
+    """The host tier's data for one rank: a buffer per family, the same memory on every rank.
+
+    ``buffers[name]`` has shape ``[len(family.layers), (host_pages + 1) *
+    page_size, *family.shape]`` (host page 0 unused, like device page 0).
+    """
+
+    def __init__(self, families: Sequence[Family], buffers: Mapping[str, torch.Tensor], io_rank: int = 0):
+        self.families = {f.name: f for f in families}
+        self.buffers = dict(buffers)
+        self.io_rank = io_rank
+        if set(self.families) != set(self.buffers):
+            raise ValueError(f"families {sorted(self.families)} and host buffers {sorted(self.buffers)} differ")
+
+    @staticmethod
+    def allocate(families: Sequence[Family], host_pages: int, page_size: int,
+                 make: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed host buffers; ``make(tag, shape, dtype)`` allocates (default ``torch.zeros``)."""
+        make = make or (lambda tag, shape, dtype: torch.zeros(shape, dtype=dtype))
+        slots = (host_pages + 1) * page_size
+        return {f.name: make(f"host_{f.name}", (len(f.layers), slots, *f.shape), f.dtype) for f in families}
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page over every family and layer."""
+        return page_size * sum(f.slot_bytes() for f in self.families.values())
+
+    def backup(self, pool: SharedKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
+        """Device -> host: the IO rank reads ``device_slots`` through the shared
+        view and writes ``host_slots``; other ranks copy nothing. Returns the
+        slots this rank copied. The caller fences before and after."""
+        host, _ = pool.layout.select_device_to_host_indices(host_slots, device_slots, current_rank=pool.rank,
+                                                            io_rank=self.io_rank)
+        if not host.numel():
+            return 0
+        data = pool.read_all_layers(device_slots)
+        for n, b in self.buffers.items():
+            b.index_copy_(1, host, data[n])
+        return host.numel()
+
+    def load(self, pool: SharedKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> int:
+        """Host -> device: this rank loads the slots on pages it owns into its own
+        segment (through the pool's owner check). Returns the slots it loaded.
+        The caller fences after."""
+        mine = pool.layout.owned_slot_mask(device_slots, owner_rank=pool.rank)
+        host, _ = pool.layout.select_host_to_device_indices(host_slots, device_slots, owner_rank=pool.rank)
+        pool.write_all_layers(device_slots[mine], {n: b.index_select(1, host) for n, b in self.buffers.items()})
+        return host.numel()

@@ -1,0 +1,236 @@
+"""The engine: the scheduler on a CP group, every rank computing its share on real KV.
+
+Every rank builds the same scheduler over the same trace and runs the same
+steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
+copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
+the greedy tokens, all-gathered, close the step on every rank alike. With
+``check``, rank 0 keeps every computed logit and compares each finished
+request with ``transformers``' own forward of its full sequence (no cache) and
+its greedy tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..consumers.hicache import HostPool, HostTier
+from ..consumers.kv_pool import SharedKVPool, allocate_buffers
+from ..consumers.prefix_cache import PrefixCache
+from ..contract.allocator import OwnerLaneAllocator
+from ..contract.layout import SharedKVLayout
+from ..models import LlamaAdapter, TinyLlama
+from ..runtime.comm import Comm, DistComm, LocalComm
+from ..runtime.group import RankContext, launch
+from ..runtime.runner import CPRunner
+from .scheduler import Batch, Scheduler, StepPlan
+from .trace import WORKLOADS, RequestSpec, load_jsonl
+
+
+class RankExecutor:
+    """Carries out a :class:`StepPlan` on one rank; returns each batch's greedy tokens.
+
+    Order: backups (IO rank, fenced before and after), loads (each owner) and
+    copies (each destination owner), a fence, the admitted requests' page-table
+    rows, then the decode and prefill forwards.
+    """
+
+    def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False):
+        self.runner, self.host, self.check = runner, host, check
+        self.pool: SharedKVPool = runner.pool
+        self.logits: dict[int, dict[int, torch.Tensor]] = {}  # request index -> position -> logits (check only)
+        self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
+
+    def run(self, plan: StepPlan) -> list[list[int]]:
+        """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
+        pool, run = self.pool, self.runner
+        if plan.backups:
+            pool.fence()
+            for dev, host in plan.backups:
+                self.backed_up += self.host.backup(pool, dev, host)
+            pool.fence()
+        for host, dev, _ in plan.loads:
+            self.loaded += self.host.load(pool, host, dev)
+        for src, dst, _ in plan.copies:
+            self.copied += pool.copy_slots(src, dst)
+        if plan.loads or plan.copies:
+            pool.fence()
+        for row, slots in plan.assign:
+            run.assign(row, slots)
+        return [self._forward(b) for b in plan.batches()]
+
+    def _forward(self, b: Batch) -> list[int]:
+        run, a = self.runner, b.alloc
+        run.record(b.rows, a)
+        idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode)
+        last = a.extend_start_loc + a.extend_lens - 1  # each request's last new token
+        where = torch.full((a.out_cache_loc.numel(),), -1, dtype=torch.int64)
+        where[idx] = torch.arange(idx.numel())
+        mine = where[last] >= 0
+        picks = (torch.nonzero(mine).flatten(), logits[where[last][mine]].argmax(-1))
+        tokens = torch.empty(a.batch_size, dtype=torch.int64)
+        for req, tok in run.comm.all_gather_object(picks):
+            tokens[req] = tok
+        if self.check:
+            full = run.collect(a.out_cache_loc.numel(), idx, logits)
+            if run.comm.rank == 0:
+                pos, rows = a.positions.tolist(), a.request_of_token.tolist()
+                for j, (p, i) in enumerate(zip(pos, rows)):
+                    self.logits.setdefault(b.requests[i].index, {})[p] = full[j]
+        return tokens.tolist()
+
+
+@dataclass
+class EngineConfig:
+    """One engine run: the model, the CP group, the caches, the trace."""
+
+    cp_size: int = 4
+    page_size: int = 16
+    device_pages: int = 64  # pages per rank (per lane)
+    host_pages: int = 0  # pages of the host tier (0: none)
+    chunk: int = 256
+    max_running: int = 16
+    admission: str = "lanes"
+    prefill_split: str = "page"
+    decode_split: str = "owner"
+    workload: str = "multiturn"  # a built-in workload, or a JSONL path
+    requests: int = 8  # built-in workloads: sessions / questions / documents
+    scale: float = 0.1  # built-in workloads: lengths times this
+    seed: int = 0
+    model: TinyLlama = field(default_factory=TinyLlama)
+    check: bool = False
+    timeout: float = 300.0
+    progress: bool = False
+    fail_rank: int | None = None  # fault injection: this rank raises at step ``fail_step``
+    kill_rank: int | None = None  # fault injection: this rank is killed at step ``fail_step``
+    fail_step: int = 3
+
+    def trace(self) -> list[RequestSpec]:
+        """The requests of this run."""
+        vocab = self.model.vocab
+        if self.workload in WORKLOADS:
+            return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
+        return load_jsonl(self.workload, vocab=vocab)
+
+
+def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
+    """The scheduler every rank builds (same inputs, same state)."""
+    N, S = cfg.cp_size, cfg.page_size
+    layout = SharedKVLayout(N, S, cfg.device_pages)
+    alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
+    host = HostTier(cfg.host_pages, S) if cfg.host_pages else None
+    return Scheduler(specs, PrefixCache(alloc), chunk=cfg.chunk, max_running=cfg.max_running,
+                     admission=cfg.admission, host=host)
+
+
+def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
+    import os
+    import signal
+
+    specs = cfg.trace()
+    sched = build_scheduler(cfg, specs)
+    adapter = LlamaAdapter(cfg.model.build())
+    comm: Comm = DistComm() if ctx.distributed else LocalComm()
+    layout = sched.alloc.layout
+    fams = adapter.families()
+    pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, ctx.shared), fence=comm.barrier)
+    host = None
+    if cfg.host_pages:
+        host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, ctx.shared))
+    max_len = max(r.final_len for r in sched.requests) + 1
+    runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split)
+    ex = RankExecutor(runner, host, check=cfg.check)
+    bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and ctx.rank == 0), leave=False)
+    t0 = time.perf_counter()
+    while not sched.done:
+        if sched.step == cfg.fail_step and ctx.rank == cfg.fail_rank:
+            raise RuntimeError(f"injected fault on rank {ctx.rank} at step {sched.step}")
+        if sched.step == cfg.fail_step and ctx.rank == cfg.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        plan = sched.plan()
+        done = sched.complete(plan, ex.run(plan))
+        bar.update(len(done))
+    seconds = time.perf_counter() - t0
+    bar.close()
+    moved = comm.all_gather_object({"rank": ctx.rank, "copied": ex.copied, "backed_up": ex.backed_up,
+                                    "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
+                                    "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes})
+    sched.drain()
+    leaked = sum(sched.alloc.lane_free_pages()) != sched.alloc.num_pages
+    if leaked or (sched.host is not None and sched.host.used_pages()):
+        raise AssertionError("pages leaked after the trace")
+    if ctx.rank != 0:
+        return None
+    return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
+
+
+def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
+    """Every request against ``transformers``: its full forward (no cache) over
+    the request's sequence, every computed logit within tolerance, and greedy
+    decoding giving the same tokens."""
+    worst, mismatched, logits_checked = 0.0, [], 0
+    with torch.no_grad():
+        for r in sched.requests:
+            seq = torch.tensor(r.seq[:-1], dtype=torch.int64)
+            ref = model(seq[None]).logits[0]
+            got = ex.logits.get(r.index, {})
+            if got:
+                pos = torch.tensor(sorted(got))
+                ours = torch.stack([got[p] for p in pos.tolist()])
+                worst = max(worst, float((ours - ref[pos]).abs().max()))
+                logits_checked += pos.numel()
+            n = len(r.prompt)
+            if ref[n - 1 :].argmax(-1).tolist() != r.generated:
+                mismatched.append(r.spec.id)
+    return {"max_abs_diff": worst, "logits_checked": logits_checked, "requests": len(sched.requests),
+            "requests_matched": len(sched.requests) - len(mismatched), "mismatched": mismatched}
+
+
+def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
+           checked: dict | None) -> dict:
+    """The run's figures (see ``cpkv run --help``)."""
+    st = sched.stats
+    import numpy as np
+
+    occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
+    peak_lane = occ.max(0)
+    return {
+        "config": {**asdict(cfg), "model": asdict(cfg.model)},
+        "requests": len(sched.requests),
+        "finished": st.finished,
+        "steps": st.steps,
+        "prompt_tokens": st.prompt_tokens,
+        "generated_tokens": st.generated_tokens,
+        "computed_tokens": st.computed_tokens,
+        "device_hit_rate": st.hit_tokens / max(st.prompt_tokens, 1),
+        "host_hit_rate": st.host_hit_tokens / max(st.prompt_tokens, 1),
+        "mid_page_copies": st.copies,
+        "evicted_pages": sched.cache.evicted_pages,
+        "backup_pages": st.backup_pages,
+        "backup_bytes": st.backup_pages * page_bytes,
+        "load_pages": st.host_hit_tokens // cfg.page_size,
+        "load_bytes": st.host_hit_tokens // cfg.page_size * page_bytes,
+        "preemptions": st.preemptions,
+        "refusals": st.refusals,
+        "peak_kv_bytes_per_rank": [int(x) * page_bytes for x in peak_lane],
+        "peak_replicated_kv_bytes": int(occ.sum(1).max()) * page_bytes,
+        "max_lane_gap_pct": st.lane_gap(cfg.device_pages),
+        "seconds": seconds,
+        "tokens_per_second": st.generated_tokens / max(seconds, 1e-9),
+        "ranks": ranks,
+        "check": checked,
+        "occupancy": st.occupancy,
+        "host_occupancy": st.host_occupancy,
+    }
+
+
+def run_engine(cfg: EngineConfig) -> dict:
+    """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report."""
+    cfg.model.config()
+    specs = cfg.trace()
+    build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process
+    return launch(_engine_rank, cfg.cp_size, cfg, timeout=cfg.timeout)

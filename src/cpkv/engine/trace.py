@@ -1,0 +1,178 @@
+"""Serving traces: the requests an engine (or the simulator) runs.
+
+A trace is a list of :class:`RequestSpec`. A request arrives at step
+``arrival`` with prompt ``tokens`` and generates ``max_new_tokens`` tokens
+greedily. A follow-up turn names its parent (``after``): its prompt is the
+parent's prompt, then the parent's generated tokens, then its own ``tokens``,
+and it arrives no earlier than ``arrival`` and no earlier than ``delay`` steps
+after the parent finished.
+
+Traces come from built-in seeded workloads (:data:`WORKLOADS`) or from a JSONL
+file, one request a line::
+
+    {"id": "a", "arrival": 0, "tokens": [5, 17, 3], "max_new_tokens": 8}
+    {"id": "b", "arrival": 0, "tokens": [9], "max_new_tokens": 4, "after": "a", "delay": 2}
+
+A bad line is refused with its line number and the reason, before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace that cannot be run; the message names the line (or request) and the reason."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a trace (see the module docstring)."""
+
+    id: str
+    arrival: int
+    tokens: tuple[int, ...]
+    max_new_tokens: int
+    after: str | None = None
+    delay: int = 0
+
+
+_KEYS = {"id": str, "arrival": int, "tokens": list, "max_new_tokens": int, "after": str, "delay": int}
+_REQUIRED = ("id", "arrival", "tokens", "max_new_tokens")
+
+
+def validate(specs: list[RequestSpec], vocab: int | None = None, where=None) -> list[RequestSpec]:
+    """Check a trace as a whole: unique ids, parents defined earlier, tokens in
+    ``[0, vocab)``, positive lengths. ``where(i)`` names request i in errors.
+    Returns ``specs``."""
+    where = where or (lambda i: f"request {specs[i].id!r}")
+    seen: set[str] = set()
+    for i, s in enumerate(specs):
+        if s.id in seen:
+            raise TraceError(f"{where(i)}: id {s.id!r} is used twice")
+        if s.after is not None and s.after not in seen:
+            raise TraceError(f"{where(i)}: 'after' names {s.after!r}, which no earlier line defines")
+        if s.arrival < 0 or s.delay < 0:
+            raise TraceError(f"{where(i)}: arrival and delay must be >= 0")
+        if s.max_new_tokens < 1:
+            raise TraceError(f"{where(i)}: max_new_tokens must be >= 1, got {s.max_new_tokens}")
+        if not s.tokens and s.after is None:
+            raise TraceError(f"{where(i)}: a request without 'after' needs at least one token")
+        if vocab is not None and s.tokens and not (0 <= min(s.tokens) and max(s.tokens) < vocab):
+            raise TraceError(f"{where(i)}: tokens must lie in [0, {vocab})")
+        seen.add(s.id)
+    return specs
+
+
+def parse_line(text: str) -> RequestSpec:
+    """One JSONL line as a :class:`RequestSpec`; raises ``TraceError`` with the reason."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError("a line must be a JSON object")
+    unknown = sorted(set(obj) - set(_KEYS))
+    if unknown:
+        raise TraceError(f"unknown keys {unknown}; a request has {sorted(_KEYS)}")
+    missing = [k for k in _REQUIRED if k not in obj]
+    if missing:
+        raise TraceError(f"missing {missing}")
+    for k, v in obj.items():
+        want = _KEYS[k]
+        if want is int and (isinstance(v, bool) or not isinstance(v, int)) or want is not int and not isinstance(v, want):
+            raise TraceError(f"{k!r} must be {want.__name__}, got {type(v).__name__}")
+    toks = obj["tokens"]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in toks):
+        raise TraceError("'tokens' must be a list of ints")
+    return RequestSpec(obj["id"], obj["arrival"], tuple(toks), obj["max_new_tokens"], obj.get("after"),
+                       obj.get("delay", 0))
+
+
+def load_jsonl(path: str, vocab: int | None = None) -> list[RequestSpec]:
+    """Read and validate a JSONL trace; every error names ``path:line``."""
+    specs, lines = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                specs.append(parse_line(text))
+            except TraceError as e:
+                raise TraceError(f"{path}:{n}: {e}") from None
+            lines.append(n)
+    if not specs:
+        raise TraceError(f"{path}: no requests")
+    return validate(specs, vocab, lambda i: f"{path}:{lines[i]}")
+
+
+def dump_jsonl(specs: list[RequestSpec], path: str) -> None:
+    """Write a trace in the JSONL format :func:`load_jsonl` reads."""
+    with open(path, "w", encoding="utf-8") as f:
+        for s in specs:
+            obj = {"id": s.id, "arrival": s.arrival, "tokens": list(s.tokens), "max_new_tokens": s.max_new_tokens}
+            if s.after is not None:
+                obj.update(after=s.after, delay=s.delay)
+            f.write(json.dumps(obj) + "\n")
+
+
+# -- built-in seeded workloads ---------------------------------------------------------
+def _tokens(rng, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.integers(0, vocab, n).tolist())
+
+
+def _span(rng, lo: int, hi: int, scale: float) -> int:
+    return max(1, int(rng.integers(lo, hi + 1) * scale))
+
+
+def multiturn(n: int = 600, seed: int = 0, vocab: int = 50_000, scale: float = 1.0) -> list[RequestSpec]:
+    """Conversations of 1-4 turns that extend their own history: prompts 64-1024
+    tokens, follow-ups 8-256, replies 8-192, pauses 1-30 steps (lengths times
+    ``scale``). Lengths ignore the page size, so most continuations start mid-page."""
+    rng = np.random.default_rng(seed)
+    out, t = [], 0
+    for sid in range(n):
+        t += int(rng.integers(0, 3))
+        parent = None
+        for turn in range(int(rng.integers(1, 5))):
+            first = turn == 0
+            toks = _tokens(rng, _span(rng, 64, 1024, scale) if first else _span(rng, 8, 256, scale), vocab)
+            rid = f"s{sid}t{turn}"
+            out.append(RequestSpec(rid, t, toks, _span(rng, 8, 192, scale), parent,
+                                   0 if first else int(rng.integers(1, 31))))
+            parent = rid
+    return out
+
+
+def shared_prompt(n: int = 400, seed: int = 0, system: int = 3000, vocab: int = 50_000,
+                  scale: float = 1.0) -> list[RequestSpec]:
+    """One long system prompt (``system`` tokens) and many short questions
+    (16-128 tokens) with replies of 8-64 tokens, four arriving per step."""
+    rng = np.random.default_rng(seed)
+    sys_prompt = _tokens(rng, max(1, int(system * scale)), vocab)
+    return [RequestSpec(f"q{i}", i // 4, sys_prompt + _tokens(rng, _span(rng, 16, 128, scale), vocab),
+                        _span(rng, 8, 64, scale)) for i in range(n)]
+
+
+def longdoc(n: int = 8, seed: int = 0, vocab: int = 50_000, scale: float = 1.0) -> list[RequestSpec]:
+    """Few very long documents (8K-32K tokens, prefilled in chunks), each
+    followed by one or two questions about it."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in range(n):
+        rid = f"d{d}"
+        out.append(RequestSpec(rid, 12 * d, _tokens(rng, _span(rng, 8192, 32768, scale), vocab),
+                               _span(rng, 32, 128, scale)))
+        parent = rid
+        for k in range(int(rng.integers(1, 3))):
+            qid = f"d{d}q{k}"
+            out.append(RequestSpec(qid, 12 * d, _tokens(rng, _span(rng, 16, 64, scale), vocab),
+                                   _span(rng, 32, 128, scale), parent, int(rng.integers(5, 40))))
+            parent = qid
+    return out
+
+
+WORKLOADS = {"multiturn": multiturn, "shared-prompt": shared_prompt, "longdoc": longdoc}
