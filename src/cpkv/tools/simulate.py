@@ -13,6 +13,10 @@ compared side by side on the same trace:
 * ``lane0``: owner lanes, every fresh request based at lane 0;
 * ``oblivious``: pages taken from one free list, as a plain paged allocator
   does (lane of page p is still ``p % N`` for the occupancy figures).
+
+Admission asks the cache with ``lookup`` (no side effect) whether a request
+fits, and only then ``acquire``s its match; a finished request is
+``insert``ed, an aborted one ``release``d.
 """
 
 from __future__ import annotations
@@ -259,20 +263,20 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
                        np.zeros(alloc.cp_size, dtype=np.int64))
         while pending and pending[0].due <= step and len(running) < workload.max_running:
             r = pending[0]
-            m = cache.match(r.tokens)  # may take a copy page and evict: measure after it
-            need = lane_need(alloc, m.last_loc, m.length, len(r.tokens) + len(r.reply))
-            spare = (np.array(alloc.lane_free_pages()) + cache.evictable_pages()
+            hit = cache.lookup(r.tokens)  # no side effect: nothing to give back if it does not fit
+            need = cache.lane_need(hit, len(r.tokens) + len(r.reply))  # with the copy page, if any
+            spare = (np.array(alloc.lane_free_pages()) + cache.evictable_pages() - hit.newly_pinned
                      - headroom * alloc.lane_pages - reserved)
             if admission == "lanes" and running and (need > spare).any():
-                cache.release(m, m.slots)
                 break
+            m = cache.acquire(r.tokens)
             pending.pop(0)
             res.tokens += m.length  # served from the cache
             res.hit_tokens += m.length
             res.prompt_tokens += len(r.tokens)
             r.match, r.slots, r.computed = m, [m.slots], m.length
             running.append(r)
-            reserved = reserved + need
+            reserved = reserved + lane_need(alloc, r.last_loc, r.length, len(r.tokens) + len(r.reply))
         # 2. one extend batch: the next chunk of every request still prefilling
         pre = [r for r in running if r.computed < len(r.tokens)]
         if pre:
