@@ -1,37 +1,41 @@
 """W5 prefix cache: radix behaviour, reference counts, LRU and lane-aware
-eviction, and page ownership against the allocator.
+eviction, page ownership against the allocator, lookup without side effects,
+and misuse refused with nothing changed.
 [[RFC-0001:C-PREFIX-CACHE]]"""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cpkv import OwnerLaneAllocator
-from cpkv.consumers.prefix_cache import PrefixCache
+from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 
 
 class Engine:
     """A toy engine over the cache: 'KV' of a slot is (token, position)."""
 
-    def __init__(self, pages_per_lane, S, N):
+    def __init__(self, pages_per_lane, S, N, **kw):
         self.S, self.N = S, N
         self.alloc = OwnerLaneAllocator(pages_per_lane * N * S, S, N)
-        self.cache = PrefixCache(self.alloc)
+        self.cache = PrefixCache(self.alloc, **kw)
         self.kv = {}
         self.live = {}  # id -> (tokens, slots, match)
 
     def start(self, rid, tokens):
-        m = self.cache.match(tokens)
+        return self.run(rid, tokens, self.cache.acquire(tokens))
+
+    def run(self, rid, tokens, m):
+        """Copy, check the matched KV, allocate the rest and 'compute' it."""
         for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):
             self.kv[d] = self.kv[s]  # the copy the engine makes, inside one lane
         for j in range(m.length):
             assert self.kv[int(m.slots[j])] == (tokens[j], j), "a cached slot holds the wrong KV"
         r = self.cache.allocate_extend([m.length], [len(tokens)], torch.tensor([m.last_loc]))
         if r is None:
-            self.cache.release(m, m.slots)
+            self.cache.release(m)
             return None
         slots = torch.cat([m.slots, r.out_cache_loc])
         for j in range(m.length, len(tokens)):
@@ -42,44 +46,109 @@ class Engine:
     def finish(self, rid):
         tokens, slots, m = self.live.pop(rid)
         self.cache.insert(tokens, slots, m)
+        return tokens, slots, m
 
     def abort(self, rid):
         tokens, slots, m = self.live.pop(rid)
         self.cache.release(m, slots)
+        return tokens, slots, m
+
+    def state(self):
+        return self.cache.snapshot(), self.alloc.snapshot()
 
 
 def tree_nodes(cache):
-    out, stack = [], [(cache.root, 0)]
+    out, stack = [], [(cache.tree.root, 0)]
     while stack:
         n, depth = stack.pop()
-        if n is not cache.root:
+        if n is not cache.tree.root:
             out.append((n, depth))
         for c in n.children.values():
             stack.append((c, depth + len(c.key)))
     return out
 
 
+def lanes_by_walk(cache, which):
+    """Pages per lane of the nodes ``which`` selects, counted from scratch."""
+    out = np.zeros(cache.N, dtype=np.int64)
+    for n, _ in tree_nodes(cache):
+        if which(n):
+            out += np.bincount(np.unique(n.slots.numpy() // cache.S) % cache.N, minlength=cache.N)
+    return out
+
+
+STEMS = [(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (9,)]
+LIVE_MISUSE = ["foreign", "length", "tokens-off", "slots-off", "chain", "free-page", "cached-page"]
+
+
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(S=st.sampled_from([1, 2, 4]), N=st.sampled_from([1, 2, 3, 4]), lane_pages=st.integers(3, 12))
+    @initialize(S=st.sampled_from([1, 2, 4]), N=st.sampled_from([1, 2, 3, 4]), lane_pages=st.integers(3, 16))
     def setup(self, S, N, lane_pages):
         self.e = Engine(lane_pages, S, N)
+        self.other = PrefixCache(OwnerLaneAllocator(lane_pages * N * S, S, N))  # for foreign matches
+        self.ended = []  # (tokens, slots, match) already inserted or released
+        self.finished = []  # tokens of inserted requests, stems of follow-ups
         self.next = 0
 
+    def _tokens(self, data):
+        # a small alphabet, shared stems and follow-ups of ended requests (cut
+        # anywhere) make prefixes, full and mid-page, common
+        stem = data.draw(st.sampled_from(STEMS + self.finished[-3:]))
+        stem = stem[: data.draw(st.integers(len(stem) // 2, len(stem)))] if len(stem) > 7 else stem
+        return stem + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=6)))
+
+    @precondition(lambda self: hasattr(self, "e"))
     @rule(data=st.data())
     def start(self, data):
-        # a small alphabet and shared stems make prefixes (full and mid-page) common
-        stem = data.draw(st.sampled_from([(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (9,)]))
-        tail = tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=10)))
-        self.e.start(self.next, stem + tail)
-        self.next += 1
+        self._admit(self._tokens(data))
+
+    def _admit(self, tokens):
+        """lookup predicts acquire: same match, the pages it pins, and (when no
+        eviction intervenes) the lanes the request then allocates."""
+        c = self.e.cache
+        hit, evictable, evicted = c.lookup(tokens), c.evictable_pages(), c.evicted_nodes
+        need = c.lane_need(hit, len(tokens))
+        m = c.acquire(tokens)
+        event("start: matched" if m.length else "start: no match")
+        assert m.shared == hit.shared
+        if m.length != hit.length:  # only when no page could be had for the copy
+            assert m.length == hit.shared and c.last_deficit is not None
+        calm = c.evicted_nodes == evicted and m.length == hit.length
+        if calm:
+            assert (evictable - c.evictable_pages()).tolist() == hit.newly_pinned.tolist()
+        rid, self.next = self.next, self.next + 1
+        if self.e.run(rid, tokens, m) is not None and calm and c.evicted_nodes == evicted:
+            own = self.e.live[rid][1][m.shared :].numpy() // self.e.S
+            got = np.bincount(np.unique(own) % self.e.N, minlength=self.e.N)
+            assert got.tolist() == need.tolist(), "lane_need mispredicted the lanes the request took"
+
+    @precondition(lambda self: hasattr(self, "e"))
+    @rule(data=st.data(), max_length=st.none() | st.integers(0, 12))
+    def lookup_changes_nothing(self, data, max_length):
+        before = self.e.state()
+        hit = self.e.cache.lookup(self._tokens(data), max_length)
+        assert self.e.state() == before, "lookup changed the cache or the allocator"
+        assert hit.shared % self.e.S == 0 and 0 <= hit.copy < self.e.S
 
     @precondition(lambda self: getattr(self, "e", None) and self.e.live)
     @rule(data=st.data(), abort=st.booleans())
     def end(self, data, abort):
         rid = data.draw(st.sampled_from(sorted(self.e.live)))
-        (self.e.abort if abort else self.e.finish)(rid)
+        self.ended.append((self.e.abort if abort else self.e.finish)(rid))
+        if not abort:
+            self.finished.append(self.ended[-1][0])
 
-    @precondition(lambda self: getattr(self, "e", None) is not None)
+    @precondition(lambda self: getattr(self, "e", None) and self.e.live)
+    @rule(data=st.data())
+    def next_turn(self, data):
+        """A request finishes and its follow-up (its tokens, cut anywhere, plus
+        new ones) arrives at once: matches, full and mid-page, are common."""
+        tokens = self.e.finish(data.draw(st.sampled_from(sorted(self.e.live))))[0]
+        self.finished.append(tokens)
+        cut = data.draw(st.integers(len(tokens) // 2, len(tokens)))
+        self._admit(tokens[:cut] + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4))))
+
+    @precondition(lambda self: hasattr(self, "e"))
     @rule(lane=st.integers(0, 3), n=st.integers(1, 4))
     def pressure(self, lane, n):
         deficit = np.zeros(self.e.N, dtype=np.int64)
@@ -88,6 +157,83 @@ class CacheMachine(RuleBasedStateMachine):
         self.e.cache.evict(deficit)
         remaining = {id(n) for n, _ in tree_nodes(self.e.cache)}
         assert held <= remaining | {id(None)}, "a node in use was evicted"
+
+    @precondition(lambda self: hasattr(self, "e"))
+    @rule(kind=st.sampled_from(["tokens", "deficit", "max-length"]), data=st.data())
+    def misuse_input(self, kind, data):
+        """Malformed arguments: the right error, and nothing changed."""
+        c, N = self.e.cache, self.e.N
+        if kind == "tokens":
+            bad = data.draw(st.sampled_from([(1, -2, 3), (1.0, 2.0), ((1, 2), (3, 4)), "ab", torch.tensor([0.5])]))
+            call = data.draw(st.sampled_from([lambda: c.lookup(bad), lambda: c.acquire(bad)]))
+        elif kind == "deficit":
+            bad = data.draw(st.sampled_from([np.full(N + 1, 1), np.full(N, -1), np.full(N, 0.5)]))
+            call = lambda: c.evict(bad)  # noqa: E731
+        else:
+            bad = data.draw(st.sampled_from([-1, 2.5, True]))
+            call = lambda: c.acquire((1, 2, 3), max_length=bad)  # noqa: E731
+        self._refused(call, {"tokens": "bad-tokens", "deficit": "bad-deficit"}.get(kind, "bad-max-length"))
+
+    @precondition(lambda self: getattr(self, "ended", None))
+    @rule(data=st.data(), insert=st.booleans())
+    def misuse_ended_match(self, data, insert):
+        """A second insert or release of a match: refused, nothing freed."""
+        tokens, slots, m = data.draw(st.sampled_from(self.ended))
+        c = self.e.cache
+        call = (lambda: c.insert(tokens, slots, m)) if insert else (lambda: c.release(m, slots))
+        self._refused(call, "match-consumed")
+
+    @precondition(lambda self: getattr(self, "e", None) and self.e.live)
+    @rule(kind=st.sampled_from(LIVE_MISUSE), data=st.data(), insert=st.booleans())
+    def misuse_live(self, kind, data, insert):
+        """A live request ended with the wrong arguments: refused, nothing changed."""
+        e, c, S = self.e, self.e.cache, self.e.S
+        needs_match = kind in ("tokens-off", "slots-off")
+        pick = [r for r, (_, _, m) in e.live.items() if m.length or not needs_match]
+        if not pick:
+            return
+        tokens, slots, m = e.live[data.draw(st.sampled_from(sorted(pick)))]
+        if kind == "foreign":
+            fm = self.other.acquire(tokens)
+            try:
+                self._refused(lambda: c.insert(tokens, slots, fm) if insert else c.release(fm), "foreign-match")
+            finally:
+                self.other.release(fm)
+            return
+        bent, rule = slots.clone(), None
+        if kind == "length":
+            bent, rule, insert = slots[:-1], "length-mismatch", True
+        elif kind == "tokens-off":
+            tokens, rule, insert = (tokens[0] + 1,) + tokens[1:], "tokens-do-not-extend-match", True
+        elif kind == "slots-off":
+            j = data.draw(st.integers(0, m.length - 1))
+            bent[j], rule = int(slots[-1]) if j != slots.numel() - 1 else 0, "slots-do-not-extend-match"
+        elif kind == "chain":  # private slots off their page offsets, or (S = 1) one page twice
+            if S > 1:
+                bent[m.length :] += 1
+            elif len(tokens) >= 2:
+                bent[-1] = bent[-2]
+            else:
+                return
+            rule = "not-a-page-chain"
+        else:  # another page in place of the request's last own page: a free one, or one the cache holds
+            q = (len(tokens) - 1) // S
+            free = np.flatnonzero(~e.alloc.is_allocated(np.arange(1, e.alloc.num_pages + 1))) + 1
+            pool = free if kind == "free-page" else np.flatnonzero(c.tree.page_cached)
+            pool = np.setdiff1d(pool, slots.numpy() // S)  # another page, not one of its own
+            if q * S < m.length or not pool.size:
+                return
+            bent[q * S :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + torch.arange(len(tokens) - q * S)
+            rule = "private-page-not-allocated" if kind == "free-page" else "private-page-cached"
+        self._refused((lambda: c.insert(tokens, bent, m)) if insert else (lambda: c.release(m, bent)), rule)
+
+    def _refused(self, call, rule):
+        event(f"refused: {rule}")
+        before = self.e.state()
+        with pytest.raises(PrefixCacheMisuse) as err:
+            call()
+        assert err.value.rule == rule, err.value
+        assert self.e.state() == before, f"a refused call ({rule}) changed the state"
 
     @invariant()
     def consistent(self):
@@ -109,6 +255,12 @@ class CacheMachine(RuleBasedStateMachine):
                 owners[p] = rid
         allocated = np.flatnonzero(e.alloc.is_allocated(np.arange(e.alloc.num_pages + 1)))
         assert sorted(owners) == allocated.tolist(), "cache + requests != allocated pages"
+        # the derived counts kept incrementally agree with a full walk
+        c = e.cache
+        assert c.lane_cached_pages().tolist() == lanes_by_walk(c, lambda n: True).tolist()
+        assert c.evictable_pages().tolist() == lanes_by_walk(c, lambda n: n.ref == 0).tolist()
+        assert np.flatnonzero(c.tree.page_cached).tolist() == sorted(p for p, o in owners.items() if o == "cache")
+        assert set(c.tree.leaves) == {n for n, _ in tree_nodes(c) if not n.children}
 
     def teardown(self):
         if hasattr(self, "e"):
@@ -116,6 +268,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.e.finish(rid)
             self.e.cache.clear()
             assert self.e.alloc.lane_free_pages() == self.e.alloc.lane_pages.tolist(), "pages leaked"
+            assert self.other.alloc.lane_free_pages() == self.other.alloc.lane_pages.tolist()
 
 
 def _on_path(held, node):

@@ -1,0 +1,253 @@
+"""Prefix cache misuse: every wrong call an integrating engine is likely to make
+raises PrefixCacheMisuse (or UnsupportedPagePlan) with the cache and the
+allocator exactly as they were; lookup has no side effect; a match is
+consumed once; the eviction hook sees the pages before they are freed.
+[[RFC-0001:C-PREFIX-CACHE]]"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit
+from test_prefix_cache import Engine
+
+S, N = 2, 2
+
+
+def engine(pages=8, **kw):
+    return Engine(pages, S, N, **kw)
+
+
+def cached(e, rid, tokens):
+    """Run ``tokens`` as a request and cache it."""
+    assert e.start(rid, tokens) is not None
+    return e.finish(rid)
+
+
+def refused(e, call, rule, error=PrefixCacheMisuse):
+    before = e.state()
+    with pytest.raises(error) as err:
+        call()
+    assert err.value.rule == rule, err.value
+    assert e.state() == before, f"refused call ({rule}) changed the state"
+    return err.value
+
+
+def test_second_insert_never_frees_pages_the_tree_serves():
+    e = engine()
+    tokens, slots, m = cached(e, 0, (1, 2, 3, 4, 5, 6))
+    err = refused(e, lambda: e.cache.insert(tokens, slots, m), "match-consumed")
+    assert "inserted" in str(err)
+    pages = np.unique(slots.numpy() // S)
+    assert e.alloc.is_allocated(pages).all()
+    # a new request is never handed a page the tree still serves
+    e.start(1, (7, 7, 7, 7, 7, 7, 7, 7))
+    own = np.unique(e.live[1][1].numpy() // S)
+    assert not np.isin(own, pages).any()
+
+
+def test_second_release_keeps_the_reference_counts():
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4, 5, 6))
+    m1 = e.start(1, (1, 2, 3, 4, 5, 6, 7, 8))  # live, holds (1..6)
+    e.start(2, (1, 2, 3, 4, 5, 6, 9, 9))
+    tokens, slots, m2 = e.abort(2)
+    refused(e, lambda: e.cache.release(m2, slots), "match-consumed")
+    refused(e, lambda: e.cache.insert(tokens, slots, m2), "match-consumed")
+    assert m1.node.ref == 1
+    e.cache.evict(np.array([100, 100]))  # the live request's pages survive any eviction
+    assert e.alloc.is_allocated(np.unique(m1.slots.numpy() // S)).all()
+
+
+def test_ranking_lookup_leaves_the_cache_and_allocator_unchanged():
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4, 5))
+    before = e.state()
+    for q in [(1, 2, 3, 9, 9), (1, 2, 3, 4, 5, 6), (1,), (8, 8), (1, 2, 3, 4, 5, 6, 7, 8)]:
+        hit = e.cache.lookup(q)
+        assert isinstance(hit, PrefixHit)
+    assert e.state() == before, "lookup took a page, a reference, an LRU touch or a counter"
+    hit = e.cache.lookup((1, 2, 3, 9, 9))
+    assert (hit.length, hit.shared, hit.copy, hit.needs_copy) == (3, 2, 1, True)
+
+
+def test_release_by_default_frees_the_copy_page():
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4, 5))
+    free = e.alloc.lane_free_pages()
+    m = e.cache.acquire((1, 2, 3, 9))  # shares page (1, 2), copies 3
+    assert m.copy_dst.numel() == 1 and sum(e.alloc.lane_free_pages()) == sum(free) - 1
+    e.cache.release(m)
+    assert e.alloc.lane_free_pages() == free and m.consumed
+
+
+def test_a_match_of_another_cache_is_refused():
+    e, other = engine(), PrefixCache(OwnerLaneAllocator(8 * N * S, S, N))
+    tokens, slots, m = cached(e, 0, (1, 2, 3, 4))
+    fm = other.acquire(tokens)
+    refused(e, lambda: e.cache.insert(tokens, slots, fm), "foreign-match")
+    refused(e, lambda: e.cache.release(fm), "foreign-match")
+    hit = e.cache.lookup(tokens)
+    refused(e, lambda: e.cache.release(hit), "not-a-match")
+    refused(e, lambda: e.cache.lane_need(m, 10), "not-a-hit")
+
+
+def test_end_refuses_tokens_and_slots_that_do_not_extend_the_match():
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4, 5))
+    m = e.start(1, (1, 2, 3, 4, 6, 6))  # shares (1,2),(3,4)
+    tokens, slots, _ = e.live[1]
+    refused(e, lambda: e.cache.insert(tokens, slots[:-1], m), "length-mismatch")
+    refused(e, lambda: e.cache.insert((1, 2, 9, 4, 6, 6), slots, m), "tokens-do-not-extend-match")
+    bent = slots.clone()
+    bent[:2] = slots[4:6]  # the request's own page where the shared one belongs
+    refused(e, lambda: e.cache.insert(tokens, bent, m), "slots-do-not-extend-match")
+    refused(e, lambda: e.cache.release(m, bent), "slots-do-not-extend-match")
+    refused(e, lambda: e.cache.release(m, slots[:3]), "slots-do-not-extend-match")
+    e.finish(1)  # the right call still works
+
+
+def test_end_refuses_private_pages_that_are_free_or_cached():
+    e = engine()
+    _, cslots, _ = cached(e, 0, (1, 2, 3, 4))
+    m = e.start(1, (5, 5, 6, 6))
+    tokens, slots, _ = e.live[1]
+    free_page = int(np.flatnonzero(~e.alloc.is_allocated(np.arange(1, e.alloc.num_pages + 1)))[0]) + 1
+    bent = slots.clone()
+    bent[2:] = free_page * S + torch.arange(2)
+    refused(e, lambda: e.cache.insert(tokens, bent, m), "private-page-not-allocated")
+    refused(e, lambda: e.cache.release(m, bent), "private-page-not-allocated")
+    bent[2:] = cslots[:2]  # a page the tree serves, claimed as the request's own
+    refused(e, lambda: e.cache.insert(tokens, bent, m), "private-page-cached")
+    refused(e, lambda: e.cache.release(m, bent), "private-page-cached")
+
+
+def test_end_refuses_slots_that_are_not_a_page_chain():
+    e = engine()
+    m = e.start(0, (1, 2, 3, 4, 5))
+    tokens, slots, _ = e.live[0]
+    for bent in [torch.cat([slots[:4], torch.tensor([-1])]),  # padding
+                 torch.cat([slots[:1], slots[2:], slots[1:2]]),  # off its page offset
+                 torch.cat([slots[:2], slots[:2], slots[4:]]),  # one page twice
+                 torch.cat([slots[:4], torch.tensor([10_000])])]:  # no such page
+        refused(e, lambda: e.cache.insert(tokens, bent, m), "not-a-page-chain")
+        refused(e, lambda: e.cache.release(m, bent), "not-a-page-chain")
+    refused(e, lambda: e.cache.insert(tokens, slots.float(), m), "bad-slots")
+
+
+@pytest.mark.parametrize("bad", [(1, -2, 3), (1.0, 2.0), ((1, 2), (3, 4)), "abc", torch.tensor([True, False]),
+                                 np.array([1.5])])
+def test_bad_tokens_are_refused_by_every_call(bad):
+    e = engine()
+    tokens, slots, m = cached(e, 0, (1, 2, 3, 4))
+    e.start(1, (1, 2, 3, 4, 5))
+    _, s1, m1 = e.live[1]
+    refused(e, lambda: e.cache.lookup(bad), "bad-tokens")
+    refused(e, lambda: e.cache.acquire(bad), "bad-tokens")
+    if len(bad) == len(s1):
+        refused(e, lambda: e.cache.insert(bad, s1, m1), "bad-tokens")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_max_length_is_refused(bad):
+    e = engine()
+    refused(e, lambda: e.cache.lookup((1, 2, 3), max_length=bad), "bad-max-length")
+    refused(e, lambda: e.cache.acquire((1, 2, 3), max_length=bad), "bad-max-length")
+
+
+@pytest.mark.parametrize("bad", [[1], [1, 1, 1], [-1, 2], [0.5, 1], [[1, 1]]])
+def test_evict_refuses_a_malformed_deficit(bad):
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4))
+    refused(e, lambda: e.cache.evict(bad), "bad-deficit")
+
+
+def test_a_bad_plan_through_the_cache_changes_nothing():
+    e = engine()
+    cached(e, 0, (1, 2, 3, 4))
+    refused(e, lambda: e.cache.allocate_extend([0], [5], torch.tensor([5])), "last-loc-without-prefix",
+            UnsupportedPagePlan)
+    refused(e, lambda: e.cache.allocate_decode([0], torch.tensor([-1])), "empty-decode", UnsupportedPagePlan)
+
+
+def test_on_evict_sees_tokens_and_slots_before_the_pages_are_freed():
+    seen = []
+
+    def backup(tokens, slots):
+        seen.append((tokens, slots.tolist(), bool(e.alloc.is_allocated(np.unique(slots.numpy() // S)).all())))
+
+    e = engine(on_evict=backup)
+    _, slots, _ = cached(e, 0, (1, 2, 3, 4, 5, 6))
+    cached(e, 1, (1, 2, 3, 4, 7, 7, 7))  # splits (1..6) after two pages; adds (7,7) and a partial leaf (7,)
+    e.cache.clear()
+    assert all(alive for _, _, alive in seen), "the hook ran after the pages were freed"
+    by_tokens = {t: s for t, s, _ in seen}
+    assert by_tokens[(1, 2, 3, 4)] == slots[:4].tolist()  # the upper part: its whole prefix, its own slots
+    assert by_tokens[(1, 2, 3, 4, 5, 6)] == slots[4:].tolist()
+    assert {len(t) - len(s) for t, s, _ in seen} >= {0, 4, 6}  # deeper nodes: the slots hold the tail
+    assert e.cache.evicted_nodes == len(seen) and e.cache.cached_pages() == 0
+
+
+def test_a_failing_on_evict_hook_keeps_the_node():
+    def broken(tokens, slots):
+        raise RuntimeError("host tier full")
+
+    e = engine(on_evict=broken)
+    cached(e, 0, (1, 2, 3, 4))
+    before = e.state()
+    with pytest.raises(RuntimeError, match="host tier full"):
+        e.cache.evict(np.array([1, 1]))
+    assert e.state() == before
+
+
+def test_a_preempted_request_keeps_its_kv_through_insert():
+    """Preemption may insert what a request computed so far; re-admission finds it."""
+    e = engine()
+    m = e.cache.acquire((1, 2, 3, 4, 5, 6, 7))
+    r = e.cache.allocate_extend([0], [5], torch.tensor([-1]))  # a first chunk of 5 tokens
+    e.cache.insert((1, 2, 3, 4, 5), torch.cat([m.slots, r.out_cache_loc]), m)
+    again = e.cache.acquire((1, 2, 3, 4, 5, 6, 7))
+    assert again.length == 5 and again.shared == 4
+    e.cache.release(again)
+    e.cache.clear()
+    assert e.alloc.lane_free_pages() == e.alloc.lane_pages.tolist()
+
+
+def test_the_same_calls_leave_every_rank_identical():
+    """No collective: N caches fed the same calls end byte-identical, clear included.
+    [[RFC-0001:C-NO-PLANNER-COLLECTIVE]]"""
+    ranks = [engine(6) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    turns = [tuple(rng.integers(0, 3, int(rng.integers(2, 9))).tolist()) for _ in range(30)]
+    for e in ranks:
+        for i, t in enumerate(turns):
+            if e.start(i, t) is not None:
+                e.abort(i) if i % 5 == 0 else e.finish(i)
+    assert len({e.state() for e in ranks}) == 1
+    for e in ranks:
+        e.cache.clear()
+    assert len({e.alloc.snapshot() for e in ranks}) == 1
+
+
+@st.composite
+def cached_sets(draw):
+    s = draw(st.sampled_from([1, 2, 4]))
+    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple), min_size=1, max_size=6))
+    query = tuple(draw(st.lists(st.integers(0, 2), min_size=1, max_size=14)))
+    return s, seqs, query
+
+
+@given(cached_sets(), st.sampled_from([1, 3]), st.none() | st.integers(0, 14))
+def test_lookup_predicts_acquire(case, n, max_length):
+    s, seqs, query = case
+    e = Engine(200, s, n)
+    for i, t in enumerate(seqs):
+        cached(e, i, t)
+    hit = e.cache.lookup(query, max_length)
+    m = e.cache.acquire(query, max_length)
+    assert (m.length, m.shared, m.copy_src.numel()) == (hit.length, hit.shared, hit.copy)
+    assert hit.last_shared_loc == (int(m.slots[m.shared - 1]) if m.shared else -1)
+    assert hit.copy_lane == (int(m.copy_src[0]) // s % n if hit.copy else -1)
