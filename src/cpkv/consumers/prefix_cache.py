@@ -328,6 +328,14 @@ class RadixTree:
             node = node.parent
         return tuple(t for k in reversed(keys) for t in k)
 
+    def prefix_slots(self, node: _Node) -> torch.Tensor:
+        """The slots of every token from the root through the end of ``node`` (a copy)."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.slots)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
+
     def nodes(self):
         """Every node but the root (depth first)."""
         stack = [self.root]
@@ -412,8 +420,9 @@ class PrefixCache:
     refusal); on finish ``insert(tokens, slots, m)``; on abort or preemption
     ``release(m, slots)``. ``on_evict(tokens, slots)``, if given, is called
     for every evicted node before its pages are freed: ``tokens`` are all
-    tokens from the root through the node, ``slots`` (a copy) the node's own,
-    holding the last ``len(slots)`` of them (a host tier backs them up there).
+    tokens from the root through the node and ``slots`` (a copy) the slots
+    holding them, the ancestors' (still cached) and the node's own (a host
+    tier backs the chain up from there).
     It must not call the cache; if it raises, that node stays cached and the
     error propagates (nodes evicted before it in the same call stay evicted).
     [[RFC-0001:C-PREFIX-CACHE]]
@@ -573,7 +582,7 @@ class PrefixCache:
 
     def _evict(self, leaf: _Node) -> None:
         if self.on_evict is not None:
-            self.on_evict(self.tree.prefix_tokens(leaf), leaf.slots.clone())
+            self.on_evict(self.tree.prefix_tokens(leaf), self.tree.prefix_slots(leaf))
         self.evicted_nodes += 1
         self.evicted_pages += int(leaf.pages.size)
         self._drop(leaf)

@@ -127,43 +127,48 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
+    comm: Comm = DistComm() if ctx.distributed else LocalComm()
+    return engine_rank(ctx.shared, comm, cfg, LlamaAdapter(cfg.model.build()))
+
+
+def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
+    """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
+    shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
     import os
     import signal
 
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
-    adapter = LlamaAdapter(cfg.model.build())
-    comm: Comm = DistComm() if ctx.distributed else LocalComm()
     layout = sched.alloc.layout
     fams = adapter.families()
-    pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, ctx.shared), fence=comm.barrier)
+    pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, shared), fence=comm.barrier)
     host = None
     if cfg.host_pages:
-        host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, ctx.shared))
-    max_len = max(r.final_len for r in sched.requests) + 1
+        host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
+    max_len = sched.max_len + 1
     runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
                       prefill_split=cfg.prefill_split, decode_split=cfg.decode_split)
     ex = RankExecutor(runner, host, check=cfg.check)
-    bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and ctx.rank == 0), leave=False)
+    bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
-        if sched.step == cfg.fail_step and ctx.rank == cfg.fail_rank:
-            raise RuntimeError(f"injected fault on rank {ctx.rank} at step {sched.step}")
-        if sched.step == cfg.fail_step and ctx.rank == cfg.kill_rank:
+        if sched.step == cfg.fail_step and comm.rank == cfg.fail_rank:
+            raise RuntimeError(f"injected fault on rank {comm.rank} at step {sched.step}")
+        if sched.step == cfg.fail_step and comm.rank == cfg.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         plan = sched.plan()
         done = sched.complete(plan, ex.run(plan))
         bar.update(len(done))
     seconds = time.perf_counter() - t0
     bar.close()
-    moved = comm.all_gather_object({"rank": ctx.rank, "copied": ex.copied, "backed_up": ex.backed_up,
+    moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes})
     sched.drain()
     leaked = sum(sched.alloc.lane_free_pages()) != sched.alloc.num_pages
     if leaked or (sched.host is not None and sched.host.used_pages()):
         raise AssertionError("pages leaked after the trace")
-    if ctx.rank != 0:
+    if comm.rank != 0:
         return None
     return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
 
@@ -209,7 +214,9 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "device_hit_rate": st.hit_tokens / max(st.prompt_tokens, 1),
         "host_hit_rate": st.host_hit_tokens / max(st.prompt_tokens, 1),
         "mid_page_copies": st.copies,
-        "evicted_pages": sched.cache.evicted_pages,
+        "chunk_continuations": st.chunk_continuations,
+        "mid_page_continuations": st.mid_page_continuations,
+        "evicted_pages": st.evicted_pages,
         "backup_pages": st.backup_pages,
         "backup_bytes": st.backup_pages * page_bytes,
         "load_pages": st.host_hit_tokens // cfg.page_size,
@@ -226,6 +233,25 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,
     }
+
+
+def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
+    """The engine with its ranks as threads of this process (tests; one shared
+    model and one set of buffers, collectives through threads)."""
+    import threading
+
+    from ..runtime.comm import run_threads
+
+    adapter = adapter or LlamaAdapter(cfg.model.build())
+    made, lock = {}, threading.Lock()
+
+    def shared(tag, shape, dtype):
+        with lock:
+            if tag not in made:
+                made[tag] = torch.zeros(shape, dtype=dtype)
+            return made[tag]
+
+    return run_threads(cfg.cp_size, lambda comm: engine_rank(shared, comm, cfg, adapter), timeout=cfg.timeout)[0]
 
 
 def run_engine(cfg: EngineConfig) -> dict:

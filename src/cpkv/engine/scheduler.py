@@ -144,12 +144,16 @@ class Stats:
     host_hit_tokens: int = 0  # tokens loaded from the host tier
     computed_tokens: int = 0
     generated_tokens: int = 0
+    chunk_continuations: int = 0  # prefill chunks continuing an earlier chunk of the same request
+    mid_page_continuations: int = 0  # ... from a slot in the middle of a page
     copies: int = 0  # mid-page copies
     copied_slots: int = 0
     backup_pages: int = 0
     load_pages: int = 0
     preemptions: int = 0
     refusals: int = 0
+    evicted_nodes: int = 0  # device prefix-cache evictions under memory pressure
+    evicted_pages: int = 0
     served_tokens: int = 0  # cached prefixes matched, tokens prefilled and decoded
     tokens_before_refusal: int | None = None
     max_request_skew: int = 0
@@ -223,10 +227,12 @@ class Scheduler:
     def _check_capacity(self) -> None:
         """Refuse, before anything runs, a request that could never fit the cache."""
         lengths = {}
+        self.max_len = 0  # the most KV tokens any request will hold
         for r in self.requests:  # a follow-up's prompt: parent prompt + parent replies + own tokens
             s = r.spec
             base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
             lengths[s.id] = base + len(s.tokens)
+            self.max_len = max(self.max_len, lengths[s.id] + s.max_new_tokens - 1)
             pages = -(-(lengths[s.id] + s.max_new_tokens - 1) // self.S)
             per_lane = -(-pages // self.N)
             if per_lane > int(self.alloc.lane_pages.min()):
@@ -379,6 +385,9 @@ class Scheduler:
     def _prefill_batch(self, reqs, chunks, a: ExtendAllocation) -> Batch:
         ids = []
         for i, (r, c) in enumerate(zip(reqs, chunks)):
+            if r.computed > r.match.length + r.host_hit:
+                self.stats.chunk_continuations += 1
+                self.stats.mid_page_continuations += r.computed % self.S != 0
             s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])
             r.slots[r.computed : r.computed + n] = a.out_cache_loc[s : s + n]
             ids.append(torch.tensor(r.seq[r.computed : r.computed + n], dtype=torch.int64))
@@ -436,6 +445,7 @@ class Scheduler:
         self.waiting.sort(key=lambda x: (x.due, x.index))
 
     def _record(self) -> None:
+        self.stats.evicted_nodes, self.stats.evicted_pages = self.cache.evicted_nodes, self.cache.evicted_pages
         used = np.flatnonzero(self.alloc.is_allocated(self._all_pages))
         self.stats.occupancy.append(np.bincount(owner_of(used, self.report_lanes), minlength=self.report_lanes).tolist())
         if self.host is not None:

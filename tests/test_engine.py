@@ -1,0 +1,61 @@
+"""The engine: the one scheduler on a CP group, on real KV, exact against transformers.
+
+Traces with shared prefixes ending mid-page and on page ends, chunked prefill
+(continuations from mid-page slots), eviction, preemption, host backup and
+restore, for N in {1, 2, 4} and page sizes {1, 16}. Ranks run as threads of
+one process here (fast); tests/test_engine_group.py runs the process group.
+[[RFC-0001:C-NO-PLANNER-COLLECTIVE]] [[RFC-0001:C-HICACHE]] [[RFC-0001:C-PREFIX-CACHE]]
+[[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
+
+import pytest
+
+from cpkv.engine import EngineConfig, run_engine_threads
+from cpkv.models import LlamaAdapter, TinyLlama
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return LlamaAdapter(TinyLlama().build())
+
+
+def exact(r):
+    c = r["check"]
+    assert c["requests_matched"] == c["requests"] == r["requests"] == r["finished"], c["mismatched"]
+    assert c["max_abs_diff"] < 1e-4
+    # every computed position's logits were compared (a preempted request recomputes positions)
+    assert (c["logits_checked"] == r["computed_tokens"]) if not r["preemptions"] else \
+        (0 < c["logits_checked"] < r["computed_tokens"])
+
+
+CASES = {
+    # N, page, device pages per lane, host pages, chunk, admission: what the case must exercise
+    "n1-host": (1, 16, 12, 48, 24, "lanes"),
+    "n2-page1-host": (2, 1, 120, 400, 40, "lanes"),
+    "n4-host": (4, 16, 6, 48, 40, "lanes"),
+    "n2-preempt": (2, 16, 8, 0, 40, "none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_transformers_under_pressure(llama, case):
+    N, S, dp, hp, chunk, adm = CASES[case]
+    r = run_engine_threads(EngineConfig(cp_size=N, page_size=S, device_pages=dp, host_pages=hp, requests=5,
+                                        scale=0.08, chunk=chunk, admission=adm, check=True), llama)
+    exact(r)
+    assert r["evicted_pages"] > 0 and r["chunk_continuations"] > 0
+    if S > 1:
+        assert r["mid_page_continuations"] > 0
+    if hp:
+        assert r["backup_pages"] > 0 and r["load_pages"] > 0 and r["host_hit_rate"] > 0
+    if adm == "none":
+        assert r["preemptions"] > 0
+    if case == "n4-host":
+        assert r["mid_page_copies"] > 0 and r["device_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("prefill,decode", [("interleave", "lse"), ("zigzag", "owner")])
+def test_engine_with_token_splits_and_lse_decode(llama, prefill, decode):
+    r = run_engine_threads(EngineConfig(cp_size=2, page_size=16, device_pages=10, host_pages=32, requests=4,
+                                        scale=0.08, chunk=40, prefill_split=prefill, decode_split=decode,
+                                        check=True), llama)
+    exact(r)
