@@ -185,9 +185,9 @@ def test_on_evict_sees_tokens_and_slots_before_the_pages_are_freed():
     e.cache.clear()
     assert all(alive for _, _, alive in seen), "the hook ran after the pages were freed"
     by_tokens = {t: s for t, s, _ in seen}
-    assert by_tokens[(1, 2, 3, 4)] == slots[:4].tolist()  # the upper part: its whole prefix, its own slots
-    assert by_tokens[(1, 2, 3, 4, 5, 6)] == slots[4:].tolist()
-    assert {len(t) - len(s) for t, s, _ in seen} >= {0, 4, 6}  # deeper nodes: the slots hold the tail
+    assert by_tokens[(1, 2, 3, 4)] == slots[:4].tolist()  # the upper part
+    assert by_tokens[(1, 2, 3, 4, 5, 6)] == slots.tolist()  # the whole chain: the ancestor's slots, then its own
+    assert all(len(t) == len(s) for t, s, _ in seen)  # a slot for every token from the root
     assert e.cache.evicted_nodes == len(seen) and e.cache.cached_pages() == 0
 
 

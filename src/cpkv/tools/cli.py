@@ -9,7 +9,7 @@ import sys
 
 def _simulate(args) -> int:
     from .bench import format_rows
-    from .simulate import WORKLOADS, compare, plot
+    from .simulate import SIM_WORKLOADS as WORKLOADS, compare, plot
 
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     results, tables = [], []
@@ -31,7 +31,7 @@ def _simulate(args) -> int:
         print(json.dumps([row for _, _, rows in tables for row in rows], indent=2))
         return 0
     for name, w, rows in tables:
-        print(format_rows(rows, f"{name}: {len(w.sessions)} sessions, seed {args.seed}, N={args.cp}, page {args.page}, "
+        print(format_rows(rows, f"{name}: {len(w.requests)} requests, seed {args.seed}, N={args.cp}, page {args.page}, "
                                 f"{args.lane_pages or w.lane_pages} pages per lane, admission {args.admission}"))
         print()
     if args.plot:

@@ -18,7 +18,7 @@ the same trace:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -85,7 +85,11 @@ class RunResult:
     evicted_pages: int = 0
     requests: int = 0
     host_pages: int = 0
-    occupancy: list = field(default_factory=list)
+
+    @property
+    def occupancy(self) -> list:
+        """Used device pages per lane, per step."""
+        return self.stats.occupancy
 
     def summary(self) -> dict:
         """The table row of this run."""

@@ -1,0 +1,73 @@
+"""Serving traces: JSONL files refused line by line with the reason, built-in
+workloads seeded, and a trace that could never fit the cache refused up front."""
+
+import json
+
+import pytest
+
+from cpkv.consumers.prefix_cache import PrefixCache
+from cpkv.contract.allocator import OwnerLaneAllocator
+from cpkv.engine.scheduler import Scheduler
+from cpkv.engine.trace import WORKLOADS, RequestSpec, TraceError, dump_jsonl, load_jsonl
+
+GOOD = [{"id": "a", "arrival": 0, "tokens": [5, 17, 3], "max_new_tokens": 4},
+        {"id": "b", "arrival": 2, "tokens": [9], "max_new_tokens": 2, "after": "a", "delay": 1}]
+
+
+def write(tmp_path, rows):
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(p)
+
+
+def test_a_good_file_round_trips(tmp_path):
+    specs = load_jsonl(write(tmp_path, GOOD), vocab=256)
+    assert specs == [RequestSpec("a", 0, (5, 17, 3), 4), RequestSpec("b", 2, (9,), 2, "a", 1)]
+    out = tmp_path / "again.jsonl"
+    dump_jsonl(specs, str(out))
+    assert load_jsonl(str(out)) == specs
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("{not json", "not JSON"),
+    ('[1, 2]', "a line must be a JSON object"),
+    ({"id": "c", "arrival": 0, "tokens": [1]}, "missing ['max_new_tokens']"),
+    ({"id": "c", "arrival": 0, "tokens": [1], "max_new_tokens": 2, "colour": 1}, "unknown keys ['colour']"),
+    ({"id": "c", "arrival": "0", "tokens": [1], "max_new_tokens": 2}, "'arrival' must be int"),
+    ({"id": "c", "arrival": 0, "tokens": [1.5], "max_new_tokens": 2}, "'tokens' must be a list of ints"),
+    ({"id": "c", "arrival": 0, "tokens": [True], "max_new_tokens": 2}, "'tokens' must be a list of ints"),
+    ({"id": "c", "arrival": 0, "tokens": [1], "max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"id": "c", "arrival": -1, "tokens": [1], "max_new_tokens": 1}, "arrival and delay must be >= 0"),
+    ({"id": "c", "arrival": 0, "tokens": [], "max_new_tokens": 1}, "needs at least one token"),
+    ({"id": "c", "arrival": 0, "tokens": [300], "max_new_tokens": 1}, "tokens must lie in [0, 256)"),
+    ({"id": "a", "arrival": 0, "tokens": [1], "max_new_tokens": 1}, "id 'a' is used twice"),
+    ({"id": "c", "arrival": 0, "tokens": [1], "max_new_tokens": 1, "after": "zz"}, "'after' names 'zz'"),
+])
+def test_a_bad_line_is_refused_with_its_number_and_reason(tmp_path, bad, reason):
+    path = write(tmp_path, GOOD + [bad])
+    with pytest.raises(TraceError) as e:
+        load_jsonl(path, vocab=256)
+    assert f"{path}:3: " in str(e.value) and reason in str(e.value)
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    with pytest.raises(TraceError, match="no requests"):
+        load_jsonl(write(tmp_path, ["", " "]))
+
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs():
+    alloc = OwnerLaneAllocator(4 * 2 * 16, 16, 2)  # 4 pages per lane, 128 tokens in all
+    specs = [RequestSpec("a", 0, tuple(range(100)), 8), RequestSpec("b", 0, (1,), 40, "a")]
+    with pytest.raises(TraceError, match="request 'b' needs 10 pages"):
+        Scheduler(specs, PrefixCache(alloc))
+    assert alloc.lane_free_pages() == alloc.lane_pages.tolist()
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_builtin_workloads_are_seeded_and_valid(name):
+    a = WORKLOADS[name](6, seed=3, vocab=256, scale=0.05)
+    assert a == WORKLOADS[name](6, seed=3, vocab=256, scale=0.05)
+    assert a != WORKLOADS[name](6, seed=4, vocab=256, scale=0.05)
+    ids = {s.id for s in a}
+    assert len(ids) == len(a) and all(s.after in ids for s in a if s.after)
+    assert all(0 <= t < 256 for s in a for t in s.tokens)
