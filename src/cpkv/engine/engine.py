@@ -152,10 +152,13 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
-        if sched.step == cfg.fail_step and comm.rank == cfg.fail_rank:
+        if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
+            if os.environ.get("CPKV_FAULT_MARKER"):  # tests time the group's reaction from here
+                with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
+                    f.write(repr(time.time()))
+            if comm.rank == cfg.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected fault on rank {comm.rank} at step {sched.step}")
-        if sched.step == cfg.fail_step and comm.rank == cfg.kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
         plan = sched.plan()
         done = sched.complete(plan, ex.run(plan))
         bar.update(len(done))
