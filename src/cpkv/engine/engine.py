@@ -233,6 +233,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "tokens_per_second": st.generated_tokens / max(seconds, 1e-9),
         "ranks": ranks,
         "check": checked,
+        "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,
     }

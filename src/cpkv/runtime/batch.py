@@ -137,19 +137,14 @@ class ForwardBatch:
 
     def _gather(self, layer: int, index: torch.Tensor, valid: torch.Tensor, names: tuple[str, ...],
                 own: bool = False) -> list[torch.Tensor]:
-        """Entries of each family in ``names`` at rank-major ``index`` where
-        ``valid`` (zeros elsewhere), ``[*index.shape, *shape]``; counts the
-        entries read. ``own``: only this rank's segment is read, so no fence."""
+        """Entries of each family in ``names`` at rank-major ``index``,
+        ``[*index.shape, *shape]``; entries where ``valid`` is False are read
+        from slot 0 and must be masked by the caller. Counts the entries read
+        (valid ones). ``own``: only this rank's segment is read, so no fence."""
         if not own:  # another rank's segment: its writes of this layer must have landed
             self._fence_if_dirty()
-        flat = index[valid]
-        self.kv_read += flat.numel()
-        out = []
-        for x in self.pool.gather(layer, flat, *names):
-            full = x.new_zeros((*index.shape, *x.shape[1:]))
-            full[valid] = x
-            out.append(full)
-        return out
+        self.kv_read += int(valid.sum())
+        return list(self.pool.gather(layer, index, *names))
 
     def _values(self, layer, index, valid, key, value, value_dims, own=False):
         """Keys and values for attention, ``[*index.shape, Hkv, D]`` (a one-head
