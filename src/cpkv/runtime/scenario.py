@@ -167,15 +167,18 @@ def run_scenario(cfg: RunConfig) -> dict:
     """Run ``cfg`` on a CP group of ``cfg.cp_size`` processes; return rank 0's report.
 
     Raises :class:`~cpkv.runtime.group.RankFailure` naming the first rank that
-    failed; the shared segment is unlinked whatever happens.
+    failed; the shared segment is unlinked whatever happens. Before starting
+    any process it raises ``TypeError`` for a model that is neither a
+    :class:`TinyLlama` nor a :class:`TinyDsa` and ``ValueError`` for an
+    impossible configuration.
     """
+    if not isinstance(cfg.model, (TinyLlama, TinyDsa)):
+        raise TypeError(f"RunConfig.model is a TinyLlama or a TinyDsa, not a {type(cfg.model).__name__}")
     if cfg.cp_size < 1 or cfg.page_size < 1:
         raise ValueError(f"cp_size and page_size must be >= 1, got {cfg.cp_size}, {cfg.page_size}")
     if any(not 0 <= c < n for c, n in cfg.requests):
         raise ValueError(f"every request needs 0 <= cached prefix < prompt length: {cfg.requests}")
     if max(n for _, n in cfg.requests) + cfg.decode_steps > cfg.model.max_positions:
         raise ValueError(f"sequences exceed the model's {cfg.model.max_positions} positions")
-    if not isinstance(cfg.model, (TinyLlama, TinyDsa)):
-        raise TypeError(f"RunConfig.model is a TinyLlama or a TinyDsa, not a {type(cfg.model).__name__}")
     cfg.model.config()  # refuse an impossible model shape before starting any process
     return launch(_rank, cfg.cp_size, cfg, timeout=cfg.timeout)
