@@ -69,3 +69,52 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     w = torch.exp(lses - torch.where(torch.isinf(lse), 0.0, lse)[None])
     w = torch.where(torch.isinf(lses), 0.0, w)
     return (w[..., None] * outs.float()).sum(0).to(outs.dtype)
+
+
+# -- MLA (multi-head latent attention) in absorbed form, and DSA's lightning indexer --------
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """MLA query absorbed into the latent space: ``q_abs[t, h] = W_UK[h]^T q_nope[t, h]``.
+
+    ``q_nope [T, H, dn]``, ``w_uk [H, dn, r]`` (the key half of each head's
+    ``kv_b_proj`` rows). Returns ``[T, H, r]``: its dot product with a cached
+    latent ``c`` equals ``q_nope . (W_UK c)``, the expanded key, so attention
+    runs over the latent without expanding any key.
+    """
+    return torch.einsum("thd,hdr->thr", q_nope, w_uk)
+
+
+def absorbed_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """MLA output from attention over latents: ``o[t, h] = W_UV[h] o_latent[t, h]``.
+
+    ``o_latent [T, H, r]`` is the softmax-weighted sum of the latents,
+    ``w_uv [H, dv, r]`` the value half of ``kv_b_proj``. Returns ``[T, H, dv]``,
+    equal to attention over the expanded values ``W_UV c``.
+    """
+    return torch.einsum("thr,hvr->thv", o_latent, w_uv)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores of each query over its context, fp32.
+
+    ``I[t, l] = sum_h weights[t, h] * relu(scale * q[t, h] . keys[t, l])`` with
+    ``q [T, Hi, Di]``, ``weights [T, Hi]`` (signed, already scaled by the
+    model), ``keys [T, L, Di]`` (query t's context). Returns ``[T, L]``.
+    """
+    s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale)  # [T, Hi, L]
+    return torch.matmul(weights.float().unsqueeze(-2), s).squeeze(-2)
+
+
+def topk_positions(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``min(k, visible positions)`` best visible context positions per query.
+
+    ``scores [T, L]``, ``visible [T, L]`` (causal: positions ``0 .. position``).
+    Returns ``[T, min(k, L)]`` int64 positions, ``-1`` where a query sees fewer
+    than that many positions (it then selects all it sees: the row is dense).
+    Ties are broken by ``torch.topk``, so the set is the reference's when no two
+    scores tie at the k-th place.
+    """
+    if k < 1:
+        raise ValueError(f"top-k needs k >= 1, got {k}")
+    K = min(k, scores.shape[-1])
+    idx = scores.masked_fill(~visible, float("-inf")).topk(K, dim=-1).indices
+    return torch.where(visible.gather(-1, idx), idx, -1)

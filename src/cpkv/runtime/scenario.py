@@ -14,7 +14,7 @@ from ..consumers.kv_pool import SharedKVPool, allocate_buffers
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
-from ..models import LlamaAdapter, TinyLlama
+from ..models import DsaAdapter, LlamaAdapter, ModelAdapter, TinyDsa, TinyLlama
 from .comm import DistComm, LocalComm
 from .group import RankContext, launch
 from .runner import CPRunner
@@ -25,13 +25,14 @@ from .runner import CPRunner
 class RunConfig:
     """One end-to-end run. ``requests`` are ``(cached_prefix, prompt_len)``: a
     request with a cached prefix is prefilled up to it first (the "cache"),
-    then continued by the main batch."""
+    then continued by the main batch. ``model`` is a :class:`TinyLlama` (the
+    default) or a :class:`TinyDsa` (DeepSeek-V3.2 or GLM-5)."""
 
     cp_size: int = 4
     page_size: int = 16
     requests: list = field(default_factory=lambda: [(37, 61), (0, 50), (32, 45), (0, 9), (0, 83)])
     decode_steps: int = 8
-    model: TinyLlama = field(default_factory=TinyLlama)
+    model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     pages_per_rank: int | None = None  # default: room for the whole run, twice over
     seed: int = 0
     check_plans: bool = False
@@ -140,8 +141,18 @@ def shared_pool(ctx: RankContext, adapter, layout: SharedKVLayout, comm: DistCom
     return SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
 
 
+def build_adapter(model: TinyLlama | TinyDsa) -> ModelAdapter:
+    """The adapter for a model configuration: :class:`DsaAdapter` for a
+    :class:`TinyDsa`, :class:`LlamaAdapter` for a :class:`TinyLlama`."""
+    if isinstance(model, TinyDsa):
+        return DsaAdapter(model.build())
+    if isinstance(model, TinyLlama):
+        return LlamaAdapter(model.build())
+    raise TypeError(f"no adapter for a {type(model).__name__}; RunConfig.model is a TinyLlama or a TinyDsa")
+
+
 def _rank(ctx: RankContext, cfg: RunConfig) -> dict | None:
-    adapter = LlamaAdapter(cfg.model.build())
+    adapter = build_adapter(cfg.model)
     layout = SharedKVLayout(cfg.cp_size, cfg.page_size, cfg.pages_per_rank or pages_needed(cfg))
     comm = DistComm() if ctx.distributed else LocalComm()
     pool = shared_pool(ctx, adapter, layout, comm)
@@ -156,8 +167,13 @@ def run_scenario(cfg: RunConfig) -> dict:
     """Run ``cfg`` on a CP group of ``cfg.cp_size`` processes; return rank 0's report.
 
     Raises :class:`~cpkv.runtime.group.RankFailure` naming the first rank that
-    failed; the shared segment is unlinked whatever happens.
+    failed; the shared segment is unlinked whatever happens. Before starting
+    any process it raises ``TypeError`` for a model that is neither a
+    :class:`TinyLlama` nor a :class:`TinyDsa` and ``ValueError`` for an
+    impossible configuration.
     """
+    if not isinstance(cfg.model, (TinyLlama, TinyDsa)):
+        raise TypeError(f"RunConfig.model is a TinyLlama or a TinyDsa, not a {type(cfg.model).__name__}")
     if cfg.cp_size < 1 or cfg.page_size < 1:
         raise ValueError(f"cp_size and page_size must be >= 1, got {cfg.cp_size}, {cfg.page_size}")
     if any(not 0 <= c < n for c, n in cfg.requests):

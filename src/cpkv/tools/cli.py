@@ -54,6 +54,32 @@ def _bench(args) -> int:
     return 0
 
 
+def _bytes(args) -> int:
+    """``cpkv bytes``: the DSA models' KV bytes per token per rank, replicated vs shared."""
+    from ..models.dsa import real_shape
+    from .bench import format_rows
+    from .kvbytes import kv_bytes_rows
+
+    try:
+        rows = kv_bytes_rows(args.model, args.cp, args.index_topk_freq, args.index_skip_topk_offset)
+        shape = real_shape(args.model, args.index_topk_freq, args.index_skip_topk_offset)
+    except ValueError as e:
+        print(f"cpkv bytes: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    pattern = ("an indexer on every layer" if len(shape.index_layers) == shape.num_layers else
+               f"an indexer on {len(shape.index_layers)} layers (index_topk_freq {args.index_topk_freq}, "
+               f"index_skip_topk_offset {args.index_skip_topk_offset}, GlmMoeDsaConfig's rule)")
+    table = [{"": k, **{r["format"]: r[k] for r in rows}} for k in rows[0] if k != "format"]
+    print(format_rows(table, f"{args.model}: {shape.num_layers} layers, latent {shape.kv_lora_rank} + "
+                             f"{shape.rope_dim} rope on every layer, {pattern}, indexer key {shape.index_head_dim}; "
+                             f"CP {args.cp}; fp8 = DeepSeek's packed cache format (fp8 values, fp32 scale per 128, "
+                             "bf16 rope)"))
+    return 0
+
+
 def _positive(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -178,6 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["alloc", "kv", "all"], help="which benchmark")
     b.add_argument("--repeats", type=_positive, default=21, help="timed rounds; the median is reported (default 21)")
     b.set_defaults(func=_bench)
+    k = sub.add_parser("bytes", help="KV bytes per token per rank of DeepSeek-V3.2 / GLM-5, replicated vs shared",
+                       description="Per-token KV bytes of the real DSA shapes (MLA latent on every layer, indexer "
+                       "keys on indexer layers), from the pool's families, in bf16 and DeepSeek's FP8 format: "
+                       "replicated on every rank, latent shared with the indexer replicated, or both shared.")
+    k.add_argument("--model", choices=["deepseek-v3.2", "glm-5"], default="deepseek-v3.2", help="which model")
+    k.add_argument("--cp", type=_positive, default=8, help="ranks in the CP group (default 8)")
+    k.add_argument("--index-topk-freq", type=_positive, default=1,
+                   help="GLM-5: every how many layers an indexer runs (default 1: all, transformers' default)")
+    k.add_argument("--index-skip-topk-offset", type=int, default=2,
+                   help="GLM-5: the offset of that pattern (default 2; GLM-5.2 configs use freq 4, offset 3)")
+    k.add_argument("--json", action="store_true", help="print the rows as JSON")
+    k.set_defaults(func=_bytes)
 
     args = p.parse_args(argv)
     return args.func(args)
