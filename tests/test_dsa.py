@@ -380,3 +380,22 @@ def test_cli_bytes(capsys):
     assert "layer 0 must compute its own top-k" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bytes", "--cp", "0"])
+
+
+def test_chunked_prefill_with_token_zero_matches_transformers():
+    """Token 0 (a padding id would have a zero embedding, zero indexer weights and
+    a row of tied scores) inside a prompt prefilled in two chunks: exact."""
+    from cpkv import OwnerLaneAllocator, SharedKVLayout
+    from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+    from cpkv.runtime.runner import CPRunner
+
+    ad = DsaAdapter(TinyDsa().build())
+    ids = torch.randint(1, 256, (44,), generator=torch.Generator().manual_seed(0))
+    ids[20] = 0
+    lay = SharedKVLayout(1, 1, 64)
+    fams = ad.families()
+    run = CPRunner(ad, SharedKVPool(lay, 0, fams, allocate_buffers(lay, fams)),
+                   OwnerLaneAllocator(63, 1, 1, layout=lay), max_requests=1, max_len=64)
+    parts = [run.extend([0], [ids[:30]])[2], run.extend([0], [ids[30:]])[2]]
+    ref = ad.model(ids[None]).logits[0]
+    assert (torch.cat(parts) - ref).abs().max() < 1e-4

@@ -59,3 +59,19 @@ def test_engine_with_token_splits_and_lse_decode(llama, prefill, decode):
                                         scale=0.08, chunk=40, prefill_split=prefill, decode_split=decode,
                                         check=True), llama)
     exact(r)
+
+
+@pytest.mark.parametrize("kind,N,S,dp,split", [("deepseek-v3.2", 2, 16, 6, ("page", "lse")),
+                                                ("glm-5", 4, 16, 4, ("zigzag", "owner")),
+                                                ("deepseek-v3.2", 1, 1, 96, ("page", "owner"))])
+def test_engine_runs_the_dsa_models_exactly(kind, N, S, dp, split):
+    """DeepSeek-V3.2 and GLM-5 through the same engine: latent and indexer pools
+    in the owner-lane cache, eviction, host backup and restore, mid-page prefixes.
+    [[RFC-0001:C-MLA-LATENT-POOL]] [[RFC-0001:C-INDEXER-POOL]]"""
+    from cpkv.models import model_config
+
+    r = run_engine_threads(EngineConfig(cp_size=N, page_size=S, device_pages=dp, host_pages=48 * 16 // S,
+                                        requests=3, scale=0.08, chunk=40, prefill_split=split[0], decode_split=split[1],
+                                        model=model_config(kind), check=True))
+    exact(r)
+    assert r["evicted_pages"] > 0 and r["load_pages"] > 0

@@ -22,7 +22,7 @@ from ..consumers.kv_pool import SharedKVPool, allocate_buffers
 from ..consumers.prefix_cache import PrefixCache
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.layout import SharedKVLayout
-from ..models import LlamaAdapter, TinyLlama
+from ..models import TinyDsa, TinyLlama, build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm
 from ..runtime.group import RankContext, launch
 from ..runtime.runner import CPRunner
@@ -100,7 +100,7 @@ class EngineConfig:
     requests: int = 8  # built-in workloads: sessions / questions / documents
     scale: float = 0.1  # built-in workloads: lengths times this
     seed: int = 0
-    model: TinyLlama = field(default_factory=TinyLlama)
+    model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
     timeout: float = 300.0
     progress: bool = False
@@ -128,7 +128,7 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
     comm: Comm = DistComm() if ctx.distributed else LocalComm()
-    return engine_rank(ctx.shared, comm, cfg, LlamaAdapter(cfg.model.build()))
+    return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model))
 
 
 def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
@@ -207,7 +207,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
     peak_lane = occ.max(0)
     return {
-        "config": {**asdict(cfg), "model": asdict(cfg.model)},
+        "config": {**asdict(cfg), "model": {"family": type(cfg.model).__name__, **asdict(cfg.model)}},
         "requests": len(sched.requests),
         "finished": st.finished,
         "steps": st.steps,
@@ -246,7 +246,7 @@ def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
 
     from ..runtime.comm import run_threads
 
-    adapter = adapter or LlamaAdapter(cfg.model.build())
+    adapter = adapter or build_adapter(cfg.model)
     made, lock = {}, threading.Lock()
 
     def shared(tag, shape, dtype):

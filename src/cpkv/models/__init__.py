@@ -12,6 +12,26 @@ from .base import CacheAccess, ModelAdapter
 from .dsa import DsaAdapter, DsaCacheShape, TinyDsa, glm_indexer_types, real_shape
 from .llama import LlamaAdapter, TinyLlama
 
-__all__ = ["CacheAccess", "DsaAdapter", "DsaCacheShape", "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama",
+MODELS = ("llama", "deepseek-v3.2", "glm-5")
+
+
+def model_config(name: str, **overrides) -> TinyLlama | TinyDsa:
+    """The small seeded configuration of a model family by name (see :data:`MODELS`)."""
+    if name == "llama":
+        return TinyLlama(**overrides)
+    if name in ("deepseek-v3.2", "glm-5"):
+        return TinyDsa(kind=name, **overrides)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def build_adapter(config: TinyLlama | TinyDsa) -> ModelAdapter:
+    """The adapter over the ``transformers`` model a configuration builds."""
+    if isinstance(config, TinyDsa):
+        return DsaAdapter(config.build())
+    if isinstance(config, TinyLlama):
+        return LlamaAdapter(config.build())
+    raise TypeError(f"no adapter for a {type(config).__name__}; a model is a TinyLlama or a TinyDsa")
+
+__all__ = ["MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape", "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama",
            "absorb_query", "absorbed_output", "attend", "glm_indexer_types", "index_scores", "merge_partials",
            "paged_attention", "real_shape", "topk_positions"]

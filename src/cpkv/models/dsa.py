@@ -297,7 +297,9 @@ class TinyDsa:
             num_experts_per_tok=self.experts_per_token, n_shared_experts=1, first_k_dense_replace=self.dense_layers,
             n_group=self.expert_groups, topk_group=self.topk_groups, index_n_heads=self.index_heads,
             index_head_dim=self.index_dim, index_topk=self.index_topk, max_position_embeddings=self.max_positions,
-            rope_parameters=rope, attn_implementation="eager", pad_token_id=0,
+            # no padding token: its embedding row would be zero, so its indexer weights are zero, every
+            # score in its row ties at 0, and transformers' top-k then depends on the row's length
+            rope_parameters=rope, attn_implementation="eager", pad_token_id=None,
         )
         if self.kind == "deepseek-v3.2":
             from transformers import DeepseekV32Config
