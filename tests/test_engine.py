@@ -63,7 +63,7 @@ def test_engine_with_token_splits_and_lse_decode(llama, prefill, decode):
 
 @pytest.mark.parametrize("kind,N,S,dp,split", [("deepseek-v3.2", 2, 16, 6, ("page", "lse")),
                                                 ("glm-5", 4, 16, 4, ("zigzag", "owner")),
-                                                ("deepseek-v3.2", 1, 1, 96, ("page", "owner"))])
+                                                ("deepseek-v3.2", 1, 1, 120, ("page", "owner"))])
 def test_engine_runs_the_dsa_models_exactly(kind, N, S, dp, split):
     """DeepSeek-V3.2 and GLM-5 through the same engine: latent and indexer pools
     in the owner-lane cache, eviction, host backup and restore, mid-page prefixes.
