@@ -13,11 +13,12 @@ Public entry points, one per workstream:
 * :class:`OwnerLaneAllocator` - owner-lane allocation (W2)
 * :class:`SharedKVPool` - direct write, fence and read of the shared cache (W3, W4)
 * :class:`PrefixCache` - radix prefix cache with lane-aware eviction (W5)
-* :func:`transfer_pairs` - prefill -> decode transfer between CP groups (W7)
+* :func:`plan_transfer` - prefill -> decode KV transfer between CP groups of any sizes and page sizes (W7);
+  :mod:`cpkv.disagg` adds the two-group driver
 * :func:`cpkv.runtime.launch` - an N-process CP group
 """
 
-from .consumers.disagg import TransferPairs, transfer_pairs
+from .consumers.disagg import TransferPlan, plan_transfer
 from .consumers.kv_pool import SharedKVPool
 from .consumers.prefix_cache import PrefixCache, PrefixMatch
 from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
@@ -34,10 +35,10 @@ __all__ = [
     "RankSplit",
     "SharedKVLayout",
     "SharedKVPool",
-    "TransferPairs",
+    "TransferPlan",
     "UnsupportedPagePlan",
     "split_interleave",
     "split_page",
-    "transfer_pairs",
+    "plan_transfer",
 ]
 __version__ = "0.1.0"

@@ -126,7 +126,7 @@ class SharedKVPool:
             raise KeyError(f"layer {layer} keeps no {name!r} cache") from None
 
     # -- W3: direct write ---------------------------------------------------------
-    def _owned_local(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _owned_local(self, slots: torch.Tensor, what: str = "write") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Local slots and pages of ``slots`` and the mask of non-padding entries
         (``None`` when all are), refusing any slot another rank owns."""
         loc, local_page, owned = self.layout.local_pages_and_mask(slots, self.rank)
@@ -137,7 +137,8 @@ class SharedKVPool:
             bad = int(slots[valid & ~owned][0])
             owner = int(self.layout.owner_of_slots(torch.tensor([bad]))[0])
             raise ContractViolation(
-                f"rank {self.rank} asked to write slot {bad}, which rank {owner} owns; only the owner of a page writes it"
+                f"rank {self.rank} asked to {what} slot {bad}, which rank {owner} owns; only the owner of a page "
+                f"{what}s it in its own segment"
             )
         return loc[valid], local_page[valid], valid
 
@@ -188,6 +189,16 @@ class SharedKVPool:
         for n, x in values.items():
             self._own[n].index_copy_(1, loc, (x if keep is None else x[:, keep]).to(self.families[n].dtype))
         self._written[local_page.cpu()] = True
+
+    def read_owned_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every family, every layer, at logical ``slots [T]`` read from this
+        rank's OWN segment only: ``{name: [len(layers), T', *shape]}`` with
+        padding skipped (``T'`` the non-padding slots). A slot another rank
+        owns raises :class:`ContractViolation` before anything is read. A
+        disaggregation source sends through here: only the owner of a page
+        sends it. [[RFC-0001:C-DISAGG]]"""
+        loc, _, _ = self._owned_local(slots, "read")
+        return {n: v.index_select(1, loc) for n, v in self._own.items()}
 
     def read_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every family, every layer, at logical ``slots [T]`` (no padding),

@@ -33,13 +33,14 @@ from .trace import WORKLOADS, RequestSpec, load_jsonl
 class RankExecutor:
     """Carries out a :class:`StepPlan` on one rank; returns each batch's greedy tokens.
 
-    Order: backups (IO rank, fenced before and after), loads (each owner) and
-    copies (each destination owner), a fence, the admitted requests' page-table
-    rows, then the decode and prefill forwards.
+    Order: backups (IO rank, fenced before and after), loads (each owner),
+    copies (each destination owner) and arrivals (KV from another group, by
+    ``receive(plan)``, each owner writing its own segment), a fence, the
+    admitted requests' page-table rows, then the decode and prefill forwards.
     """
 
-    def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False):
-        self.runner, self.host, self.check = runner, host, check
+    def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False, receive=None):
+        self.runner, self.host, self.check, self.receive = runner, host, check, receive
         self.pool: SharedKVPool = runner.pool
         self.logits: dict[int, dict[int, torch.Tensor]] = {}  # request index -> position -> logits (check only)
         self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
@@ -56,7 +57,11 @@ class RankExecutor:
             self.loaded += self.host.load(pool, host, dev)
         for src, dst, _ in plan.copies:
             self.copied += pool.copy_slots(src, dst)
-        if plan.loads or plan.copies:
+        if plan.arrivals:
+            if self.receive is None:
+                raise ValueError(f"step {plan.step} plans KV arrivals but this executor has no receive")
+            self.receive(plan)
+        if plan.loads or plan.copies or plan.arrivals:
             pool.fence()
         for row, slots in plan.assign:
             run.assign(row, slots)

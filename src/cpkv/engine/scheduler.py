@@ -33,6 +33,21 @@ Evicted cache pages are backed up to the host tier before their device pages
 can be reused (the executor runs backups first). Never a deadlock: a request
 that could never fit the cache is refused before the trace starts, and a
 refused allocation always either preempts or shrinks the batch.
+
+Two hooks let two schedulers serve one trace from two CP groups
+(prefill/decode disaggregation, :mod:`cpkv.engine.disagg`):
+
+* ``remote_prefill`` (the decode side): a due request's KV is computed
+  elsewhere. :meth:`Scheduler.awaiting_kv` lists the due requests whose KV is
+  not ready; :meth:`Scheduler.arrive` says that it is (with the token sampled
+  after it). Admission then matches the device prefix cache, allocates the
+  rest as a continuation with owner lanes (as a host load is allocated) and
+  lists it in :attr:`StepPlan.arrivals`; the executor fills those slots before
+  the forwards and the request decodes from there;
+* ``hold_finished`` (the prefill side): a finished request keeps its KV
+  pages (not cached, not freed) until :meth:`Scheduler.release_finished`,
+  so another group can read them; :meth:`Scheduler.submit` adds requests at
+  run time.
 """
 
 from __future__ import annotations
@@ -69,6 +84,7 @@ class Request:
     preemptions: int = 0
     finished_at: int = -1
     host_hit: int = 0  # tokens loaded from the host tier at the last admission
+    ready: bool = False  # remote prefill: its KV waits elsewhere, ready to arrive (Scheduler.arrive)
 
     @property
     def seq(self) -> tuple:
@@ -111,13 +127,17 @@ class StepPlan:
     """What the executor does in one step, in this order: ``backups`` (device
     slots -> host slots, by the IO rank), ``loads`` (host slots -> device
     slots, by each owner), ``copies`` (device -> device, by the destination's
-    owner), ``assign`` (page-table rows of admitted requests: row, slots of
-    their cached prefix), then the ``decode`` and ``prefill`` batches."""
+    owner), ``arrivals`` (remote prefill: ``(request, start, slots)``, the KV
+    of positions ``start ..`` arriving from another group into the new
+    ``slots``, written by each owner), ``assign`` (page-table rows of admitted
+    requests: row, slots of their cached prefix), then the ``decode`` and
+    ``prefill`` batches."""
 
     step: int
     backups: list = field(default_factory=list)
     loads: list = field(default_factory=list)
     copies: list = field(default_factory=list)
+    arrivals: list = field(default_factory=list)
     assign: list = field(default_factory=list)
     decode: Batch | None = None
     prefill: Batch | None = None
@@ -131,6 +151,7 @@ class StepPlan:
         self.assign = [a for a in self.assign if a[0] != r.row]
         self.copies = [c for c in self.copies if c[2] is not r]
         self.loads = [x for x in self.loads if x[2] is not r]
+        self.arrivals = [x for x in self.arrivals if x[0] is not r]
 
 
 @dataclass
@@ -142,6 +163,7 @@ class Stats:
     prompt_tokens: int = 0
     hit_tokens: int = 0  # device prefix-cache hits at admission
     host_hit_tokens: int = 0  # tokens loaded from the host tier
+    arrived_tokens: int = 0  # remote prefill: tokens whose KV arrived from another group
     computed_tokens: int = 0
     generated_tokens: int = 0
     chunk_continuations: int = 0  # prefill chunks continuing an earlier chunk of the same request
@@ -189,15 +211,22 @@ class Scheduler:
     replicates); ``host`` an optional :class:`~cpkv.consumers.hicache.HostTier`.
     ``report_lanes`` is the lane count used for occupancy figures (the
     allocator's own by default; the simulator's owner-oblivious baseline runs
-    one lane and reports ``page % N``).
+    one lane and reports ``page % N``). ``remote_prefill`` and
+    ``hold_finished`` are the disaggregation hooks of the module docstring
+    (a remote-prefill scheduler keeps no host tier).
     """
 
     def __init__(self, specs: list[RequestSpec], cache: PrefixCache, *, chunk: int = 512, max_running: int = 64,
-                 admission: str = "lanes", headroom: float = 0.0, host=None, report_lanes: int | None = None):
+                 admission: str = "lanes", headroom: float = 0.0, host=None, report_lanes: int | None = None,
+                 remote_prefill: bool = False, hold_finished: bool = False):
         if admission not in ADMISSION:
             raise ValueError(f"unknown admission {admission!r}; choose from {ADMISSION}")
         if chunk < 1 or max_running < 1:
             raise ValueError(f"chunk and max_running must be >= 1, got {chunk}, {max_running}")
+        if remote_prefill and host is not None:
+            raise ValueError("a remote-prefill scheduler keeps no host tier: its KV arrives from the prefill group")
+        self.remote_prefill, self.hold_finished = remote_prefill, hold_finished
+        self.held: dict[int, Request] = {}  # hold_finished: finished requests whose KV pages are kept
         validate(specs)
         self.cache, self.alloc, self.host = cache, cache.alloc, host
         self.S, self.N = self.alloc.page_size, self.alloc.cp_size
@@ -232,12 +261,34 @@ class Scheduler:
             s = r.spec
             base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
             lengths[s.id] = base + len(s.tokens)
-            self.max_len = max(self.max_len, lengths[s.id] + s.max_new_tokens - 1)
-            pages = -(-(lengths[s.id] + s.max_new_tokens - 1) // self.S)
-            per_lane = -(-pages // self.N)
-            if per_lane > int(self.alloc.lane_pages.min()):
-                raise TraceError(f"request {s.id!r} needs {pages} pages ({per_lane} per lane); the cache has "
-                                 f"{int(self.alloc.lane_pages.min())} per lane")
+            self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
+
+    def _check_fits(self, rid: str, kv_tokens: int) -> None:
+        pages = -(-kv_tokens // self.S)
+        per_lane = -(-pages // self.N)
+        if per_lane > int(self.alloc.lane_pages.min()):
+            raise TraceError(f"request {rid!r} needs {pages} pages ({per_lane} per lane); the cache has "
+                             f"{int(self.alloc.lane_pages.min())} per lane")
+        self.max_len = max(self.max_len, kv_tokens)
+
+    def submit(self, spec: RequestSpec) -> Request:
+        """Add a request while the trace runs (a router's arrival): due at
+        ``max(spec.arrival, step)``, prompt ``spec.tokens``. Returns it.
+        Raises :class:`TraceError`, nothing changed, for a spec with
+        ``after``, an id already used, a malformed spec, or a request that
+        could never fit the cache."""
+        if spec.after is not None:
+            raise TraceError(f"request {spec.id!r}: a submitted request has no 'after'; submit the whole prompt")
+        if spec.id in self._by_id:
+            raise TraceError(f"request {spec.id!r}: id {spec.id!r} is used twice")
+        validate([spec])
+        self._check_fits(spec.id, len(spec.tokens) + spec.max_new_tokens - 1)
+        r = Request(spec, len(self.requests), prompt=spec.tokens, due=max(spec.arrival, self.step))
+        self.requests.append(r)
+        self._by_id[spec.id] = r
+        self.waiting.append(r)
+        self.waiting.sort(key=lambda x: (x.due, x.index))
+        return r
 
     @property
     def done(self) -> bool:
@@ -266,6 +317,8 @@ class Scheduler:
     def _admit(self, p: StepPlan) -> None:
         reserved = self._reserved() if self.admission == "lanes" else None
         for r in self._due():
+            if self.remote_prefill and not r.ready:
+                continue  # its KV is still being computed elsewhere
             if len(self.running) >= self.max_running:
                 break
             seq = r.seq
@@ -290,8 +343,18 @@ class Scheduler:
         slots = torch.full((r.final_len,), -1, dtype=torch.int64)
         slots[: m.length] = m.slots
         computed = m.length
-        loaded = 0
-        if host_len:  # pin the host copy first: the allocation below may evict and back up
+        loaded = arrived = 0
+        if self.remote_prefill:  # the rest of the KV arrives from the prefill group: allocate it as a continuation
+            kv = len(seq) - 1  # the last token (sampled there) has no KV yet
+            if m.length < kv:
+                a = self.cache.allocate_extend([m.length], [kv], torch.tensor([m.last_loc]))
+                if a is None:
+                    self.cache.release(m)
+                    return False
+                slots[m.length : kv] = a.out_cache_loc
+                p.arrivals.append((r, m.length, a.out_cache_loc))
+            computed, arrived = kv, kv - m.length
+        elif host_len:  # pin the host copy first: the allocation below may evict and back up
             host_slots = self.host.take(seq, m.length, host_len)
             a = self.cache.allocate_extend([m.length], [host_len], torch.tensor([m.last_loc]))
             if a is not None:
@@ -299,7 +362,7 @@ class Scheduler:
                 p.loads.append((host_slots, a.out_cache_loc, r))
                 computed, loaded = host_len, host_len - m.length
         r.match, r.slots, r.computed = m, slots, computed
-        r.target = len(seq)
+        r.target = computed if self.remote_prefill else len(seq)
         r.row = self.free_rows.pop()
         r.admitted = self._serial = self._serial + 1
         r.host_hit = loaded
@@ -314,6 +377,7 @@ class Scheduler:
         st.prompt_tokens += len(seq)
         st.hit_tokens += m.length
         st.host_hit_tokens += loaded
+        st.arrived_tokens += arrived
         st.served_tokens += computed
         return True
 
@@ -419,6 +483,8 @@ class Scheduler:
                     if len(r.generated) == r.spec.max_new_tokens:
                         finished.append(r)
             self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
+        for r, _, _ in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
+            r.ready = False
         for r in finished:
             self._finish(r)
         if self.host is not None:
@@ -433,10 +499,18 @@ class Scheduler:
         pages = np.unique(page_of(kv.numpy(), self.S))
         per_lane = np.bincount(owner_of(pages, self.N), minlength=self.N)
         self.stats.max_request_skew = max(self.stats.max_request_skew, int(per_lane.max() - per_lane.min()))
-        self.cache.insert(r.seq[: r.computed], kv, r.match)
+        if self.hold_finished:
+            self.held[r.index] = r
+        else:
+            self.cache.insert(r.seq[: r.computed], kv, r.match)
+            r.match = None
         self.running.remove(r)
         self.free_rows.append(r.row)
-        r.finished_at, r.row, r.match = self.step, -1, None
+        r.finished_at, r.row = self.step, -1
+        self._conclude(r)
+
+    def _conclude(self, r: Request) -> None:
+        """A request is done: count it and release its follow-ups."""
         self.stats.finished += 1
         for c in self._children.get(r.spec.id, ()):
             c.prompt = r.seq + c.spec.tokens
@@ -452,8 +526,74 @@ class Scheduler:
             self.stats.host_occupancy.append(self.host.used_pages())
         self.stats.steps = self.step + 1
 
+    # -- disaggregation hooks --------------------------------------------------------------------
+    def awaiting_kv(self) -> list[Request]:
+        """Remote prefill: the due requests whose KV is not ready (it must be
+        computed elsewhere, then :meth:`arrive`), in admission order."""
+        if not self.remote_prefill:
+            return []
+        return [r for r in self._due() if not r.ready]
+
+    def arrive(self, index: int, token: int) -> bool:
+        """Remote prefill: request ``index`` (waiting, not ready) has its whole
+        sequence's KV computed elsewhere, and ``token`` was sampled after it:
+        the token is appended and the request becomes ready, to be admitted
+        (its KV allocated and listed in :attr:`StepPlan.arrivals`) by a later
+        :meth:`plan`. Returns True when that token finished the request (no
+        KV needs to arrive). Raises ``ValueError``, nothing changed, for a
+        scheduler without remote prefill or a request that is not waiting for
+        its KV."""
+        if not self.remote_prefill:
+            raise ValueError("arrive() is for a remote-prefill scheduler")
+        r = self.requests[index] if 0 <= index < len(self.requests) else None
+        if r is None or r not in self.waiting or r.ready or r.due is None or r.due > self.step:
+            raise ValueError(f"request {index} is not waiting for its KV")
+        r.generated.append(int(token))
+        self.stats.generated_tokens += 1
+        if len(r.generated) == r.spec.max_new_tokens:
+            self.waiting.remove(r)
+            r.finished_at = self.step
+            self._conclude(r)
+            return True
+        r.ready = True
+        return False
+
+    def release_finished(self, index: int, cache: bool = True) -> None:
+        """Hold finished: end the hold on request ``index``'s KV pages: into
+        the prefix cache (``cache``), or back to the free lists (their KV is
+        not wanted, e.g. a transfer failed). Raises ``KeyError`` for a request
+        not held."""
+        if index not in self.held:
+            raise KeyError(f"request {index} is not held")
+        r = self.held.pop(index)
+        kv = r.slots[: r.computed]
+        if cache:
+            self.cache.insert(r.seq[: r.computed], kv, r.match)
+        else:
+            self.cache.release(r.match, kv)
+        r.match = None
+
+    def cancel(self, index: int) -> None:
+        """Drop a running request without caching its KV (a client abort, or
+        KV that never arrived): its private pages go back to the free lists,
+        its row is freed, and it counts as finished with what it generated.
+        Raises ``ValueError`` for a request that is not running."""
+        r = self.requests[index] if 0 <= index < len(self.requests) else None
+        if r is None or r not in self.running:
+            raise ValueError(f"request {index} is not running")
+        if self._plan is not None:
+            self._plan._drop(r)
+        self.cache.release(r.match, r.slots[: r.computed])
+        self.running.remove(r)
+        self.free_rows.append(r.row)
+        r.match, r.row, r.finished_at = None, -1, self.step
+        self._conclude(r)
+
     def drain(self) -> None:
-        """After the trace: every cached page back to the free lists (no backup)."""
+        """After the trace: every cached page back to the free lists (no
+        backup), and every held request's pages with them."""
+        for i in list(self.held):
+            self.release_finished(i, cache=False)
         hook, self.cache.on_evict = self.cache.on_evict, None
         self.cache.clear()
         self.cache.on_evict = hook
