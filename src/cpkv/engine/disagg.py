@@ -96,8 +96,8 @@ class DisaggFailure(RankFailure):
             for a in aborts:
                 by_side.setdefault(a["side"], []).append(a)
             text += "; " + "; ".join(
-                f"{side} ranks {[a['world_rank'] for a in got]} aborted transfer {got[0]['transfer']} and freed "
-                f"{sum(a['freed_pages'] for a in got)} pages of {got[0]['requests']}" for side, got in by_side.items())
+                f"{side} ranks {[a['world_rank'] for a in got]} aborted transfer {got[0]['transfer']}, each freeing "
+                f"{got[0]['freed_pages']} pages of {got[0]['requests']} in its allocator" for side, got in by_side.items())
         RuntimeError.__init__(self, text)
 
 
@@ -500,20 +500,31 @@ def format_disagg(r: dict) -> str:
 
 
 # -- the two ways to run it -------------------------------------------------------------------
-def _disagg_rank(ctx: RankContext, cfg: DisaggConfig, report_dir: str | None) -> dict | None:
+def _disagg_ranks(ctx: RankContext, cfgs: list[DisaggConfig], report_dir: str | None) -> list | None:
+    """Run every configuration in turn on the first ``M + N`` ranks of the
+    launched world (the others wait); world rank 0 returns the reports."""
     import torch.distributed as dist
 
-    M, W = cfg.prefill_size, cfg.world_size
-    prefill_ranks, decode_ranks = list(range(M)), list(range(M, W))
-    pg, dg = dist.new_group(prefill_ranks), dist.new_group(decode_ranks)  # every rank makes both, in order
-    side = "prefill" if ctx.rank < M else "decode"
-    sub, members, creator, tag = (pg, prefill_ranks, 0, "p_") if side == "prefill" else (dg, decode_ranks, M, "d_")
+    reports = []
+    for i, cfg in enumerate(cfgs):
+        M, W = cfg.prefill_size, cfg.world_size
+        ranks, prefill_ranks, decode_ranks = list(range(W)), list(range(M)), list(range(M, W))
+        # every launched rank makes every group, in the same order
+        wg, pg, dg = dist.new_group(ranks), dist.new_group(prefill_ranks), dist.new_group(decode_ranks)
+        if ctx.rank < W:
+            side = "prefill" if ctx.rank < M else "decode"
+            sub, members, creator = (pg, prefill_ranks, 0) if side == "prefill" else (dg, decode_ranks, M)
+            tag = f"c{i}_{side[0]}_"
 
-    def shared(name, shape, dtype):
-        return ctx.shared(tag + name, shape, dtype, creator=creator, group=sub)
+            def shared(name, shape, dtype, tag=tag, creator=creator, sub=sub):
+                return ctx.shared(tag + name, shape, dtype, creator=creator, group=sub)
 
-    return disagg_rank(DistComm(), DistComm(sub, members), side, shared, DistP2P(timeout=cfg.transfer_timeout), cfg,
-                       build_adapter(cfg.model), report_dir)
+            reports.append(disagg_rank(DistComm(wg, ranks), DistComm(sub, members), side, shared,
+                                       DistP2P(wg, timeout=cfg.transfer_timeout), cfg, build_adapter(cfg.model),
+                                       report_dir))
+        if ctx.world_size > 1:
+            dist.barrier()
+    return reports if ctx.rank == 0 else None
 
 
 def _read_reports(folder: str) -> list[dict]:
@@ -530,12 +541,24 @@ def run_disagg(cfg: DisaggConfig) -> dict:
     ``cfg.decode_size`` processes in one world; world rank 0's report.
     Raises :class:`DisaggFailure` (a :class:`RankFailure`) naming the rank
     that failed first, with the surviving ranks' abort reports."""
-    cfg.validate()
-    cfg.model.config()
-    DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before starting any process
+    return run_disagg_sweep([cfg])[0]
+
+
+def run_disagg_sweep(cfgs: list[DisaggConfig]) -> list[dict]:
+    """Run several configurations one after the other in ONE launched world of
+    ``max(M + N)`` processes (each on its first ``M + N`` ranks, with its own
+    groups and segments), paying the processes' start once; their reports in
+    order. Raises as :func:`run_disagg` does."""
+    if not cfgs:
+        raise ValueError("no configuration to run")
+    for cfg in cfgs:
+        cfg.validate()
+        cfg.model.config()
+        DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before starting any process
     folder = tempfile.mkdtemp(prefix="cpkv_disagg_")
     try:
-        return launch(_disagg_rank, cfg.world_size, cfg, folder, timeout=cfg.timeout)
+        return launch(_disagg_ranks, max(c.world_size for c in cfgs), list(cfgs), folder,
+                      timeout=sum(c.timeout for c in cfgs))
     except RankFailure as e:
         raise DisaggFailure(e, _read_reports(folder)) from e
     finally:
