@@ -456,6 +456,8 @@ def disagg_report(cfg: DisaggConfig, ctl: DisaggControl, ranks: list[dict], seco
         "prefill_prompt_tokens": P.prompt_tokens,
         "prefill_computed_tokens": P.computed_tokens,
         "prefill_hit_rate": P.hit_tokens / max(P.prompt_tokens, 1),
+        "prefill_host_hit_tokens": P.host_hit_tokens,
+        "prefill_backup_pages": P.backup_pages,
         "decode_hit_tokens": D.hit_tokens,
         "decode_computed_tokens": D.computed_tokens,
         "computed_tokens": P.computed_tokens + D.computed_tokens,

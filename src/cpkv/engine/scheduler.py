@@ -343,7 +343,7 @@ class Scheduler:
         slots = torch.full((r.final_len,), -1, dtype=torch.int64)
         slots[: m.length] = m.slots
         computed = m.length
-        loaded = arrived = 0
+        loaded = 0
         if self.remote_prefill:  # the rest of the KV arrives from the prefill group: allocate it as a continuation
             kv = len(seq) - 1  # the last token (sampled there) has no KV yet
             if m.length < kv:
@@ -353,7 +353,7 @@ class Scheduler:
                     return False
                 slots[m.length : kv] = a.out_cache_loc
                 p.arrivals.append((r, m.length, a.out_cache_loc))
-            computed, arrived = kv, kv - m.length
+            computed = kv
         elif host_len:  # pin the host copy first: the allocation below may evict and back up
             host_slots = self.host.take(seq, m.length, host_len)
             a = self.cache.allocate_extend([m.length], [host_len], torch.tensor([m.last_loc]))
@@ -377,7 +377,6 @@ class Scheduler:
         st.prompt_tokens += len(seq)
         st.hit_tokens += m.length
         st.host_hit_tokens += loaded
-        st.arrived_tokens += arrived
         st.served_tokens += computed
         return True
 
@@ -483,8 +482,9 @@ class Scheduler:
                     if len(r.generated) == r.spec.max_new_tokens:
                         finished.append(r)
             self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
-        for r, _, _ in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
+        for r, _, slots in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
             r.ready = False
+            self.stats.arrived_tokens += slots.numel()
         for r in finished:
             self._finish(r)
         if self.host is not None:
