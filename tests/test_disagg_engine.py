@@ -30,9 +30,13 @@ def simulate(cfg, specs=None):
     number of source slots that fed more than one destination."""
     ctl = DisaggControl(cfg, specs or cfg.trace())
     doubled = 0
+    S = cfg.page_size
     while not ctl.done:
+        held = {p for r in ctl.prefill.held.values() for p in (r.slots[: r.computed] // S).tolist()}
         st = ctl.plan()
         assert st.decode.prefill is None
+        given = [b.alloc.new_pages for b in st.prefill.batches()] + [d // S for _, d, _ in st.prefill.copies]
+        assert not held & set(torch.cat(given).tolist() if given else [])  # held KV is never handed out again
         if st.transfer is not None:
             src = [ctl.prefill.held[ctl.inflight[r.index]].slots[a : a + s.numel()] for r, a, s in st.decode.arrivals]
             for r, a, s in st.decode.arrivals:
@@ -51,16 +55,19 @@ def simulate(cfg, specs=None):
     return ctl, doubled
 
 
-@pytest.mark.parametrize("admission", ["none", "lanes"])
-def test_control_state_under_pressure(admission):
-    """Small decode caches: evictions, decode preemptions (the request goes
-    back to the prefill group, prompt = everything it has), both prefix caches
-    hit; every request finishes and every page comes back."""
-    cfg = DisaggConfig(prefill_size=2, decode_size=3, page_size=16, decode_page=8, device_pages=14, decode_pages=9,
-                       requests=8, scale=0.08, chunk=64, admission=admission)
+@pytest.mark.parametrize("admission,prefill_pages", [("none", 14), ("lanes", 14), ("lanes", 7)])
+def test_control_state_under_pressure(admission, prefill_pages):
+    """Small caches: evictions on both sides while the prefill side holds KV
+    for transfers (never handed out again while held), decode preemptions
+    (the request goes back to the prefill group, prompt = everything it has),
+    both prefix caches hit; every request finishes and every page comes back."""
+    cfg = DisaggConfig(prefill_size=2, decode_size=3, page_size=16, decode_page=8, device_pages=prefill_pages,
+                       decode_pages=9, requests=8, scale=0.08, chunk=64, admission=admission)
     ctl, _ = simulate(cfg)
     D, P = ctl.decode.stats, ctl.prefill.stats
     assert D.finished == len(ctl.decode.requests) and D.preemptions > 0 and D.evicted_pages > 0
+    if prefill_pages < 10:
+        assert P.evicted_pages > 0
     if admission == "none":  # preempted after their KV arrived: prefilled again
         assert len(ctl.prefill.requests) > len(ctl.decode.requests)
     assert P.hit_tokens > 0 and D.hit_tokens > 0
