@@ -195,6 +195,28 @@ def test_configurations_that_cannot_run_are_refused_before_any_rank_starts():
         run_disagg_sweep([])
 
 
+def test_the_cli_helpers_build_the_run_from_the_engine_config():
+    from cpkv.disagg import format_disagg, parse_disagg
+    from cpkv.engine import EngineConfig
+
+    assert parse_disagg("4:2") == (4, 2) and parse_disagg(" 1:8 ") == (1, 8)
+    for bad in ("4", "4:0", "a:2", "2:3:4", ""):
+        with pytest.raises(ValueError, match="is not M:N"):
+            parse_disagg(bad)
+    e = EngineConfig(cp_size=4, page_size=8, device_pages=20, host_pages=16, chunk=32, workload="longdoc", check=True)
+    d = DisaggConfig.from_engine(e, 3, 2, decode_page=16)
+    assert (d.prefill_size, d.decode_size, d.page_size, d.d_page, d.d_pages) == (3, 2, 8, 16, 10)
+    assert (d.host_pages, d.chunk, d.workload, d.check, d.model) == (16, 32, "longdoc", True, e.model)
+    cfg = DisaggConfig(prefill_size=2, decode_size=1, page_size=16, decode_page=8, device_pages=8, requests=2,
+                       scale=0.05, chunk=40)
+    ctl, _ = simulate(cfg)
+    from cpkv.engine.disagg import disagg_report
+
+    text = format_disagg(disagg_report(cfg, ctl, [], 1.0, None))
+    assert "prefill group 2 ranks (page 16) -> decode group 1 ranks (page 8), by slot-run" in text
+    assert text.count("\n    p") == 2  # one row per prefill rank
+
+
 def test_an_executor_without_receive_refuses_arrivals():
     ex = RankExecutor.__new__(RankExecutor)
     ex.runner, ex.host, ex.check, ex.receive = None, None, False, None

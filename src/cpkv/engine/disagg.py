@@ -169,12 +169,38 @@ class DisaggConfig:
         if not (self.timeout > 0 and self.transfer_timeout > 0):
             raise ValueError("timeout and transfer_timeout must be > 0 seconds")
 
+    @classmethod
+    def from_engine(cls, engine, prefill: int, decode: int, decode_page: int | None = None,
+                    decode_pages: int | None = None) -> "DisaggConfig":
+        """The disaggregated form of an :class:`~cpkv.engine.engine.EngineConfig`:
+        the same model, trace, caches and policies, prefill on ``prefill``
+        ranks (the engine's page size, pages per rank and host tier), decode
+        on ``decode`` ranks (``decode_page``, ``decode_pages``; defaults as in
+        the class doc). ``cpkv run --disagg M:N`` builds its run this way."""
+        keep = ("page_size", "device_pages", "host_pages", "chunk", "max_running", "admission", "prefill_split",
+                "decode_split", "workload", "requests", "scale", "seed", "model", "check", "timeout", "progress")
+        return cls(prefill_size=prefill, decode_size=decode, decode_page=decode_page, decode_pages=decode_pages,
+                   **{k: getattr(engine, k) for k in keep})
+
     def trace(self) -> list[RequestSpec]:
         """The requests of this run."""
         vocab = self.model.vocab
         if self.workload in WORKLOADS:
             return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
         return load_jsonl(self.workload, vocab=vocab)
+
+
+def parse_disagg(text: str) -> tuple[int, int]:
+    """``"M:N"`` (prefill ranks, decode ranks, both >= 1) as ``(M, N)``; raises
+    ``ValueError`` saying what is wrong (the ``--disagg`` flag's parser)."""
+    m, sep, n = str(text).strip().partition(":")
+    try:
+        out = (int(m), int(n)) if sep else None
+    except ValueError:
+        out = None
+    if out is None or min(out) < 1:
+        raise ValueError(f"{text!r} is not M:N with M prefill ranks and N decode ranks, both >= 1")
+    return out
 
 
 def _cache(n: int, page: int, pages: int) -> PrefixCache:
