@@ -212,7 +212,11 @@ def test_the_cli_helpers_build_the_run_from_the_engine_config():
     ctl, _ = simulate(cfg)
     from cpkv.engine.disagg import disagg_report
 
-    text = format_disagg(disagg_report(cfg, ctl, [], 1.0, None))
+    report = disagg_report(cfg, ctl, [], 1.0, None)
+    import json
+
+    assert json.loads(json.dumps(report))["bytes_per_pair"] == report["bytes_per_pair"]  # --json prints it
+    text = format_disagg(report)
     assert "prefill group 2 ranks (page 16) -> decode group 1 ranks (page 8), by slot-run" in text
     assert text.count("\n    p") == 2  # one row per prefill rank
 

@@ -5,6 +5,9 @@
   prefill, decode, prefix cache, eviction, preemption, host tier
 * :mod:`~cpkv.engine.engine` - :func:`run_engine`: the scheduler on a CP group, checked
   against ``transformers``
+* :mod:`~cpkv.engine.disagg` - :func:`~cpkv.engine.disagg.run_disagg`: a prefill group and a
+  decode group of other sizes and page sizes, the same scheduler on both sides, KV moved
+  point to point
 """
 
 from .engine import EngineConfig, run_engine, run_engine_threads
