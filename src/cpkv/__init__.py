@@ -19,7 +19,7 @@ Public entry points, one per workstream:
 
 from .consumers.disagg import TransferPairs, transfer_pairs
 from .consumers.kv_pool import SharedKVPool
-from .consumers.prefix_cache import PrefixCache, PrefixMatch
+from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
 from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
 from .contract.errors import ContractViolation, UnsupportedPagePlan
 from .contract.layout import SharedKVLayout
@@ -30,6 +30,8 @@ __all__ = [
     "ExtendAllocation",
     "OwnerLaneAllocator",
     "PrefixCache",
+    "PrefixCacheMisuse",
+    "PrefixHit",
     "PrefixMatch",
     "RankSplit",
     "SharedKVLayout",
