@@ -168,9 +168,7 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes})
     sched.drain()
-    leaked = sum(sched.alloc.lane_free_pages()) != sched.alloc.num_pages
-    if leaked or (sched.host is not None and sched.host.used_pages()):
-        raise AssertionError("pages leaked after the trace")
+    sched.check_drained()
     if comm.rank != 0:
         return None
     return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)

@@ -148,8 +148,7 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     res = RunResult(workload.name, policy, N, lane_pages, sched.stats, sched.stats.evicted_nodes,
                     sched.stats.evicted_pages, len(workload.requests), host_pages)
     sched.drain()
-    if sum(alloc.lane_free_pages()) != alloc.num_pages:
-        raise AssertionError("pages leaked: the cache and the allocator disagree")
+    sched.check_drained()
     return res
 
 
