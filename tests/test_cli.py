@@ -20,7 +20,7 @@ from cpkv.runtime.group import MachineCapacity, RankFailure
 from cpkv.runtime.shm import mapped_segments, shm_segments
 from cpkv.tools.cli import build_parser, main
 
-from proc_helpers import children, gone, semaphores_of, wait_until
+from proc_helpers import children, gone, semaphores_of, spawned_ranks, wait_until
 
 CPKV = Path(sys.executable).with_name("cpkv")
 
@@ -157,24 +157,29 @@ def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch):
 
 
 @pytest.mark.multiproc
-def test_ctrl_c_to_the_real_command_mid_run(tmp_path):
-    """SIGINT to the whole process group of ``cpkv run`` while its ranks are
-    decoding (as a terminal's Ctrl-C does): one line, exit 130, and nothing
-    left - no rank, no segment, no semaphore, no temporary folder."""
+@pytest.mark.parametrize("phase", ["starting", "decoding"])
+def test_ctrl_c_to_the_real_command(phase, tmp_path):
+    """SIGINT to the whole process group of ``cpkv run`` (as a terminal's Ctrl-C
+    does) while its ranks start up or while they decode: one line, exit 130,
+    and nothing left - no rank, no segment, no semaphore, no temporary folder."""
     run_tmp = tmp_path / "tmp"
     run_tmp.mkdir()
     p = subprocess.Popen([str(CPKV), "run", "--cp", "2", "--requests", "0:40,0:40", "--decode-steps", "3000"],
                          start_new_session=True, env={**os.environ, "TMPDIR": str(run_tmp)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def decoding():  # both ranks map the KV segment: the group is set up and running
+        def ready():
+            if phase == "starting":  # both rank processes exist, still importing
+                return len(spawned_ranks(p.pid)) == 2 or p.poll() is not None
+            # both ranks map the KV segment: the group is set up and running
             return len([k for k in children(p.pid) if mapped_segments(k)]) == 2 or p.poll() is not None
 
-        assert wait_until(decoding, 120, 0.2) and p.poll() is None, p.communicate()
+        assert wait_until(ready, 120, 0.05) and p.poll() is None, p.communicate()
         kids = children(p.pid)
-        assert not shm_segments(p.pid)  # the segment's name went once both ranks had it
-        assert not semaphores_of(p.pid, *kids)
-        time.sleep(0.5)
+        if phase == "decoding":
+            assert not shm_segments(p.pid)  # the segment's name went once both ranks had it
+            assert not semaphores_of(p.pid, *kids)
+            time.sleep(0.5)
         os.killpg(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:
@@ -184,7 +189,7 @@ def test_ctrl_c_to_the_real_command_mid_run(tmp_path):
     assert (p.returncode, out, err) == (130, "", "cpkv run: interrupted\n")
     assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
     assert not shm_segments(p.pid)
-    assert not list(run_tmp.iterdir())
+    assert not list(run_tmp.glob("cpkv_*"))
 
 
 def _python_m(*argv):

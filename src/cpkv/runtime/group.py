@@ -13,12 +13,14 @@ Nothing outlives the launcher, however it ends:
   multiprocessing semaphore (a ``Queue`` would leave three ``/dev/shm/sem.mp-*``
   behind a killed launcher).
 * A rank dies with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and on every
-  POSIX system a lifeline pipe whose end-of-file a watchdog thread in the rank
-  waits for. The watchdog also handles ``SIGTERM`` (the launcher's stop): it
-  unlinks the run's segments and ends the rank, even while the rank's main
-  thread is blocked in a collective.
-* Ranks ignore ``SIGINT``: Ctrl-C reaches the launcher, which stops the group
-  and re-raises :class:`KeyboardInterrupt`.
+  POSIX system a lifeline pipe per rank, of which only the launcher holds the
+  write end: a watchdog thread in the rank takes its end of file as the
+  launcher's death, a byte on it as the launcher's stop. The watchdog also
+  handles ``SIGTERM``. It unlinks the run's segments (and, for an orphaned
+  rank, the run's folder) and ends the rank, even while the rank's main thread
+  is blocked in a collective.
+* Ranks ignore ``SIGINT`` (from the moment they are forked): Ctrl-C reaches
+  the launcher, which stops the group and re-raises :class:`KeyboardInterrupt`.
 * A shared segment's name is unlinked as soon as every rank of its group has
   mapped it (:meth:`RankContext.shared`); the memory lives while a rank maps it
   and goes with the last one. The launcher unlinks the run's name prefix again
@@ -333,42 +335,63 @@ def _die(sig: int = signal.SIGTERM) -> None:
         os._exit(128 + int(sig))
 
 
-def _watch(launcher_pid: int, lifeline, wake_fd: int, prefix: str, run_dir: str) -> None:
-    """Watchdog thread of a rank: wait for the launcher's death (lifeline EOF) or
-    for SIGTERM (the launcher's stop, or the parent-death signal), then remove
-    what the run left and end the process."""
-    orphaned = False
-    while True:
+def _watch(lifeline, wake_fd: int, prefix: str, run_dir: str) -> None:
+    """Watchdog thread of a rank: wait for the launcher to stop this rank (a byte
+    on the lifeline), to die (end of file on the lifeline) or for SIGTERM, then
+    remove what the run left and end the process.
+
+    A SIGTERM alone does not say who sent it: the launcher (its stop byte is
+    already on the lifeline), the launcher's death (``PR_SET_PDEATHSIG``; the end
+    of file follows within moments, as the dying process's last thread closes
+    its files) or someone else. So it waits up to :data:`_SIGTERM_GRACE_S` for
+    the lifeline to tell. Only an orphaned rank removes the run directory; a
+    living launcher removes it itself."""
+    lf = lifeline.fileno()
+    orphaned, deadline = None, None
+    while orphaned is None:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            ready, _, _ = select.select([lifeline.fileno(), wake_fd], [], [])
+            ready, _, _ = select.select([lf, wake_fd], [], [], timeout)
         except InterruptedError:
             continue
         except (OSError, ValueError):
+            orphaned = False
             break
-        if lifeline.fileno() in ready:  # end of file: the launcher's write end closed, so it is gone
-            orphaned = True
-            break
-        try:
-            woken = os.read(wake_fd, 64)  # one byte per signal Python handled
-        except BlockingIOError:
-            continue
-        if signal.SIGTERM in woken:
-            break
+        if lf in ready:
+            try:
+                lifeline.recv_bytes()
+                orphaned = False  # the launcher asks this rank to stop
+            except (EOFError, OSError):
+                orphaned = True  # its write end closed: the launcher is gone
+        elif wake_fd in ready:
+            try:
+                woken = os.read(wake_fd, 64)  # one byte per signal Python handled
+            except BlockingIOError:
+                woken = b""
+            if signal.SIGTERM in woken and deadline is None:
+                deadline = time.monotonic() + _SIGTERM_GRACE_S
+        elif deadline is not None and time.monotonic() >= deadline:
+            orphaned = False  # a SIGTERM from someone else
     shm_mod.unlink_prefix(prefix)
-    if orphaned or os.getppid() != launcher_pid:  # nobody else will remove the run directory
+    if orphaned:  # nobody else will remove the run directory
         shutil.rmtree(run_dir, ignore_errors=True)
     _die(signal.SIGTERM)
+
+
+_SIGTERM_GRACE_S = 2.0
 
 
 def _guard_rank(launcher_pid: int, lifeline, prefix: str, run_dir: str) -> None:
     """Make this rank ignore Ctrl-C and die with the launcher (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the fork (_SigintDeferred): now simply ignored
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w)
     signal.signal(signal.SIGTERM, lambda *_: None)  # the watchdog acts on the wakeup byte
     _set_parent_death_signal(signal.SIGTERM)
-    threading.Thread(target=_watch, args=(launcher_pid, lifeline, r, prefix, run_dir), daemon=True,
+    threading.Thread(target=_watch, args=(lifeline, r, prefix, run_dir), daemon=True,
                      name="cpkv-watchdog").start()
     if os.getppid() != launcher_pid:  # the launcher died before the guard was up
         os.kill(os.getpid(), signal.SIGTERM)
@@ -413,8 +436,8 @@ def _is_knock_on(message: str) -> bool:
 class _Group:
     """The launcher's view of the running ranks: their processes and pipes."""
 
-    def __init__(self, procs, readers):
-        self.procs, self.readers = procs, dict(zip(readers, range(len(readers))))
+    def __init__(self, procs, readers, lifelines):
+        self.procs, self.readers, self.lifelines = procs, dict(zip(readers, range(len(readers)))), lifelines
         self.errors: dict[int, tuple[str, str | None]] = {}
         self.result, self.got = None, False
 
@@ -467,31 +490,42 @@ class _Group:
         return RankFailure(r, f"exited with code {self.procs[r].exitcode}")
 
     def stop(self) -> None:
-        """SIGTERM to every rank still running, then SIGKILL to any still there after 5 s."""
-        for p in self.procs:
-            if p.is_alive():
+        """Ask every rank still running to stop (a byte on its lifeline, and
+        SIGTERM), then SIGKILL any still there after 5 s."""
+        started = [p for p in self.procs if p.pid is not None]
+        for p, life in zip(self.procs, self.lifelines):
+            if p.pid is not None and p.is_alive():
+                try:
+                    life.send_bytes(b"stop")
+                except OSError:
+                    pass
                 p.terminate()
-        for p in self.procs:
+        for p in started:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
 
 
-class _SigintIgnored:
-    """Ignore SIGINT in the launcher while ranks are forked (they inherit the
-    disposition through exec, so a Ctrl-C during their start-up prints no
-    traceback) and while it cleans up. Only the main thread can do this."""
+class _SigintDeferred:
+    """Hold Ctrl-C back in the launcher while ranks are forked and while it
+    cleans up: SIGINT is blocked in this thread, and one that arrives meanwhile
+    is delivered (as :class:`KeyboardInterrupt`) when the block ends, not lost.
+    Ranks forked meanwhile inherit the block, so a Ctrl-C during their start-up
+    prints nothing; :func:`_guard_rank` then turns it into "ignored"."""
 
     def __enter__(self):
         self.saved = None
-        if threading.current_thread() is threading.main_thread():
-            self.saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if hasattr(signal, "pthread_sigmask"):
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()  # starting it later would unblock SIGINT in this thread
+            self.saved = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         return self
 
     def __exit__(self, *exc):
         if self.saved is not None:
-            signal.signal(signal.SIGINT, self.saved)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.saved)
         return False
 
 
@@ -512,19 +546,19 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     ctx = mp.get_context("spawn")
     prefix = shm_mod.run_prefix(uuid.uuid4().hex[:8])
     run_dir = tempfile.mkdtemp(prefix="cpkv_pg_")
-    life_r, life_w = ctx.Pipe(duplex=False)  # the launcher holds the only write end
+    lifelines = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # the launcher holds the write ends
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"cpkv-rank-{r}",
-                         args=(r, world_size, prefix, run_dir, timeout, os.getpid(), life_r, pipes[r][1], target, args))
+                         args=(r, world_size, prefix, run_dir, timeout, os.getpid(), lifelines[r][0], pipes[r][1],
+                               target, args))
              for r in range(world_size)]
-    group, failure = _Group(procs, [rd for rd, _ in pipes]), None
+    group, failure = _Group(procs, [rd for rd, _ in pipes], [w for _, w in lifelines]), None
     try:
-        with _SigintIgnored():
+        with _SigintDeferred():
             for p in procs:
                 p.start()
-        for _, wr in pipes:
-            wr.close()
-        life_r.close()
+        for conn in [wr for _, wr in pipes] + [rd for rd, _ in lifelines]:
+            conn.close()
         deadline = time.monotonic() + timeout
         while not group.got or group.alive:
             group.poll(min(0.5, max(deadline - time.monotonic(), 0.0)))
@@ -538,10 +572,9 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
                 failure = RankFailure(0, "the group ended without a result")
                 break
     finally:
-        with _SigintIgnored():
+        with _SigintDeferred():
             group.stop()
-            life_w.close()
-            for conn in list(group.readers) + [wr for _, wr in pipes] + [life_r]:
+            for conn in list(group.readers) + [c for pair in pipes + lifelines for c in pair]:
                 conn.close()
             shm_mod.unlink_prefix(prefix)
             shutil.rmtree(run_dir, ignore_errors=True)
