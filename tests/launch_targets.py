@@ -8,16 +8,19 @@ import time
 import torch
 
 from cpkv.runtime.shm import shm_names
+from proc_helpers import semaphores_of
 
 
 def share(ctx, n):
     """Rank 0 fills a shared tensor; every rank reads it back; returns, per rank,
-    whether it saw rank 0's values and which of the run's names were left."""
+    whether it saw rank 0's values, which of the run's names were left, its pid,
+    and the semaphores it and the launcher have open, mid-run."""
     t = ctx.shared("buf", (n,), torch.int64)
     if ctx.rank == 0:
         t.copy_(torch.arange(n))
     ctx.barrier()
-    return ctx.all_gather_object((bool(t.eq(torch.arange(n)).all()), sorted(shm_names(ctx.prefix)), os.getpid()))
+    return ctx.all_gather_object((bool(t.eq(torch.arange(n)).all()), sorted(shm_names(ctx.prefix)), os.getpid(),
+                                  sorted(semaphores_of(os.getpid(), os.getppid()))))
 
 
 def fail_on(ctx, bad_rank, how):

@@ -70,3 +70,15 @@ def mapped_shm(pid: int) -> set[str]:
 def semaphores_of(*pids: int) -> set[str]:
     """multiprocessing semaphores these processes have open."""
     return {n for p in pids for n in mapped_shm(p) if n.startswith("sem.")}
+
+
+def sigint_held_off(pid: int) -> bool:
+    """Whether process ``pid`` blocks or ignores SIGINT (from /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: int(v, 16) for k, v in (line.split(":\t") for line in f.read().splitlines()
+                                                 if line.startswith(("SigBlk:", "SigIgn:")))}
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (2 - 1)  # SIGINT is signal 2
+    return bool((masks.get("SigBlk", 0) | masks.get("SigIgn", 0)) & bit)

@@ -20,7 +20,7 @@ from cpkv.runtime.group import MachineCapacity, RankFailure
 from cpkv.runtime.shm import mapped_segments, shm_segments
 from cpkv.tools.cli import build_parser, main
 
-from proc_helpers import children, gone, semaphores_of, spawned_ranks, wait_until
+from proc_helpers import children, gone, semaphores_of, sigint_held_off, spawned_ranks, wait_until
 
 CPKV = Path(sys.executable).with_name("cpkv")
 
@@ -176,6 +176,7 @@ def test_ctrl_c_to_the_real_command(phase, tmp_path):
 
         assert wait_until(ready, 120, 0.05) and p.poll() is None, p.communicate()
         kids = children(p.pid)
+        assert all(sigint_held_off(k) for k in spawned_ranks(p.pid)), "a rank would take the Ctrl-C itself"
         if phase == "decoding":
             assert not shm_segments(p.pid)  # the segment's name went once both ranks had it
             assert not semaphores_of(p.pid, *kids)
