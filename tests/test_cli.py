@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import cpkv.engine.engine
 import cpkv.runtime
 import cpkv.runtime.group as group_mod
 from cpkv.runtime.group import MachineCapacity, RankFailure
@@ -50,26 +51,34 @@ BAD = [
     (["run", "--timeout", "inf"], "--timeout"),
     (["run", "--page", "0"], "--page"),
     (["run", "--page-size", "-1"], "--page-size"),
-    (["run", "--requests", "9:9"], "--requests"),
-    (["run", "--requests", "x"], "--requests"),
-    (["run", "--requests", "5:3,0:7"], "--requests"),
-    (["run", "--decode-steps", "-1"], "--decode-steps"),
-    (["run", "--decode-steps", "1.5"], "--decode-steps"),
-    (["run", "--layers", "0"], "--layers"),
-    (["run", "--hidden", "0"], "--hidden"),
-    (["run", "--heads", "0"], "--heads"),
-    (["run", "--kv-heads", "0"], "--kv-heads"),
-    (["run", "--vocab", "0"], "--vocab"),
+    (["run", "--model", "gpt"], "--model"),
+    (["run", "--workload", "no-such-trace"], "--workload"),
+    (["run", "--requests", "0"], "--requests"),
+    (["run", "--scale", "0"], "--scale"),
+    (["run", "--scale", "nan"], "--scale"),
+    (["run", "--chunk", "0"], "--chunk"),
+    (["run", "--device-pages", "0"], "--device-pages"),
+    (["run", "--host-pages", "-1"], "--host-pages"),
+    (["run", "--max-running", "0"], "--max-running"),
+    (["run", "--admission", "maybe"], "--admission"),
+    (["run", "--prefill-split", "ring"], "--prefill-split"),
+    (["run", "--decode-split", "page"], "--decode-split"),
     (["run", "--seed", "-1"], "--seed"),
+    (["run", "--check=1"], "--check"),
     (["run", "--check-plans=1"], "--check-plans"),
     (["run", "--tolerance", "-1"], "--tolerance"),
     (["run", "--tolerance", "nan"], "--tolerance"),
+    (["run", "--plot", "occupancy.jpg"], "--plot"),
     (["run", "--json=1"], "--json"),
+    (["run", "--no-progress=1"], "--no-progress"),
     # cross-flag rules, checked after parsing and before anything runs
-    (["run", "--heads", "3"], "--heads"),
-    (["run", "--heads", "4", "--kv-heads", "3"], "--kv-heads"),
-    (["run", "--hidden", "12", "--heads", "4", "--kv-heads", "2"], "--hidden"),
-    (["run", "--requests", "0:4000", "--decode-steps", "97"], "--decode-steps"),
+    (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
+    (["run", "--device-pages", "1"], "--workload"),  # a request that could never fit the cache
+    (["bytes", "--model", "llama"], "--model"),
+    (["bytes", "--cp", "0"], "--cp"),
+    (["bytes", "--index-topk-freq", "0"], "--index-topk-freq"),
+    (["bytes", "--index-skip-topk-offset", "-1"], "--index-skip-topk-offset"),
+    (["bytes", "--json=1"], "--json"),
     (["bench", "nope"], "what"),
     (["bench", "alloc", "--repeats", "0"], "--repeats"),
 ]
@@ -101,7 +110,7 @@ def test_every_option_of_every_subcommand_has_a_refusal_case():
     assert not missing, f"add a bad value for each of these to BAD: {missing}"
 
 
-@pytest.mark.parametrize("argv", [[], ["nope"], ["run", "--decode", "3"], ["simulate", "--pol", "lane0"], ["-v"]])
+@pytest.mark.parametrize("argv", [[], ["nope"], ["run", "--dev", "3"], ["simulate", "--pol", "lane0"], ["-v"]])
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -112,9 +121,8 @@ def test_a_group_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch
     kids = set(children(os.getpid()))
     for gib, argv, why in (
             (64, ["run", "--cp", "64"], "64 ranks on 2 cores: more than 16 per core"),
-            (8, ["run", "--cp", "64"], "64 ranks need about 18.8 GiB of memory (64 x 301.3 MiB + 6.5 MiB shared)"),
-            (8, ["run", "--cp", "30", "--layers", "8", "--hidden", "1024", "--heads", "8", "--vocab", "32000"],
-             "30 ranks need about 27."),
+            (8, ["run", "--cp", "64"], "64 ranks need about 18.8 GiB of memory (64 x 300.4 MiB"),
+            (8, ["run", "--cp", "4", "--device-pages", "2000000"], "4 ranks need about 62.2 GiB of memory (4 x 300.4 MiB + 61.0 GiB shared)"),
             (8, ["run", "--cp", "8", "--timeout", "10"], "8 ranks need at least 20 s to start")):
         monkeypatch.setattr(group_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
         with pytest.raises(SystemExit) as e:
@@ -129,7 +137,7 @@ def test_a_failed_rank_is_one_line_and_exit_2(monkeypatch, capsys):
     def fail(cfg):
         raise RankFailure(1, "RuntimeError: injected\nsecond line", details="Traceback (most recent call last): ...")
 
-    monkeypatch.setattr(cpkv.runtime, "run_scenario", fail)
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", fail)
     assert main(["run", "--cp", "2"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err == "cpkv run: rank 1 failed: RuntimeError: injected second line\n"
@@ -139,21 +147,27 @@ def test_ctrl_c_in_process_is_one_line_and_exit_130(monkeypatch, capsys):
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cpkv.runtime, "run_scenario", interrupted)
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", interrupted)
     assert main(["run", "--cp", "2"]) == 130
     assert capsys.readouterr().err == "cpkv run: interrupted\n"
 
 
 @pytest.mark.multiproc
-def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch):
-    assert main(["run", "--cp", "2", "--decode-steps", "2", "--requests", "5:20,0:7", "--json"]) == 0
+def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch, tmp_path):
+    png = tmp_path / "occ.png"
+    argv = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05", "--device-pages", "6", "--host-pages", "24",
+            "--check", "--no-progress"]
+    assert main(argv + ["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert len(report["ranks"]) == 2 and max(report["max_abs_diff"].values()) < 1e-4
-    report["max_abs_diff"]["decode"] = 1e-3  # the same report with a difference over tolerance
-    monkeypatch.setattr(cpkv.runtime, "run_scenario", lambda cfg: report)
-    assert main(["run", "--cp", "2"]) == 1
+    assert len(report["ranks"]) == 2 and report["check"]["max_abs_diff"] < 1e-4
+    assert report["check"]["requests_matched"] == report["requests"]
+    full = dict(report, occupancy=[[1, 2]], host_occupancy=[3], sequences=[])
+    full["check"] = dict(report["check"], max_abs_diff=1e-3)  # the same run with a difference over tolerance
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda cfg: full)
+    assert main(argv + ["--plot", str(png)]) == 1
     out = capsys.readouterr()
-    assert "rank" in out.out and "FAIL: max abs logit difference 0.001" in out.err
+    assert "per rank:" in out.out and "FAIL: max abs logit difference 0.001" in out.err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.multiproc
@@ -164,7 +178,10 @@ def test_ctrl_c_to_the_real_command(phase, tmp_path):
     and nothing left - no rank, no segment, no semaphore, no temporary folder."""
     run_tmp = tmp_path / "tmp"
     run_tmp.mkdir()
-    p = subprocess.Popen([str(CPKV), "run", "--cp", "2", "--requests", "0:40,0:40", "--decode-steps", "3000"],
+    trace = tmp_path / "long.jsonl"  # one request decoding for thousands of steps
+    trace.write_text(json.dumps({"id": "a", "arrival": 0, "tokens": list(range(40)), "max_new_tokens": 3000}) + "\n")
+    p = subprocess.Popen([str(CPKV), "run", "--cp", "2", "--workload", str(trace), "--device-pages", "128",
+                          "--no-progress"],
                          start_new_session=True, env={**os.environ, "TMPDIR": str(run_tmp)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tqdm import tqdm
+from ..runtime.progress import progress_bar
 
 from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_pool import SharedKVPool, allocate_buffers
@@ -102,6 +102,7 @@ class EngineConfig:
     seed: int = 0
     model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
+    check_plans: bool = False  # debug: one collective per batch compares every rank's allocation
     timeout: float = 300.0
     progress: bool = False
     fail_rank: int | None = None  # fault injection: this rank raises at step ``fail_step``
@@ -147,9 +148,9 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
         host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
     max_len = sched.max_len + 1
     runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split)
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
     ex = RankExecutor(runner, host, check=cfg.check)
-    bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
+    bar = progress_bar(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
@@ -164,9 +165,14 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
         bar.update(len(done))
     seconds = time.perf_counter() - t0
     bar.close()
+    own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
+    held = own[sched.alloc.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
-                                    "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes})
+                                    "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
+                                    # at the end of the trace, before the cache is drained: the pages this rank
+                                    # holds, by the allocator and by what this rank wrote into its segment
+                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
     sched.drain()
     sched.check_drained()
     if comm.rank != 0:

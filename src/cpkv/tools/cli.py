@@ -10,7 +10,7 @@ Layout, so a subcommand or a flag is added in one place:
   with the reason, groups this machine cannot hold
   (:func:`cpkv.runtime.group.check_capacity`);
 * each subcommand is one ``_add_<name>(sub)`` that declares its flags and sets
-  ``func`` (the work) and optionally ``check`` (cross-flag rules, after parsing,
+  ``func`` (the work) and optionally ``validate`` (cross-flag rules, after parsing,
   before any work; it calls ``parser.error``).
 
 Exit codes, every subcommand: 0 done; 1 the run's own check failed (``run``:
@@ -218,7 +218,7 @@ def _add_simulate(sub) -> None:
                    help="write lane occupancy over time per policy (.png, .pdf or .svg)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.set_defaults(func=_simulate, check=_check_simulate)
+    s.set_defaults(func=_simulate, validate=_check_simulate)
 
 
 # -- bench --------------------------------------------------------------------------
@@ -289,118 +289,147 @@ def _add_bytes(sub) -> None:
 
 
 # -- run ----------------------------------------------------------------------------
-def _run_config(args):
-    from ..models import TinyLlama
-    from ..runtime import RunConfig
+def workload_arg(text: str) -> str:
+    """A ``type=`` for ``--workload``: a built-in trace name or an existing JSONL file."""
+    from ..engine.trace import WORKLOADS
 
-    return RunConfig(
-        cp_size=args.cp, page_size=args.page, requests=args.requests, decode_steps=args.decode_steps,
-        model=TinyLlama(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                        intermediate=2 * args.hidden, vocab=args.vocab, seed=args.seed),
-        seed=args.seed, check_plans=args.check_plans, timeout=args.timeout,
+    if text in WORKLOADS or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in workload ({', '.join(WORKLOADS)}) "
+                                     "nor a file")
+
+
+def _engine_config(args):
+    from ..engine import EngineConfig
+    from ..models import model_config
+
+    return EngineConfig(
+        cp_size=args.cp, page_size=args.page, device_pages=args.device_pages, host_pages=args.host_pages,
+        chunk=args.chunk, max_running=args.max_running, admission=args.admission,
+        prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
+        requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
+        check=args.check, check_plans=args.check_plans, timeout=args.timeout,
+        progress=not (args.json or args.no_progress),
     )
 
 
-def run_footprint(cfg):
-    """The :class:`~cpkv.runtime.group.GroupFootprint` of ``cpkv run`` with
-    ``cfg`` (a ``RunConfig``): every rank holds the model and the logits it
-    gathers; the group shares its KV cache segments."""
-    from ..runtime.group import group_footprint
-    from ..runtime.scenario import pages_needed
+def engine_footprint(cfg):
+    """The :class:`~cpkv.runtime.group.GroupFootprint` of the engine with
+    ``cfg``: every rank holds the model, its page table and (rank 0, with
+    ``check``) the logits it keeps; the group shares the device and host KV
+    segments of every cache family."""
+    import torch
 
-    m = model_footprint(cfg.model)
-    pages = cfg.pages_per_rank or pages_needed(cfg)
-    slots = cfg.cp_size * pages * cfg.page_size
-    kv = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * m["element_size"] * slots
-    tokens = sum(n for _, n in cfg.requests) + cfg.decode_steps * len(cfg.requests)
-    logits = 3 * tokens * m["vocab"] * 4  # own, gathered, and rank 0's reference forward
-    return group_footprint(cfg.cp_size, model_bytes=m["bytes"], private_bytes=logits, shared_bytes=kv)
+    from ..models import build_adapter
+    from ..runtime.group import group_footprint
+
+    with torch.device("meta"):
+        adapter = build_adapter(cfg.model)
+    model = adapter.model
+    model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    slot = sum(f.slot_bytes() for f in adapter.families())
+    shared = slot * cfg.page_size * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
+    specs = cfg.trace()
+    tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
+    private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
+    return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
 
 
 def _check_run(args, parser) -> None:
-    if args.hidden % args.heads:
-        parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    if (args.hidden // args.heads) % 2:
-        parser.error(f"--hidden / --heads = {args.hidden // args.heads} (the head dim) must be even for rotary embeddings")
-    cfg = _run_config(args)
-    longest = max(n for _, n in args.requests) + args.decode_steps
-    if longest > cfg.model.max_positions:
-        parser.error(f"--requests and --decode-steps make a sequence of {longest} tokens, more than the model's "
-                     f"{cfg.model.max_positions} positions")
-    refuse_unless_fits(parser, run_footprint(cfg), timeout=args.timeout)
+    from ..engine.trace import TraceError
+
+    if args.prefill_split == "interleave" and args.cp > 1 and args.chunk < args.cp:
+        parser.error(f"--prefill-split interleave needs --chunk >= --cp ({args.cp}): a batch of fewer tokens "
+                     "than ranks cannot be interleaved")
+    cfg = _engine_config(args)
+    try:
+        from ..engine.engine import build_scheduler
+
+        build_scheduler(cfg, cfg.trace())  # a trace that cannot run is refused before any process starts
+    except (TraceError, OSError) as e:
+        parser.error(f"--workload: {e}")
+    refuse_unless_fits(parser, engine_footprint(cfg), timeout=args.timeout)
     args.config = cfg
 
 
 def _run(args) -> int:
-    from .. import runtime
+    from ..engine import engine
 
-    r = runtime.run_scenario(args.config)
+    r = engine.run_engine(args.config)
+    if args.plot:
+        from .report import plot_engine
+
+        plot_engine(r, args.plot)
     if args.json:
-        print(json.dumps(r, indent=2))
+        print(json.dumps({k: v for k, v in r.items() if k not in ("occupancy", "host_occupancy", "sequences")},
+                         indent=2))
     else:
-        print(format_run(r))
-    worst = max(r["max_abs_diff"].values())
-    if worst > args.tolerance:
-        print(f"FAIL: max abs logit difference {worst:.3g} > {args.tolerance}", file=sys.stderr)
+        from .report import format_engine
+
+        print(format_engine(r))
+        if args.plot:
+            print(f"occupancy plot: {args.plot}")
+    c = r["check"]
+    if c is not None and (c["max_abs_diff"] > args.tolerance or c["requests_matched"] != c["requests"]):
+        print(f"FAIL: max abs logit difference {c['max_abs_diff']:.3g} (tolerance {args.tolerance:g}), "
+              f"greedy tokens equal for {c['requests_matched']} of {c['requests']} requests", file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK
 
 
-def format_run(r: dict) -> str:
-    """Human-readable report of one ``cpkv run``."""
-    from .bench import format_rows
-
-    c = r["config"]
-    n = len(r["ranks"])
-    lines = [
-        f"CP group of {n} ranks, page size {c['page_size']}, batch of {r['batch_size']} requests "
-        f"(cached prefix:prompt = {', '.join(f'{a}:{b}' for a, b in c['requests'])}), "
-        f"{c['decode_steps']} decode steps each; Llama {c['model']['layers']} layers, hidden "
-        f"{c['model']['hidden']}, {c['model']['heads']} heads / {c['model']['kv_heads']} KV heads, fp32",
-        "",
-        format_rows([{"rank": x["rank"], "KV bytes held": x["kv_bytes_held"],
-                      "share of replicated": round(x["kv_bytes_held"] / r["replicated_kv_bytes"], 3),
-                      "prefill tokens": x["prefill_tokens"], "decode tokens": x["decode_tokens"]}
-                     for x in r["ranks"]], "per rank:"),
-        "",
-        f"replicated cache (every rank a full copy): {r['replicated_kv_bytes']} bytes per rank; "
-        f"shared: {sum(x['kv_bytes_held'] for x in r['ranks'])} bytes in all",
-        f"max |logit - transformers|: prefill {r['max_abs_diff']['prefill']:.3g}, "
-        f"decode {r['max_abs_diff']['decode']:.3g}",
-        "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["seconds"].items()),
-    ]
-    return "\n".join(lines)
-
-
 def _add_run(sub) -> None:
+    from ..engine.scheduler import ADMISSION
+    from ..engine.trace import WORKLOADS
+    from ..models import MODELS
+    from ..runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
+
     r = sub.add_parser(
         "run", allow_abbrev=False,
-        help="prefill and decode a batch on an N-process CP group sharing one KV cache, checked against transformers",
-        description="Start N rank processes sharing one KV cache in POSIX shared memory; prefill a batch "
-        "(each rank computes the tokens on pages it owns, writes them into its own segment, one fence per "
-        "layer), then decode; compare every logit with transformers' forward of the full sequence. "
-        "A group this machine cannot hold is refused before any process starts. "
-        "Exits 1 if a difference exceeds --tolerance, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
+        help="the engine: a serving trace on an N-process CP group sharing one KV cache, checked against transformers",
+        description="Start N rank processes sharing one KV cache (and a host tier) in POSIX shared memory and run "
+        "a serving trace through the engine: admission by lanes, chunked prefill, decode, the prefix cache with "
+        "mid-page copies, lane-aware eviction, preemption, host backup and restore. Every rank runs the same "
+        "scheduler; each computes the tokens of its split and writes only its own segment. With --check, every "
+        "computed logit is compared with transformers' forward of the request's full sequence and every "
+        "request's tokens with its greedy decoding. A group this machine cannot hold is refused before any "
+        "process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
     add_group_flags(r, cp=4, timeout=300.0)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
                    help="tokens per page (default 16)")
-    r.add_argument("--requests", type=requests_spec, default="37:61,0:50,32:45,0:9,0:83",
-                   help="comma list of [cached_prefix:]prompt_len; a cached prefix is prefilled first and "
-                        "continued by the batch (default 37:61,0:50,32:45,0:9,0:83: one mid-page and one "
-                        "page-aligned continuation)")
-    r.add_argument("--decode-steps", type=non_negative, default=8, help="greedy decode steps per request (default 8)")
-    r.add_argument("--layers", type=positive, default=2, help="decoder layers (default 2)")
-    r.add_argument("--hidden", type=positive, default=64, help="hidden size (default 64)")
-    r.add_argument("--heads", type=positive, default=4, help="attention heads (default 4)")
-    r.add_argument("--kv-heads", type=positive, default=2, help="KV heads, GQA (default 2)")
-    r.add_argument("--vocab", type=positive, default=256, help="vocabulary size (default 256)")
-    r.add_argument("--seed", type=non_negative, default=0, help="weights and prompts seed (default 0)")
-    r.add_argument("--check-plans", action="store_true", help="debug: one collective per batch checks all ranks planned alike")
-    r.add_argument("--tolerance", type=finite_float(0), default=1e-4, help="max abs logit difference allowed (default 1e-4)")
+    r.add_argument("--model", choices=MODELS, default="llama",
+                   help="model family, small random weights (default llama; deepseek-v3.2 and glm-5 are the DSA models)")
+    r.add_argument("--workload", type=workload_arg, default="multiturn",
+                   help=f"a built-in trace ({', '.join(WORKLOADS)}) or a JSONL file, one request a line "
+                        "(default multiturn)")
+    r.add_argument("--requests", type=positive, default=8,
+                   help="built-in traces: sessions, questions or documents (default 8)")
+    r.add_argument("--scale", type=finite_float(0, inclusive=False), default=0.1,
+                   help="built-in traces: lengths times this (default 0.1)")
+    r.add_argument("--chunk", type=positive, default=64, help="prefill tokens per step, all requests together (default 64)")
+    r.add_argument("--device-pages", type=positive, default=8, help="device KV pages per rank (default 8)")
+    r.add_argument("--host-pages", type=non_negative, default=96, help="host-tier pages, 0 for none (default 96)")
+    r.add_argument("--max-running", type=positive, default=16, help="requests running at once (default 16)")
+    r.add_argument("--admission", choices=ADMISSION, default="lanes",
+                   help="lanes: admit while every lane holds what the running requests still need (default); "
+                        "none: admit up to --max-running and preempt when a lane runs dry")
+    r.add_argument("--prefill-split", choices=PREFILL_SPLITS, default="page",
+                   help="who computes a prefill token: page (the owner of its page, no K/V moves; default), "
+                        "interleave or zigzag (token splits with an all-gather of new K/V)")
+    r.add_argument("--decode-split", choices=DECODE_SPLITS, default="owner",
+                   help="owner (the owner of the new slot computes the token; default) or lse (every rank "
+                        "attends over its own pages, partials merged by log-sum-exp)")
+    r.add_argument("--seed", type=non_negative, default=0, help="trace and weights seed (default 0)")
+    r.add_argument("--check", action="store_true",
+                   help="compare every logit and every request's greedy tokens with transformers")
+    r.add_argument("--tolerance", type=finite_float(0), default=1e-4,
+                   help="with --check: max abs logit difference allowed (default 1e-4)")
+    r.add_argument("--check-plans", action="store_true",
+                   help="debug: one collective per batch checks that every rank allocated alike")
+    r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
+                   help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
-    r.set_defaults(func=_run, check=_check_run)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=_run, validate=_check_run)
 
 
 # -- the command ----------------------------------------------------------------------
@@ -409,7 +438,7 @@ SUBCOMMANDS = (_add_simulate, _add_run, _add_bench, _add_bytes)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpkv`` argument parser, every subcommand registered (parsing runs
-    the per-flag checks; the cross-flag ``check`` runs in :func:`main`)."""
+    the per-flag checks; the cross-flag ``validate`` runs in :func:`main`)."""
     p = argparse.ArgumentParser(prog="cpkv", allow_abbrev=False,
                                 description="Owner-lane shared KV cache for context-parallel inference.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(
@@ -434,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         name = f"cpkv {args.cmd}"
-        if getattr(args, "check", None):
-            args.check(args, _subparser(parser, args.cmd))
+        if getattr(args, "validate", None):
+            args.validate(args, _subparser(parser, args.cmd))
         return args.func(args)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
