@@ -11,9 +11,12 @@ its greedy tokens.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from ..runtime.progress import progress_bar
 
@@ -135,9 +138,6 @@ def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
 def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
     shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
-    import os
-    import signal
-
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     layout = sched.alloc.layout
@@ -154,12 +154,7 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     t0 = time.perf_counter()
     while not sched.done:
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
-            if os.environ.get("CPKV_FAULT_MARKER"):  # tests time the group's reaction from here
-                with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
-                    f.write(repr(time.time()))
-            if comm.rank == cfg.kill_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault on rank {comm.rank} at step {sched.step}")
+            _inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
         done = sched.complete(plan, ex.run(plan))
         bar.update(len(done))
@@ -178,6 +173,18 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     if comm.rank != 0:
         return None
     return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
+
+
+def _inject_fault(rank: int, step: int, kill: bool) -> None:
+    """Fault injection for tests: raise, or die by SIGKILL. With the environment
+    variable ``CPKV_FAULT_MARKER`` set, first write the time to that file, so a
+    test can time the group's reaction from the fault itself."""
+    if os.environ.get("CPKV_FAULT_MARKER"):
+        with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
+            f.write(repr(time.time()))
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
@@ -206,8 +213,6 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
            checked: dict | None) -> dict:
     """The run's figures (see ``cpkv run --help``)."""
     st = sched.stats
-    import numpy as np
-
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
     peak_lane = occ.max(0)
     return {
