@@ -150,14 +150,15 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
                       prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
     ex = RankExecutor(runner, host, check=cfg.check)
-    bar = progress_bar(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
+    bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
             _inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
-        done = sched.complete(plan, ex.run(plan))
-        bar.update(len(done))
+        if sched.complete(plan, ex.run(plan)):
+            bar.set_postfix_str(f"{sched.stats.finished}/{len(specs)} requests finished", refresh=False)
+        bar.update(1)
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
