@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/cpkv run
+	$(VENV)/bin/cpkv run --check
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10

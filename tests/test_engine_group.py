@@ -1,7 +1,8 @@
 """The engine on a real process group: shared memory for the device and host
-pools, gloo collectives, exact against transformers; a killed rank ends the
-group, is named, and leaves no device or host segment.
-[[RFC-0001:C-HICACHE]] [[RFC-0001:C-NO-PLANNER-COLLECTIVE]] [[RFC-0001:C-DIRECT-WRITE]]"""
+pools, gloo collectives, exact against transformers, every rank holding its
+lane's share; a lost rank ends the group, is named, and leaves nothing behind.
+[[RFC-0001:C-HICACHE]] [[RFC-0001:C-NO-PLANNER-COLLECTIVE]] [[RFC-0001:C-DIRECT-WRITE]]
+[[RFC-0001:C-READ-PATH]] [[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
 
 import os
 import time
@@ -9,22 +10,39 @@ import time
 import pytest
 
 from cpkv.engine import EngineConfig, run_engine
+from cpkv.models import model_config
 from cpkv.runtime import RankFailure, shm_segments
 
 pytestmark = pytest.mark.multiproc
 
 
-def test_engine_on_a_process_group_with_the_host_tier():
+def holds_its_share(r):
+    """At the end of the trace each rank holds the pages of its lane that the
+    allocator handed out, and it wrote every one of them into its own segment;
+    together the ranks hold one copy (what a replicated cache holds per rank)."""
+    alloc = [x["pages_allocated"] for x in r["ranks"]]
+    assert [x["pages_written"] for x in r["ranks"]] == alloc and sum(alloc) > 0
+    last = r["occupancy"][-1]
+    assert alloc == last  # the allocator's count per lane is what each rank holds
+    peak, rep = r["peak_kv_bytes_per_rank"], r["peak_replicated_kv_bytes"]
+    assert sum(peak) >= rep and max(peak) < rep  # each rank holds a part, never the whole
+
+
+@pytest.mark.parametrize("model,cp,page,split", [("llama", 4, 16, ("page", "owner")),
+                                                 ("glm-5", 3, 5, ("zigzag", "lse"))])
+def test_engine_on_a_process_group_with_the_host_tier(model, cp, page, split):
     mine = os.getpid()
-    r = run_engine(EngineConfig(cp_size=2, page_size=16, device_pages=8, host_pages=48, requests=4, scale=0.08,
-                                chunk=40, check=True))
+    r = run_engine(EngineConfig(cp_size=cp, page_size=page, device_pages=5 * 16 // page, host_pages=48 * 16 // page,
+                                requests=3, scale=0.08, chunk=40, prefill_split=split[0], decode_split=split[1],
+                                model=model_config(model), check=True, check_plans=True))
     c = r["check"]
     assert c["requests_matched"] == c["requests"] == r["finished"] and c["max_abs_diff"] < 1e-4
-    assert r["load_pages"] > 0 and r["backup_pages"] > 0
+    assert r["load_pages"] > 0 and r["backup_pages"] > 0 and r["evicted_pages"] > 0
     backed = [x["backed_up"] for x in r["ranks"]]
-    assert backed[0] == r["backup_pages"] * 16 and backed[1] == 0  # only the IO rank copies to the host
+    assert backed[0] == r["backup_pages"] * page and not any(backed[1:])  # only the IO rank copies to the host
     loaded = [x["loaded"] for x in r["ranks"]]
-    assert sum(loaded) == r["load_pages"] * 16  # every rank loads its own share
+    assert sum(loaded) == r["load_pages"] * page and sum(x > 0 for x in loaded) > 1  # every owner its own share
+    holds_its_share(r)
     assert not shm_segments(mine)
 
 

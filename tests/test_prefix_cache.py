@@ -29,6 +29,8 @@ class Engine:
 
     def run(self, rid, tokens, m):
         """Copy, check the matched KV, allocate the rest and 'compute' it."""
+        src_pages = np.unique(m.copy_src.numpy() // self.S)
+        assert self.cache.tree.page_cached[src_pages].all(), "the copy source left the cache before the copy"
         for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):
             self.kv[d] = self.kv[s]  # the copy the engine makes, inside one lane
         for j in range(m.length):
@@ -261,6 +263,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert c.evictable_pages().tolist() == lanes_by_walk(c, lambda n: n.ref == 0).tolist()
         assert np.flatnonzero(c.tree.page_cached).tolist() == sorted(p for p, o in owners.items() if o == "cache")
         assert set(c.tree.leaves) == {n for n, _ in tree_nodes(c) if not n.children}
+        assert c.open_matches == len(e.live), "acquired matches != live requests"
 
     def teardown(self):
         if hasattr(self, "e"):

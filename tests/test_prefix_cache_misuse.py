@@ -251,3 +251,14 @@ def test_lookup_predicts_acquire(case, n, max_length):
     assert (m.length, m.shared, m.copy_src.numel()) == (hit.length, hit.shared, hit.copy)
     assert hit.last_shared_loc == (int(m.slots[m.shared - 1]) if m.shared else -1)
     assert hit.copy_lane == (int(m.copy_src[0]) // s % n if hit.copy else -1)
+
+
+def test_the_copy_source_survives_the_eviction_for_its_copy_page():
+    """The copy page may have to be evicted for, but never from its own source."""
+    e = Engine(3, 2, 1)  # three pages of two tokens
+    cached(e, 0, (1, 2, 3))  # node (1, 2) and partial leaf (3,): two pages, one free
+    assert e.start(1, (5, 5)) is not None  # takes the free page
+    m = e.cache.acquire((1, 2, 3, 9))  # shares (1, 2); (3,) needs a copy page, and only the source is evictable
+    assert e.cache.tree.page_cached[np.unique(m.copy_src.numpy() // 2)].all()
+    assert (m.length, m.shared, m.copy_dst.numel()) == (2, 2, 0)  # so the copy is dropped
+    assert e.cache.last_deficit is not None

@@ -20,7 +20,7 @@ Public entry points, one per workstream:
 
 from .consumers.disagg import TransferPlan, plan_transfer
 from .consumers.kv_pool import SharedKVPool
-from .consumers.prefix_cache import PrefixCache, PrefixMatch
+from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
 from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
 from .contract.errors import ContractViolation, UnsupportedPagePlan
 from .contract.layout import SharedKVLayout
@@ -31,6 +31,8 @@ __all__ = [
     "ExtendAllocation",
     "OwnerLaneAllocator",
     "PrefixCache",
+    "PrefixCacheMisuse",
+    "PrefixHit",
     "PrefixMatch",
     "RankSplit",
     "SharedKVLayout",

@@ -111,6 +111,12 @@ class SharedKVPool:
         """Bytes this rank holds: pages of its segment it has written and not released."""
         return int(self._written.sum()) * self.page_bytes
 
+    def written_pages(self, pages) -> int:
+        """How many of the logical ``pages`` (all owned by this rank) this rank
+        has written into its segment since they were last released."""
+        pages = torch.as_tensor(pages, dtype=torch.int64)
+        return int(self._written[pages // self.layout.cp_size].sum())
+
     def release(self, slots: torch.Tensor) -> None:
         """Forget the pages of ``slots`` that this rank owns (after the allocator freed them)."""
         mine = slots[self.layout.owned_slot_mask(slots, owner_rank=self.rank)]

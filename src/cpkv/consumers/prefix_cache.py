@@ -435,6 +435,7 @@ class PrefixCache:
         self.on_evict = on_evict
         self.last_deficit: np.ndarray | None = None
         self.hit_tokens = self.acquired_tokens = self.evicted_nodes = self.evicted_pages = 0
+        self.open_matches = 0  # acquired and not yet inserted or released: 0 once an engine drains
 
     # -- questions (no side effect) ------------------------------------------------------
     def lookup(self, tokens: Sequence[int], max_length: int | None = None) -> PrefixHit:
@@ -494,7 +495,7 @@ class PrefixCache:
         equal snapshots mean equal states."""
         deficit = None if self.last_deficit is None else tuple(self.last_deficit.tolist())
         return (self.tree.snapshot(), self.hit_tokens, self.acquired_tokens, self.evicted_nodes,
-                self.evicted_pages, deficit)
+                self.evicted_pages, self.open_matches, deficit)
 
     # -- admission -------------------------------------------------------------------
     def acquire(self, tokens: Sequence[int], max_length: int | None = None) -> PrefixMatch:
@@ -529,6 +530,7 @@ class PrefixCache:
         length = shared.numel() + copy_dst.numel()
         self.acquired_tokens += len(tokens)
         self.hit_tokens += length
+        self.open_matches += 1
         return PrefixMatch(length, torch.cat([shared, copy_dst]), copy_src, copy_dst, shared.numel(),
                            tokens[:length], held, self)
 
@@ -622,6 +624,7 @@ class PrefixCache:
             raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
         # -- nothing refuses past this line
         match._ended = "inserted"
+        self.open_matches -= 1
         slots, n = torch.from_numpy(arr.copy()), len(tokens)
         self.tree.pin(match.node, -1)
         w = self.tree.walk(tokens, n)
@@ -670,6 +673,7 @@ class PrefixCache:
         arr = _int_vector(slots, "slots", "bad-slots")
         _check_end(self, match, arr, "release")
         match._ended = "released"
+        self.open_matches -= 1
         self.tree.pin(match.node, -1)
         private = arr[match.shared :]
         if private.size:

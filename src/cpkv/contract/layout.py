@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _INT_LIMITS = {
@@ -103,6 +104,12 @@ class SharedKVLayout:
     def slots_per_rank(self) -> int:
         """Slots in one rank's segment."""
         return self.pages_per_rank * self.slots_per_page
+
+    def rank_pages(self, rank: int):
+        """The logical pages rank ``rank`` owns, ascending (page 0 included for rank 0):
+        ``rank, rank + N, rank + 2N, ...``. [[RFC-0001:C-LAYOUT-OWNER]]"""
+        self._check_rank(rank, "rank")
+        return np.arange(rank, self.num_pages, self.cp_size)
 
     # -- checks -------------------------------------------------------------
     def _valid(self, slots: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,14 @@ its greedy tokens.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
-from tqdm import tqdm
+from ..runtime.progress import progress_bar
 
 from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_pool import SharedKVPool, allocate_buffers
@@ -107,6 +110,7 @@ class EngineConfig:
     seed: int = 0
     model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
+    check_plans: bool = False  # debug: one collective per batch compares every rank's allocation
     timeout: float = 300.0
     progress: bool = False
     fail_rank: int | None = None  # fault injection: this rank raises at step ``fail_step``
@@ -139,9 +143,6 @@ def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
 def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
     shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
-    import os
-    import signal
-
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     layout = sched.alloc.layout
@@ -152,33 +153,44 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
         host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
     max_len = sched.max_len + 1
     runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split)
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
     ex = RankExecutor(runner, host, check=cfg.check)
-    bar = tqdm(total=len(specs), desc="requests", disable=not (cfg.progress and comm.rank == 0), leave=False)
+    bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
-            if os.environ.get("CPKV_FAULT_MARKER"):  # tests time the group's reaction from here
-                with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
-                    f.write(repr(time.time()))
-            if comm.rank == cfg.kill_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault on rank {comm.rank} at step {sched.step}")
+            _inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
-        done = sched.complete(plan, ex.run(plan))
-        bar.update(len(done))
+        if sched.complete(plan, ex.run(plan)):
+            bar.set_postfix_str(f"{sched.stats.finished}/{len(specs)} requests finished", refresh=False)
+        bar.update(1)
     seconds = time.perf_counter() - t0
     bar.close()
+    own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
+    held = own[sched.alloc.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
-                                    "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes})
+                                    "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
+                                    # at the end of the trace, before the cache is drained: the pages this rank
+                                    # holds, by the allocator and by what this rank wrote into its segment
+                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
     sched.drain()
-    leaked = sum(sched.alloc.lane_free_pages()) != sched.alloc.num_pages
-    if leaked or (sched.host is not None and sched.host.used_pages()):
-        raise AssertionError("pages leaked after the trace")
+    sched.check_drained()
     if comm.rank != 0:
         return None
     return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
+
+
+def _inject_fault(rank: int, step: int, kill: bool) -> None:
+    """Fault injection for tests: raise, or die by SIGKILL. With the environment
+    variable ``CPKV_FAULT_MARKER`` set, first write the time to that file, so a
+    test can time the group's reaction from the fault itself."""
+    if os.environ.get("CPKV_FAULT_MARKER"):
+        with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
+            f.write(repr(time.time()))
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
@@ -207,8 +219,6 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
            checked: dict | None) -> dict:
     """The run's figures (see ``cpkv run --help``)."""
     st = sched.stats
-    import numpy as np
-
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
     peak_lane = occ.max(0)
     return {

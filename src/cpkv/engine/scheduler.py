@@ -589,6 +589,16 @@ class Scheduler:
         r.match, r.row, r.finished_at = None, -1, self.step
         self._conclude(r)
 
+    def check_drained(self) -> None:
+        """After :meth:`drain`: raise ``AssertionError`` if any device or host
+        page, or any prefix match, is still held (a leak)."""
+        held = self.alloc.num_pages - sum(self.alloc.lane_free_pages())
+        host = 0 if self.host is None else self.host.used_pages()
+        matches = self.cache.open_matches + (0 if self.host is None else self.host.index.open_matches)
+        if held or host or matches or self.running:
+            raise AssertionError(f"leak after the trace: {held} device pages, {host} host pages, {matches} "
+                                 f"prefix matches, {len(self.running)} requests still held")
+
     def drain(self) -> None:
         """After the trace: every cached page back to the free lists (no
         backup), and every held request's pages with them."""

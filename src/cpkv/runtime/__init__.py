@@ -1,14 +1,20 @@
-"""The CP group at run time: processes, shared memory, one rank's forward.
+"""The CP group at run time: processes, shared memory, collectives, one rank's forward.
 
-* :mod:`~cpkv.runtime.group` - process lifetime: :func:`launch`, :class:`RankFailure`
+* :mod:`~cpkv.runtime.group` - process lifetime: :func:`launch`, :class:`RankFailure`,
+  sizing a group before it starts (:func:`check_capacity`)
 * :mod:`~cpkv.runtime.shm` - shared-memory segment lifetime
+* :mod:`~cpkv.runtime.comm` - the collectives a rank uses (process group or threads)
+* :mod:`~cpkv.runtime.batch` - one rank's share of a batch under each split: :class:`ForwardBatch`
 * :mod:`~cpkv.runtime.runner` - one rank's forward on the shared cache: :class:`CPRunner`
-* :mod:`~cpkv.runtime.scenario` - the fixed end-to-end scenario: :func:`run_scenario`
 """
 
-from .group import RankContext, RankFailure, launch
+from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
+from .comm import Comm, DistComm, LocalComm, run_threads
+from .group import (GroupFootprint, GroupTooLarge, RankContext, RankFailure, check_capacity, group_footprint, launch,
+                    machine_capacity)
 from .runner import CPRunner
-from .scenario import RunConfig, run_scenario
 from .shm import shm_segments
 
-__all__ = ["CPRunner", "RankContext", "RankFailure", "RunConfig", "launch", "run_scenario", "shm_segments"]
+__all__ = ["CPRunner", "Comm", "DECODE_SPLITS", "DistComm", "ForwardBatch", "GroupFootprint", "GroupTooLarge",
+           "LocalComm", "PREFILL_SPLITS", "RankContext", "RankFailure", "check_capacity", "group_footprint",
+           "launch", "machine_capacity", "run_threads", "shm_segments"]

@@ -1,29 +1,57 @@
-"""Process lifetime of a CP group: start N ranks, watch them, stop them, clean up.
+"""Process lifetime of a CP group: size it, start N ranks, watch them, stop them, clean up.
 
 :func:`launch` spawns ``world_size`` rank processes on this machine, joined in
 one ``torch.distributed`` group (gloo on the CPU), and runs ``target(ctx,
 *args)`` in each, where ``ctx`` is that rank's :class:`RankContext`. It returns
 what rank 0's target returned. A rank that raises or dies stops the whole group,
 and :class:`RankFailure` names the rank that failed first (not the peers that
-failed because it went away). Every shared-memory segment the run made
-(:meth:`RankContext.shared`) is unlinked on every exit path: rank 0 unlinks
-when it ends, and the launcher unlinks the run's whole name prefix again in a
-``finally``.
+failed because it went away).
+
+Nothing outlives the launcher, however it ends:
+
+* Each rank talks to the launcher over its own pipe, so a run creates no
+  multiprocessing semaphore (a ``Queue`` would leave three ``/dev/shm/sem.mp-*``
+  behind a killed launcher).
+* A rank dies with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and on every
+  POSIX system a lifeline pipe per rank, of which only the launcher holds the
+  write end: a watchdog thread in the rank takes its end of file as the
+  launcher's death, a byte on it as the launcher's stop. The watchdog also
+  handles ``SIGTERM``. It unlinks the run's segments (and, for an orphaned
+  rank, the run's folder) and ends the rank, even while the rank's main thread
+  is blocked in a collective.
+* Ranks ignore ``SIGINT`` (from the moment they are forked): Ctrl-C reaches
+  the launcher, which stops the group and re-raises :class:`KeyboardInterrupt`.
+* A shared segment's name is unlinked as soon as every rank of its group has
+  mapped it (:meth:`RankContext.shared`); the memory lives while a rank maps it
+  and goes with the last one. The launcher unlinks the run's name prefix again
+  in a ``finally``.
+
+:func:`group_footprint` and :func:`check_capacity` refuse, before any process
+starts, a group (or several, e.g. a prefill and a decode group) that this
+machine cannot hold or that would certainly not start within its timeout.
 
 The group runs on the CPU; a GPU path (NCCL, a CUDA IPC buffer) is not built.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import math
 import os
-import queue as queue_mod
+import pickle
+import select
+import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 import torch
@@ -32,14 +60,187 @@ import torch.multiprocessing as mp
 
 from . import shm as shm_mod
 
+# -- sizing a group -------------------------------------------------------------
+#: Private memory of one spawned rank with torch and transformers imported and a
+#: tiny model built: 255 MB measured (anonymous pages, ``/proc/self/smaps_rollup``)
+#: on this project's machine (torch 2.13 CPU); the margin covers gloo buffers.
+RANK_BASELINE_BYTES = 300 * 2**20
+#: CPU seconds one rank needs at least before its first collective (interpreter,
+#: torch and transformers imports): 5.0 s measured for the imports alone; a whole
+#: rank of ``cpkv run`` measured 7.4-8.5 s. A lower bound: refusals made with it
+#: are certain.
+RANK_START_CPU_S = 5.0
+#: Most ranks per core. Measured on 2 cores: ``cpkv run`` at cp 4 / 8 / 16 spent
+#: 0.4 / 1.1 / 4.3 s computing (every fence waits for each rank to be scheduled,
+#: so the cost grows about with N^2) after 30 / 38 / 135 s starting; cp 64 ran
+#: past its 300 s timeout with 17.5 GB in use. 16 per core (32 ranks on 2 cores,
+#: about 150 s) is where the default timeout still holds.
+MAX_RANKS_PER_CORE = 16
+#: Share of the available memory a launch may plan to use; the rest is left to
+#: the launcher, the page cache and whatever else runs.
+MEMORY_RESERVE = 0.1
 
+
+class GroupTooLarge(ValueError):
+    """This machine cannot hold the group(s) asked for; the message says why."""
+
+
+@dataclass(frozen=True)
+class GroupFootprint:
+    """What one CP group takes from the machine: ``world_size`` processes of
+    ``per_rank_bytes`` private memory each, plus ``shared_bytes`` of shared
+    segments counted once."""
+
+    world_size: int
+    per_rank_bytes: int
+    shared_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Private memory of every rank plus the shared segments."""
+        return self.world_size * self.per_rank_bytes + self.shared_bytes
+
+
+def group_footprint(world_size: int, *, model_bytes: int = 0, private_bytes: int = 0, shared_bytes: int = 0,
+                    baseline_bytes: int = RANK_BASELINE_BYTES) -> GroupFootprint:
+    """The footprint of a group of ``world_size`` ranks, each holding its own
+    copy of the model (``model_bytes``) and ``private_bytes`` of its own
+    tensors on top of the process baseline; ``shared_bytes`` (the KV cache
+    segments) are shared by the group. Raises ``ValueError`` on a world size
+    below 1 or negative bytes."""
+    if int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    sizes = {"model_bytes": model_bytes, "private_bytes": private_bytes, "shared_bytes": shared_bytes,
+             "baseline_bytes": baseline_bytes}
+    bad = {k: v for k, v in sizes.items() if v < 0}
+    if bad:
+        raise ValueError(f"byte counts must be >= 0, got {bad}")
+    return GroupFootprint(int(world_size), int(baseline_bytes + model_bytes + private_bytes), int(shared_bytes))
+
+
+@dataclass(frozen=True)
+class MachineCapacity:
+    """Memory a launch may use now and the cores it may run on."""
+
+    available_bytes: int
+    cores: int
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_memory_left() -> int | None:
+    """Bytes left under this process's cgroup memory limit, if it has one (v2, then v1)."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        lim, use = _read(limit), _read(usage)
+        if lim and use and lim.isdigit() and use.isdigit() and int(lim) < 2**60:
+            return max(int(lim) - int(use), 0)
+    return None
+
+
+def _cgroup_cores() -> float | None:
+    """Cores allowed by a cgroup v2 CPU quota (``cpu.max``), if one is set."""
+    text = _read("/sys/fs/cgroup/cpu.max")
+    if not text:
+        return None
+    quota, _, period = text.partition(" ")
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return int(quota) / int(period)
+
+
+def machine_capacity() -> MachineCapacity:
+    """This machine as a launch sees it: ``MemAvailable`` from ``/proc/meminfo``
+    (capped by a cgroup memory limit) and the cores this process may run on
+    (affinity, capped by a cgroup CPU quota)."""
+    avail = None
+    meminfo = _read("/proc/meminfo") or ""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    if avail is None:  # not Linux: total physical memory is the best we know
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            avail = 2**63
+    left = _cgroup_memory_left()
+    if left is not None:
+        avail = min(avail, left)
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        cores = float(os.cpu_count() or 1)
+    quota = _cgroup_cores()
+    if quota is not None:
+        cores = min(cores, quota)
+    return MachineCapacity(int(avail), max(int(cores), 1))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_capacity(*groups: GroupFootprint, timeout: float, capacity: MachineCapacity | None = None,
+                   reserve: float = MEMORY_RESERVE, max_ranks_per_core: int = MAX_RANKS_PER_CORE,
+                   rank_start_cpu_s: float = RANK_START_CPU_S) -> None:
+    """Refuse, before any process starts, groups that run together on this machine
+    but that it cannot hold; returns ``None`` when they fit.
+
+    Raises :class:`GroupTooLarge` naming the first rule broken:
+
+    * memory: every group's :attr:`GroupFootprint.total_bytes` together must fit
+      in ``(1 - reserve)`` of ``capacity.available_bytes``;
+    * cores: at most ``max_ranks_per_core`` ranks per core (see
+      :data:`MAX_RANKS_PER_CORE` for the measurements behind 16);
+    * time: starting every rank takes at least ``rank_start_cpu_s`` CPU seconds
+      each, spread over the cores; that alone must fit in ``timeout``.
+
+    ``capacity`` defaults to :func:`machine_capacity` now.
+    """
+    if not groups:
+        raise ValueError("check_capacity needs at least one GroupFootprint")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    cap = capacity or machine_capacity()
+    ranks = sum(g.world_size for g in groups)
+    what = (f"{ranks} ranks" if len(groups) == 1
+            else f"{len(groups)} groups of {' + '.join(str(g.world_size) for g in groups)} = {ranks} ranks")
+    need = sum(g.total_bytes for g in groups)
+    usable = int(cap.available_bytes * (1 - reserve))
+    if need > usable:
+        per = ", ".join(f"{g.world_size} x {_gib(g.per_rank_bytes)} + {_gib(g.shared_bytes)} shared" for g in groups)
+        raise GroupTooLarge(
+            f"{what} need about {_gib(need)} of memory ({per}), more than this machine can give: "
+            f"{_gib(cap.available_bytes)} available, {int(reserve * 100)}% of it kept free")
+    if ranks > max_ranks_per_core * cap.cores:
+        raise GroupTooLarge(
+            f"{what} on {cap.cores} core{'s' if cap.cores > 1 else ''}: more than {max_ranks_per_core} per core; every "
+            f"fence waits for each rank to be scheduled and such a group runs past any practical timeout "
+            f"(at most {max_ranks_per_core * cap.cores} ranks here)")
+    start = ranks * rank_start_cpu_s / cap.cores
+    if start > timeout:
+        raise GroupTooLarge(
+            f"{what} need at least {start:.0f} s to start on {cap.cores} core{'s' if cap.cores > 1 else ''} "
+            f"({rank_start_cpu_s:g} CPU seconds each), more than the timeout of {timeout:g} s")
+
+
+# -- one rank's handle ----------------------------------------------------------
 class RankFailure(RuntimeError):
     """A rank of the CP group failed; ``rank`` names it (``None``: the group as
-    a whole, e.g. it did not finish in time)."""
+    a whole, e.g. it did not finish in time). ``str()`` is one line; ``details``
+    holds the rank's traceback when it sent one."""
 
-    def __init__(self, rank: int | None, message: str):
+    def __init__(self, rank: int | None, message: str, details: str | None = None):
         self.rank = rank
-        super().__init__(f"{'CP group' if rank is None else f'rank {rank}'} failed: {message}")
+        self.details = details
+        line = " ".join(str(message).split())
+        super().__init__(f"{'CP group' if rank is None else f'rank {rank}'} failed: {line}")
 
 
 class RankContext:
@@ -47,7 +248,9 @@ class RankContext:
 
     ``shared(tag, shape, dtype)`` returns a tensor in POSIX shared memory that
     every rank of ``group`` maps: rank ``creator`` creates it (zeroed), the
-    others attach after a barrier. Segments are closed when the rank ends.
+    others attach after a barrier, and the creator unlinks the name once all
+    have (so no name outlives the group, however it ends). Segments are closed
+    when the rank ends.
     """
 
     def __init__(self, rank: int, world_size: int, prefix: str):
@@ -74,7 +277,10 @@ class RankContext:
 
     def shared(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype, *, creator: int = 0,
                group=None) -> torch.Tensor:
-        """A zeroed tensor in shared memory, the same memory on every rank of ``group``."""
+        """A zeroed tensor in shared memory, the same memory on every rank of ``group``.
+
+        Collective over ``group`` (two barriers). The segment's name exists only
+        between its creation and the second barrier."""
         name = self.prefix + tag
         if self.rank == creator:
             seg = shm_mod.create(name, shm_mod.nbytes(shape, dtype))
@@ -82,39 +288,137 @@ class RankContext:
             t = shm_mod.as_tensor(seg, shape, dtype)
             t.zero_()
             self.barrier(group)
+            self.barrier(group)  # every rank of the group has it mapped
+            shm_mod.unlink(name)
         else:
             self.barrier(group)
             seg = shm_mod.attach(name)
             self._segments.append((seg, False))
             t = shm_mod.as_tensor(seg, shape, dtype)
+            self.barrier(group)
         return t
 
     def close(self) -> None:
-        """Unmap every segment; the creator also unlinks it."""
+        """Unmap every segment; the creator also unlinks a name still there."""
         gc.collect()
         for seg, mine in self._segments:
             shm_mod.close(seg)
             if mine:
-                try:
-                    os.unlink(os.path.join(shm_mod.SHM_DIR, seg.name.lstrip("/")))
-                except FileNotFoundError:
-                    pass
+                shm_mod.unlink(seg.name)
         self._segments.clear()
 
 
-def _rank_main(rank: int, world_size: int, prefix: str, init_file: str, timeout: float, out,
-               target: Callable, args: tuple) -> None:
+# -- inside a rank ----------------------------------------------------------------
+PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _die(sig: int = signal.SIGTERM) -> None:
+    """End this process by ``sig`` with its default action (the exit status then
+    names the signal), whatever handler Python installed."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.signal(int(sig), ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), sig)
+        time.sleep(1.0)
+    finally:
+        os._exit(128 + int(sig))
+
+
+def _watch(lifeline, wake_fd: int, prefix: str, run_dir: str) -> None:
+    """Watchdog thread of a rank: wait for the launcher to stop this rank (a byte
+    on the lifeline), to die (end of file on the lifeline) or for SIGTERM, then
+    remove what the run left and end the process.
+
+    A SIGTERM alone does not say who sent it: the launcher (its stop byte is
+    already on the lifeline), the launcher's death (``PR_SET_PDEATHSIG``; the end
+    of file follows within moments, as the dying process's last thread closes
+    its files) or someone else. So it waits up to :data:`_SIGTERM_GRACE_S` for
+    the lifeline to tell. Only an orphaned rank removes the run directory; a
+    living launcher removes it itself."""
+    lf = lifeline.fileno()
+    orphaned, deadline = None, None
+    while orphaned is None:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            ready, _, _ = select.select([lf, wake_fd], [], [], timeout)
+        except InterruptedError:
+            continue
+        except (OSError, ValueError):
+            orphaned = False
+            break
+        if lf in ready:
+            try:
+                lifeline.recv_bytes()
+                orphaned = False  # the launcher asks this rank to stop
+            except (EOFError, OSError):
+                orphaned = True  # its write end closed: the launcher is gone
+        elif wake_fd in ready:
+            try:
+                woken = os.read(wake_fd, 64)  # one byte per signal Python handled
+            except BlockingIOError:
+                woken = b""
+            if signal.SIGTERM in woken and deadline is None:
+                deadline = time.monotonic() + _SIGTERM_GRACE_S
+        elif deadline is not None and time.monotonic() >= deadline:
+            orphaned = False  # a SIGTERM from someone else
+    shm_mod.unlink_prefix(prefix)
+    if orphaned:  # nobody else will remove the run directory
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _die(signal.SIGTERM)
+
+
+_SIGTERM_GRACE_S = 2.0
+
+
+def _guard_rank(launcher_pid: int, lifeline, prefix: str, run_dir: str) -> None:
+    """Make this rank ignore Ctrl-C and die with the launcher (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the fork (_SigintDeferred): now simply ignored
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the watchdog acts on the wakeup byte
+    _set_parent_death_signal(signal.SIGTERM)
+    threading.Thread(target=_watch, args=(lifeline, r, prefix, run_dir), daemon=True,
+                     name="cpkv-watchdog").start()
+    if os.getppid() != launcher_pid:  # the launcher died before the guard was up
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _send(conn, msg) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(msg))  # plain pickle: tensors travel by value, no fd passing
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+        if msg[0] == "result":
+            _send(conn, ("error", f"rank 0's result cannot be sent to the launcher: {type(e).__name__}: {e}", None))
+
+
+def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, launcher_pid: int,
+               lifeline, out, target: Callable, args: tuple) -> None:
+    _guard_rank(launcher_pid, lifeline, prefix, run_dir)
     ctx = RankContext(rank, world_size, prefix)
     try:
         torch.set_num_threads(1)
         if world_size > 1:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+            dist.init_process_group("gloo", init_method=f"file://{os.path.join(run_dir, 'pg')}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=timeout))
         result = target(ctx, *args)
         if rank == 0:
-            out.put(("result", 0, result))
+            _send(out, ("result", result, None))
     except BaseException as e:  # report, then exit non-zero so the launcher stops the group
-        out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        _send(out, ("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         ctx.close()
@@ -122,90 +426,158 @@ def _rank_main(rank: int, world_size: int, prefix: str, init_file: str, timeout:
             dist.destroy_process_group()
 
 
+# -- the launcher -----------------------------------------------------------------
 def _is_knock_on(message: str) -> bool:
     """An error a rank raises only because a peer went away."""
-    return any(w in message for w in ("gloo", "Gloo", "NCCL", "DistBackendError", "Connection closed", "timed out"))
+    return any(w in message for w in ("gloo", "Gloo", "NCCL", "DistBackendError", "Connection closed", "timed out",
+                                      "Connection reset", "Broken pipe"))
 
 
-def _root_cause(procs, errors: dict, out, *, timed_out: bool, timeout: float) -> RankFailure:
-    """Name the rank that failed first, not the peers that failed because of it.
+class _Group:
+    """The launcher's view of the running ranks: their processes and pipes."""
 
-    Waits up to a second for the other ranks' reports, then prefers a rank
-    killed by a signal, then a rank whose error is its own (not a broken
-    connection to a peer), then the first error reported.
-    """
-    if timed_out:
-        return RankFailure(None, f"did not finish within {timeout} s")
-    end = time.monotonic() + 1.0
-    while time.monotonic() < end:
-        try:
-            kind, rank, payload = out.get(timeout=0.05)
+    def __init__(self, procs, readers, lifelines):
+        self.procs, self.readers, self.lifelines = procs, dict(zip(readers, range(len(readers)))), lifelines
+        self.errors: dict[int, tuple[str, str | None]] = {}
+        self.result, self.got = None, False
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for a message or a rank's exit; take in what came."""
+        running = [p.sentinel for p in self.procs if p.exitcode is None]
+        ready = wait_ready(list(self.readers) + running, timeout)
+        for conn in ready:
+            rank = self.readers.get(conn)
+            if rank is None:
+                continue
+            try:
+                kind, payload, details = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                del self.readers[conn]  # the rank closed its end: it is ending
+                conn.close()
+                continue
+            except Exception as e:  # a result the launcher cannot unpickle
+                kind, payload, details = "error", f"its message cannot be read: {type(e).__name__}: {e}", None
             if kind == "error":
-                errors.setdefault(rank, payload)
-        except queue_mod.Empty:
-            pass
-    for r, p in enumerate(procs):
-        if p.exitcode is not None and p.exitcode < 0 and r not in errors:
-            return RankFailure(r, f"exited with code {p.exitcode} (killed by {signal.Signals(-p.exitcode).name})")
-    own = [r for r, m in errors.items() if not _is_knock_on(m)]
-    if own or errors:
-        r = (own or list(errors))[0]
-        return RankFailure(r, errors[r])
-    r = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
-    return RankFailure(r, f"exited with code {procs[r].exitcode}")
+                self.errors.setdefault(rank, (payload, details))
+            else:
+                self.result, self.got = payload, True
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.errors) or any(p.exitcode not in (None, 0) for p in self.procs)
+
+    @property
+    def alive(self) -> bool:
+        return any(p.is_alive() for p in self.procs)
+
+    def root_cause(self) -> RankFailure:
+        """Name the rank that failed first, not the peers that failed because of it.
+
+        Waits up to a second for the other ranks' reports, then prefers a rank
+        killed by a signal, then a rank whose error is its own (not a broken
+        connection to a peer), then the first error reported."""
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and (self.readers or self.alive):
+            self.poll(0.05)
+        for r, p in enumerate(self.procs):
+            if p.exitcode is not None and p.exitcode < 0 and r not in self.errors:
+                return RankFailure(r, f"exited with code {p.exitcode} (killed by {signal.Signals(-p.exitcode).name})")
+        own = [r for r, (m, d) in self.errors.items() if not _is_knock_on(m + (d or ""))]
+        if own or self.errors:
+            r = (own or list(self.errors))[0]
+            return RankFailure(r, *self.errors[r])
+        r = next(r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0))
+        return RankFailure(r, f"exited with code {self.procs[r].exitcode}")
+
+    def stop(self) -> None:
+        """Ask every rank still running to stop (a byte on its lifeline, and
+        SIGTERM), then SIGKILL any still there after 5 s."""
+        started = [p for p in self.procs if p.pid is not None]
+        for p, life in zip(self.procs, self.lifelines):
+            if p.pid is not None and p.is_alive():
+                try:
+                    life.send_bytes(b"stop")
+                except OSError:
+                    pass
+                p.terminate()
+        for p in started:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+class _SigintDeferred:
+    """Hold Ctrl-C back in the launcher while ranks are forked and while it
+    cleans up: SIGINT is blocked in this thread, and one that arrives meanwhile
+    is delivered (as :class:`KeyboardInterrupt`) when the block ends, not lost.
+    Ranks forked meanwhile inherit the block, so a Ctrl-C during their start-up
+    prints nothing; :func:`_guard_rank` then turns it into "ignored"."""
+
+    def __enter__(self):
+        self.saved = None
+        if hasattr(signal, "pthread_sigmask"):
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()  # starting it later would unblock SIGINT in this thread
+            self.saved = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.saved)
+        return False
 
 
 def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> Any:
     """Run ``target(ctx, *args)`` on ``world_size`` spawned ranks; return rank 0's result.
 
-    ``target`` must be a module-level function (ranks are spawned). Raises
-    :class:`RankFailure` naming the first rank that failed, after stopping every
-    other rank; the run's shared segments are unlinked whatever happens.
+    ``target`` must be a module-level function (ranks are spawned) and rank 0's
+    result picklable. Raises :class:`RankFailure` naming the first rank that
+    failed, or the group (``rank=None``) when it does not finish within
+    ``timeout`` seconds, after stopping every other rank. A
+    :class:`KeyboardInterrupt` in the launcher stops the group and propagates.
+    Whatever happens, the run leaves no process, shared segment or semaphore.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     prefix = shm_mod.run_prefix(uuid.uuid4().hex[:8])
-    result, failure = None, None
-    with tempfile.TemporaryDirectory(prefix="cpkv_pg_") as d:
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, prefix, os.path.join(d, "pg"), timeout, out, target, args))
-                 for r in range(world_size)]
-        try:
+    run_dir = tempfile.mkdtemp(prefix="cpkv_pg_")
+    lifelines = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # the launcher holds the write ends
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"cpkv-rank-{r}",
+                         args=(r, world_size, prefix, run_dir, timeout, os.getpid(), lifelines[r][0], pipes[r][1],
+                               target, args))
+             for r in range(world_size)]
+    group, failure = _Group(procs, [rd for rd, _ in pipes], [w for _, w in lifelines]), None
+    try:
+        with _SigintDeferred():
             for p in procs:
                 p.start()
-            deadline = time.monotonic() + timeout
-            errors: dict[int, str] = {}
-            got = False
-            while not got or any(p.is_alive() for p in procs):
-                try:
-                    kind, rank, payload = out.get(timeout=0.1)
-                    if kind == "error":
-                        errors.setdefault(rank, payload)
-                    else:
-                        result, got = payload, True
-                except queue_mod.Empty:
-                    pass
-                broken = errors or any(p.exitcode not in (None, 0) for p in procs)
-                if broken or time.monotonic() > deadline:
-                    failure = _root_cause(procs, errors, out, timed_out=not broken, timeout=timeout)
-                    break
-                if not got and not any(p.is_alive() for p in procs):
-                    failure = RankFailure(0, "the group ended without a result")
-                    break
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+        for conn in [wr for _, wr in pipes] + [rd for rd, _ in lifelines]:
+            conn.close()
+        deadline = time.monotonic() + timeout
+        while not group.got or group.alive:
+            group.poll(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            if group.broken:
+                failure = group.root_cause()
+                break
+            if time.monotonic() > deadline:
+                failure = RankFailure(None, f"did not finish within {timeout:g} s")
+                break
+            if not group.got and not group.alive and not group.readers:
+                failure = RankFailure(0, "the group ended without a result")
+                break
+    finally:
+        with _SigintDeferred():
+            group.stop()
+            for conn in list(group.readers) + [c for pair in pipes + lifelines for c in pair]:
+                conn.close()
             shm_mod.unlink_prefix(prefix)
+            shutil.rmtree(run_dir, ignore_errors=True)
     if failure is not None:
         raise failure
-    return result
+    return group.result

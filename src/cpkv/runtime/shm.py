@@ -1,9 +1,11 @@
 """POSIX shared-memory segments of a CP group: create, attach, unlink.
 
 Every segment of one run is named ``cpkv_<launcher pid>_<run id>_<tag>``, so the
-launcher can remove everything a run made, whatever happened to its ranks. cpkv
-owns these lifetimes; Python's resource tracker is kept out of them (it would
-unlink a segment when the first process that touched it exits).
+launcher (or a rank outliving it for a moment) can remove everything a run made,
+whatever happened to its ranks. A name is needed only while the group's ranks
+attach; :meth:`~cpkv.runtime.group.RankContext.shared` unlinks it right after.
+cpkv owns these lifetimes; Python's resource tracker is kept out of them (it
+would unlink a segment when the first process that touched it exits).
 """
 
 from __future__ import annotations
@@ -64,16 +66,19 @@ def close(shm: shared_memory.SharedMemory) -> None:
         pass
 
 
+def unlink(name: str) -> bool:
+    """Remove the segment ``name`` from ``/dev/shm`` (mappings stay valid);
+    ``False`` if it was already gone."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name.lstrip("/")))
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlink every segment whose name starts with ``prefix``; returns their names."""
-    gone = []
-    for name in shm_names(prefix):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            gone.append(name)
-        except FileNotFoundError:
-            pass
-    return gone
+    return [name for name in sorted(shm_names(prefix)) if unlink(name)]
 
 
 def shm_names(prefix: str = SHM_PREFIX) -> set[str]:
@@ -88,3 +93,19 @@ def shm_segments(pid: int | None = None) -> set[str]:
     """cpkv's shared-memory segments on the system; with ``pid``, only those of
     runs that process launched."""
     return shm_names(SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}_")
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """cpkv segments process ``pid`` maps now, unlinked ones included (from
+    ``/proc/<pid>/maps``; empty where there is no ``/proc`` or no such process)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    out = set()
+    for line in lines:
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if path.startswith(f"{SHM_DIR}/{SHM_PREFIX}"):
+            out.add(path[len(SHM_DIR) + 1:].removesuffix(" (deleted)"))
+    return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
+from ..runtime.progress import progress_bar
 
 from ..consumers.hicache import HostTier
 from ..consumers.prefix_cache import PrefixCache
@@ -140,7 +140,7 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     sched = Scheduler(list(workload.requests), PrefixCache(alloc), chunk=workload.chunk,
                       max_running=workload.max_running, admission=admission, headroom=headroom, host=host,
                       report_lanes=N)
-    bar = tqdm(total=len(workload.requests), desc=f"{workload.name} / {policy}", disable=not progress, leave=False)
+    bar = progress_bar(total=len(workload.requests), desc=f"{workload.name} / {policy}", disable=not progress, leave=False)
     while not sched.done:
         plan = sched.plan()
         bar.update(len(sched.complete(plan, null_execute(plan))))
@@ -148,8 +148,7 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     res = RunResult(workload.name, policy, N, lane_pages, sched.stats, sched.stats.evicted_nodes,
                     sched.stats.evicted_pages, len(workload.requests), host_pages)
     sched.drain()
-    if sum(alloc.lane_free_pages()) != alloc.num_pages:
-        raise AssertionError("pages leaked: the cache and the allocator disagree")
+    sched.check_drained()
     return res
 
 

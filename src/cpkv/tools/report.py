@@ -1,0 +1,74 @@
+"""Reports of an engine run: the text table and the occupancy plot."""
+
+from __future__ import annotations
+
+from .bench import format_rows
+
+
+def format_engine(r: dict) -> str:
+    """The human-readable report of one ``cpkv run`` (the engine)."""
+    c = r["config"]
+    m = c["model"]
+    kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
+    peak = r["peak_kv_bytes_per_rank"]
+    rep = max(r["peak_replicated_kv_bytes"], 1)
+    ranks = [{"rank": x["rank"], "peak KV": kib(p), "share of replicated": round(p / rep, 3),
+              "tokens computed": x["tokens_computed"], "context read": x["kv_read"],
+              "bytes received": x["moved_bytes"], "slots copied": x["copied"], "backed up": x["backed_up"],
+              "loaded": x["loaded"]} for x, p in zip(r["ranks"], peak)]
+    ck = r["check"]
+    rows = [
+        ("requests", f"{r['finished']} of {r['requests']} finished in {r['steps']} steps"),
+        ("prompt / generated tokens", f"{r['prompt_tokens']} / {r['generated_tokens']}"),
+        ("prefix hit rate: device / host", f"{r['device_hit_rate']:.3f} / {r['host_hit_rate']:.3f}"),
+        ("mid-page copies", r["mid_page_copies"]),
+        ("chunked prefill: continuations (mid-page)", f"{r['chunk_continuations']} ({r['mid_page_continuations']})"),
+        ("evicted pages", r["evicted_pages"]),
+        ("host backups: pages / bytes", f"{r['backup_pages']} / {r['backup_bytes']}"),
+        ("host loads: pages / bytes", f"{r['load_pages']} / {r['load_bytes']}"),
+        ("preemptions / refused allocations", f"{r['preemptions']} / {r['refusals']}"),
+        ("peak KV per rank vs a replicated cache", f"{kib(max(peak))} vs {kib(rep)} "
+                                                   f"({max(peak) / rep:.3f} of it)"),
+        ("max lane gap", f"{r['max_lane_gap_pct']:.2f} % of a lane"),
+        ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
+    ]
+    if ck is not None:
+        rows += [("max |logit - transformers|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
+                 ("requests matching greedy decoding", f"{ck['requests_matched']} of {ck['requests']}")]
+    width = max(len(k) for k, _ in rows)
+    head = (f"CP group of {c['cp_size']} ranks, page {c['page_size']}, {c['device_pages']} device pages per rank, "
+            f"{c['host_pages']} host pages; {m['family']} ({m.get('layers', '?')} layers), {c['workload']} trace, "
+            f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}")
+    return "\n".join([head, "", *(f"{k.ljust(width)}  {v}" for k, v in rows), "",
+                      format_rows(ranks, "per rank:")])
+
+
+def plot_engine(r: dict, path: str) -> None:
+    """Device pages used per lane and host pages used, over the steps of a run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    occ = np.array(r["occupancy"])
+    host = np.array(r["host_occupancy"])
+    c = r["config"]
+    panels = 2 if host.size else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.0 * panels, 3.2), squeeze=False)
+    ax = axes[0][0]
+    for lane in range(occ.shape[1]):
+        ax.plot(occ[:, lane], linewidth=0.8, label=f"lane {lane}")
+    ax.axhline(c["device_pages"], color="black", linestyle=":", linewidth=0.8)
+    ax.set_title(f"device pages used per lane (max gap {r['max_lane_gap_pct']:.1f} %)", fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.legend(fontsize=6)
+    if host.size:
+        ax = axes[0][1]
+        ax.plot(host, color="tab:purple", linewidth=0.8)
+        ax.axhline(c["host_pages"], color="black", linestyle=":", linewidth=0.8)
+        ax.set_title(f"host pages used (hit rate {r['host_hit_rate']:.2f})", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

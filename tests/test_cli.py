@@ -1,0 +1,226 @@
+"""The ``cpkv`` command: every flag validated while parsing (exit 2, the flag
+named), groups this machine cannot hold refused before any process starts, a
+failed rank and Ctrl-C reported in one line (exit 2 and 130), ``python -m cpkv``
+the same command."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cpkv.engine.engine
+import cpkv.runtime
+import cpkv.runtime.group as group_mod
+from cpkv.runtime.group import MachineCapacity, RankFailure
+from cpkv.runtime.shm import mapped_segments, shm_segments
+from cpkv.tools.cli import build_parser, main
+
+from proc_helpers import children, gone, semaphores_of, sigint_held_off, spawned_ranks, wait_until
+
+CPKV = Path(sys.executable).with_name("cpkv")
+
+# (argv, the flag the error must name); every option of every subcommand appears
+BAD = [
+    (["simulate", "--workload", "nope"], "--workload"),
+    (["simulate", "--policies", "foo"], "--policies"),
+    (["simulate", "--policies", "lane0,foo"], "--policies"),
+    (["simulate", "--policies", "lane0,lane0"], "--policies"),
+    (["simulate", "--policies", ""], "--policies"),
+    (["simulate", "--cp", "0"], "--cp"),
+    (["simulate", "--ranks", "-2"], "--ranks"),
+    (["simulate", "--page", "0"], "--page"),
+    (["simulate", "--page-size", "x"], "--page-size"),
+    (["simulate", "--lane-pages", "0"], "--lane-pages"),
+    (["simulate", "--admission", "all"], "--admission"),
+    (["simulate", "--seed", "-1"], "--seed"),
+    (["simulate", "--plot", "occupancy.jpg"], "--plot"),
+    (["simulate", "--plot", "/no/such/folder/x.png"], "--plot"),
+    (["simulate", "--json=yes"], "--json"),
+    (["simulate", "--no-progress=yes"], "--no-progress"),
+    (["run", "--cp", "0"], "--cp"),
+    (["run", "--ranks", "two"], "--ranks"),
+    (["run", "--timeout", "0"], "--timeout"),
+    (["run", "--timeout", "-5"], "--timeout"),
+    (["run", "--timeout", "nan"], "--timeout"),
+    (["run", "--timeout", "inf"], "--timeout"),
+    (["run", "--page", "0"], "--page"),
+    (["run", "--page-size", "-1"], "--page-size"),
+    (["run", "--model", "gpt"], "--model"),
+    (["run", "--workload", "no-such-trace"], "--workload"),
+    (["run", "--requests", "0"], "--requests"),
+    (["run", "--scale", "0"], "--scale"),
+    (["run", "--scale", "nan"], "--scale"),
+    (["run", "--chunk", "0"], "--chunk"),
+    (["run", "--device-pages", "0"], "--device-pages"),
+    (["run", "--host-pages", "-1"], "--host-pages"),
+    (["run", "--max-running", "0"], "--max-running"),
+    (["run", "--admission", "maybe"], "--admission"),
+    (["run", "--prefill-split", "ring"], "--prefill-split"),
+    (["run", "--decode-split", "page"], "--decode-split"),
+    (["run", "--seed", "-1"], "--seed"),
+    (["run", "--check=1"], "--check"),
+    (["run", "--check-plans=1"], "--check-plans"),
+    (["run", "--tolerance", "-1"], "--tolerance"),
+    (["run", "--tolerance", "nan"], "--tolerance"),
+    (["run", "--plot", "occupancy.jpg"], "--plot"),
+    (["run", "--json=1"], "--json"),
+    (["run", "--no-progress=1"], "--no-progress"),
+    # cross-flag rules, checked after parsing and before anything runs
+    (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
+    (["run", "--device-pages", "1"], "--workload"),  # a request that could never fit the cache
+    (["bytes", "--model", "llama"], "--model"),
+    (["bytes", "--cp", "0"], "--cp"),
+    (["bytes", "--index-topk-freq", "0"], "--index-topk-freq"),
+    (["bytes", "--index-skip-topk-offset", "-1"], "--index-skip-topk-offset"),
+    (["bytes", "--json=1"], "--json"),
+    (["bench", "nope"], "what"),
+    (["bench", "alloc", "--repeats", "0"], "--repeats"),
+]
+
+
+def _options(parser):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if not isinstance(a, argparse._HelpAction):
+                yield name, a
+
+
+@pytest.mark.parametrize("argv,flag", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_is_refused_naming_its_flag(argv, flag, capsys):
+    kids = set(children(os.getpid()))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cpkv {argv[0]}: error:" in err and flag in err.splitlines()[-1], err
+    assert set(children(os.getpid())) <= kids  # nothing was started
+
+
+def test_every_option_of_every_subcommand_has_a_refusal_case():
+    tried = {(a[0], f) for a, f in BAD}
+    missing = [(name, a.option_strings or a.dest) for name, a in _options(build_parser())
+               if not any((name, f) in tried for f in (a.option_strings or [a.dest]))]
+    assert not missing, f"add a bad value for each of these to BAD: {missing}"
+
+
+@pytest.mark.parametrize("argv", [[], ["nope"], ["run", "--dev", "3"], ["simulate", "--pol", "lane0"], ["-v"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_group_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch, capsys):
+    kids = set(children(os.getpid()))
+    for gib, argv, why in (
+            (64, ["run", "--cp", "64"], "64 ranks on 2 cores: more than 16 per core"),
+            (8, ["run", "--cp", "64"], "64 ranks need about 18.8 GiB of memory (64 x 300.4 MiB"),
+            (8, ["run", "--cp", "4", "--device-pages", "2000000"], "4 ranks need about 62.2 GiB of memory (4 x 300.4 MiB + 61.0 GiB shared)"),
+            (8, ["run", "--cp", "8", "--timeout", "10"], "8 ranks need at least 20 s to start")):
+        monkeypatch.setattr(group_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith("cpkv run: error: refused before starting: ") and why in err, err
+    assert set(children(os.getpid())) <= kids
+
+
+def test_a_failed_rank_is_one_line_and_exit_2(monkeypatch, capsys):
+    def fail(cfg):
+        raise RankFailure(1, "RuntimeError: injected\nsecond line", details="Traceback (most recent call last): ...")
+
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", fail)
+    assert main(["run", "--cp", "2"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "cpkv run: rank 1 failed: RuntimeError: injected second line\n"
+
+
+def test_ctrl_c_in_process_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", interrupted)
+    assert main(["run", "--cp", "2"]) == 130
+    assert capsys.readouterr().err == "cpkv run: interrupted\n"
+
+
+@pytest.mark.multiproc
+def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch, tmp_path):
+    png = tmp_path / "occ.png"
+    argv = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05", "--device-pages", "6", "--host-pages", "24",
+            "--check", "--no-progress"]
+    assert main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["ranks"]) == 2 and report["check"]["max_abs_diff"] < 1e-4
+    assert report["check"]["requests_matched"] == report["requests"]
+    full = dict(report, occupancy=[[1, 2]], host_occupancy=[3], sequences=[])
+    full["check"] = dict(report["check"], max_abs_diff=1e-3)  # the same run with a difference over tolerance
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda cfg: full)
+    assert main(argv + ["--plot", str(png)]) == 1
+    out = capsys.readouterr()
+    assert "per rank:" in out.out and "FAIL: max abs logit difference 0.001" in out.err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("phase", ["starting", "decoding"])
+def test_ctrl_c_to_the_real_command(phase, tmp_path):
+    """SIGINT to the whole process group of ``cpkv run`` (as a terminal's Ctrl-C
+    does) while its ranks start up or while they decode: one line, exit 130,
+    and nothing left - no rank, no segment, no semaphore, no temporary folder."""
+    run_tmp = tmp_path / "tmp"
+    run_tmp.mkdir()
+    trace = tmp_path / "long.jsonl"  # one request decoding for thousands of steps
+    trace.write_text(json.dumps({"id": "a", "arrival": 0, "tokens": list(range(40)), "max_new_tokens": 3000}) + "\n")
+    p = subprocess.Popen([str(CPKV), "run", "--cp", "2", "--workload", str(trace), "--device-pages", "128",
+                          "--no-progress"],
+                         start_new_session=True, env={**os.environ, "TMPDIR": str(run_tmp)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def ready():
+            if phase == "starting":  # both rank processes exist, still importing
+                return len(spawned_ranks(p.pid)) == 2 or p.poll() is not None
+            # both ranks map the KV segment: the group is set up and running
+            return len([k for k in children(p.pid) if mapped_segments(k)]) == 2 or p.poll() is not None
+
+        assert wait_until(ready, 120, 0.05) and p.poll() is None, p.communicate()
+        kids = children(p.pid)
+        assert all(sigint_held_off(k) for k in spawned_ranks(p.pid)), "a rank would take the Ctrl-C itself"
+        if phase == "decoding":
+            assert not shm_segments(p.pid)  # the segment's name went once both ranks had it
+            assert not semaphores_of(p.pid, *kids)
+            time.sleep(0.5)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert (p.returncode, out, err) == (130, "", "cpkv run: interrupted\n")
+    assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
+    assert not shm_segments(p.pid)
+    assert not list(run_tmp.glob("cpkv_*"))
+
+
+def _python_m(*argv):
+    return subprocess.run([sys.executable, "-m", "cpkv", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_python_m_cpkv_is_the_command():
+    r = _python_m("--help")
+    assert r.returncode == 0 and "usage: cpkv" in r.stdout and all(c in r.stdout for c in ("simulate", "run", "bench"))
+    r = _python_m("run", "--timeout", "0")
+    assert r.returncode == 2 and "cpkv run: error: argument --timeout" in r.stderr
+    r = _python_m("simulate", "--workload", "longdoc", "--policies", "lane0", "--lane-pages", "4096", "--json",
+                  "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["policy"] for row in rows] == ["lane0"] and rows[0]["workload"] == "longdoc"
