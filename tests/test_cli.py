@@ -74,6 +74,13 @@ BAD = [
     # cross-flag rules, checked after parsing and before anything runs
     (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
     (["run", "--device-pages", "1"], "--workload"),  # a request that could never fit the cache
+    (["run", "--disagg", "4"], "--disagg"),
+    (["run", "--disagg", "0:2"], "--disagg"),
+    (["run", "--decode-page", "0"], "--decode-page"),
+    (["run", "--decode-page", "8"], "--decode-page"),  # needs --disagg
+    (["run", "--disagg", "2:1", "--plot", "occupancy.png"], "--plot"),
+    (["run", "--disagg", "2:1", "--decode-page", "1", "--device-pages", "4"], "--workload"),  # the decode cache
+    (["run", "--disagg", "3:1", "--prefill-split", "interleave", "--chunk", "2"], "--chunk"),
     (["bytes", "--model", "llama"], "--model"),
     (["bytes", "--cp", "0"], "--cp"),
     (["bytes", "--index-topk-freq", "0"], "--index-topk-freq"),

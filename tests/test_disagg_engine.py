@@ -221,6 +221,21 @@ def test_the_cli_helpers_build_the_run_from_the_engine_config():
     assert text.count("\n    p") == 2  # one row per prefill rank
 
 
+def test_cpkv_run_disagg_prints_the_bytes_per_rank_pair(monkeypatch, capsys):
+    """``cpkv run --disagg M:N --decode-page S --check`` end to end (the
+    process launch swapped for thread ranks): the table and the transfer time."""
+    import cpkv.engine.disagg as drv
+    from cpkv.tools.cli import main
+
+    monkeypatch.setattr(drv, "run_disagg", run_disagg_threads)
+    code = main(["run", "--disagg", "2:1", "--page", "16", "--decode-page", "8", "--requests", "2", "--scale", "0.05",
+                 "--host-pages", "0", "--check", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "prefill group 2 ranks (page 16) -> decode group 1 ranks (page 8), by slot-run" in out
+    assert "transfer time" in out and out.count("\n    p") == 2 and "greedy tokens equal transformers'" in out
+
+
 def test_an_executor_without_receive_refuses_arrivals():
     ex = RankExecutor.__new__(RankExecutor)
     ex.runner, ex.host, ex.check, ex.receive = None, None, False, None

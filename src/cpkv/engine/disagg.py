@@ -49,7 +49,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,7 +56,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..consumers.disagg import TransferPlan, payload_nbytes, plan_transfer, receive_transfer, send_transfer
 from ..consumers.hicache import HostPool, HostTier
@@ -69,8 +67,9 @@ from ..models import TinyDsa, TinyLlama, build_adapter
 from ..runtime.comm import Comm, DistComm, run_threads, thread_group
 from ..runtime.group import RankContext, RankFailure, launch
 from ..runtime.p2p import DistP2P, thread_p2p
+from ..runtime.progress import progress_bar
 from ..runtime.runner import CPRunner
-from .engine import RankExecutor, check
+from .engine import RankExecutor, _inject_fault, check
 from .scheduler import Scheduler, StepPlan
 from .trace import WORKLOADS, RequestSpec, load_jsonl
 
@@ -131,6 +130,7 @@ class DisaggConfig:
     seed: int = 0
     model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
+    check_plans: bool = False
     timeout: float = 300.0
     transfer_timeout: float = 60.0
     progress: bool = False
@@ -178,7 +178,8 @@ class DisaggConfig:
         on ``decode`` ranks (``decode_page``, ``decode_pages``; defaults as in
         the class doc). ``cpkv run --disagg M:N`` builds its run this way."""
         keep = ("page_size", "device_pages", "host_pages", "chunk", "max_running", "admission", "prefill_split",
-                "decode_split", "workload", "requests", "scale", "seed", "model", "check", "timeout", "progress")
+                "decode_split", "workload", "requests", "scale", "seed", "model", "check", "check_plans", "timeout",
+                "progress")
         return cls(prefill_size=prefill, decode_size=decode, decode_page=decode_page, decode_pages=decode_pages,
                    **{k: getattr(engine, k) for k in keep})
 
@@ -319,12 +320,8 @@ class _Link:
         self.step: DisaggStep | None = None
 
     def _fault(self) -> None:
-        if self.cfg.kill_rank != self.rank or self.step.index != self.cfg.fail_transfer:
-            return
-        if os.environ.get("CPKV_FAULT_MARKER"):  # tests time the surviving group's reaction from here
-            with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
-                f.write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        if self.cfg.kill_rank == self.rank and self.step.index == self.cfg.fail_transfer:
+            _inject_fault(self.rank, self.step.decode.step, kill=True)  # tests time the other group from here
 
     def send(self):
         """Prefill rank: post this step's messages (``None`` when nothing moves)."""
@@ -402,11 +399,11 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared, transport, cfg: Dis
     if side == "prefill" and cfg.host_pages:
         host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
     runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=ctl.max_len + 1,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split)
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
     link = _Link(cfg, world.rank, side, pool, transport)
     ex = RankExecutor(runner, host, check=cfg.check, receive=link.receive if side == "decode" else None)
-    bar = tqdm(total=len(ctl.decode.requests), desc="requests", disable=not (cfg.progress and world.rank == 0),
-               leave=False)
+    bar = progress_bar(total=len(ctl.decode.requests), desc="requests", unit="req",
+                       disable=not (cfg.progress and world.rank == 0), leave=False)
     t0, limit = time.perf_counter(), 100 * (len(ctl.decode.requests) + ctl.max_len) + 1000
     while not ctl.done:
         if ctl.decode.step > limit:
@@ -438,8 +435,7 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared, transport, cfg: Dis
         raise AssertionError(f"prefill requests {sorted(ctl.prefill.held)} still hold KV after the trace")
     for sched in (ctl.prefill, ctl.decode):
         sched.drain()
-        if sum(sched.alloc.lane_free_pages()) != sched.alloc.num_pages or (sched.host and sched.host.used_pages()):
-            raise AssertionError("pages leaked after the trace")
+        sched.check_drained()
     if world.rank != 0:
         return None
     checked = None

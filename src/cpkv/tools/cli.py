@@ -299,6 +299,16 @@ def workload_arg(text: str) -> str:
                                      "nor a file")
 
 
+def disagg_arg(text: str) -> tuple[int, int]:
+    """A ``type=`` for ``--disagg``: ``M:N`` prefill and decode ranks, both >= 1."""
+    from ..engine.disagg import parse_disagg
+
+    try:
+        return parse_disagg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _engine_config(args):
     from ..engine import EngineConfig
     from ..models import model_config
@@ -335,13 +345,39 @@ def engine_footprint(cfg):
     return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
 
 
+def _check_disagg(args, parser, cfg) -> None:
+    """``--disagg M:N``: the two groups' configuration, refused before any process starts."""
+    import dataclasses
+
+    from ..engine.disagg import DisaggConfig, DisaggControl
+    from ..engine.trace import TraceError
+
+    if args.plot:
+        parser.error("--plot draws one group's occupancy; it does not take --disagg")
+    M, N = args.disagg
+    d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
+    try:
+        DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
+    except (TraceError, OSError) as e:
+        parser.error(f"--workload: {e}")
+    prefill = dataclasses.replace(cfg, cp_size=M)
+    decode = dataclasses.replace(cfg, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
+    refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
+    args.config = d
+
+
 def _check_run(args, parser) -> None:
     from ..engine.trace import TraceError
 
-    if args.prefill_split == "interleave" and args.cp > 1 and args.chunk < args.cp:
-        parser.error(f"--prefill-split interleave needs --chunk >= --cp ({args.cp}): a batch of fewer tokens "
+    if args.decode_page is not None and args.disagg is None:
+        parser.error("--decode-page sets the decode group's page size; it needs --disagg")
+    ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")
+    if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
+        parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
                      "than ranks cannot be interleaved")
     cfg = _engine_config(args)
+    if args.disagg:
+        return _check_disagg(args, parser, cfg)
     try:
         from ..engine.engine import build_scheduler
 
@@ -355,6 +391,13 @@ def _check_run(args, parser) -> None:
 def _run(args) -> int:
     from ..engine import engine
 
+    if args.disagg:
+        from ..engine.disagg import format_disagg, run_disagg
+
+        r = run_disagg(args.config)
+        print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
+              else format_disagg(r))
+        return _check_exit(r, args)
     r = engine.run_engine(args.config)
     if args.plot:
         from .report import plot_engine
@@ -369,6 +412,10 @@ def _run(args) -> int:
         print(format_engine(r))
         if args.plot:
             print(f"occupancy plot: {args.plot}")
+    return _check_exit(r, args)
+
+
+def _check_exit(r: dict, args) -> int:
     c = r["check"]
     if c is not None and (c["max_abs_diff"] > args.tolerance or c["requests_matched"] != c["requests"]):
         print(f"FAIL: max abs logit difference {c['max_abs_diff']:.3g} (tolerance {args.tolerance:g}), "
@@ -391,8 +438,9 @@ def _add_run(sub) -> None:
         "mid-page copies, lane-aware eviction, preemption, host backup and restore. Every rank runs the same "
         "scheduler; each computes the tokens of its split and writes only its own segment. With --check, every "
         "computed logit is compared with transformers' forward of the request's full sequence and every "
-        "request's tokens with its greedy decoding. A group this machine cannot hold is refused before any "
-        "process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
+        "request's tokens with its greedy decoding. With --disagg M:N, M ranks prefill and N other ranks decode, "
+        "the KV moving between the two groups point to point. A group this machine cannot hold is refused "
+        "before any process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
     add_group_flags(r, cp=4, timeout=300.0)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
                    help="tokens per page (default 16)")
@@ -425,6 +473,12 @@ def _add_run(sub) -> None:
                    help="with --check: max abs logit difference allowed (default 1e-4)")
     r.add_argument("--check-plans", action="store_true",
                    help="debug: one collective per batch checks that every rank allocated alike")
+    r.add_argument("--disagg", type=disagg_arg, default=None, metavar="M:N",
+                   help="prefill on M ranks and decode on N other ranks, one world of M+N processes (--cp is "
+                        "not used): each request's KV moves from the prefill owners to the decode owners, one "
+                        "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
+    r.add_argument("--decode-page", type=positive, default=None, metavar="S",
+                   help="with --disagg: the decode group's page size (default --page)")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
