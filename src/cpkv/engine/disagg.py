@@ -512,6 +512,10 @@ def format_disagg(r: dict) -> str:
              f"{r['finished']}/{r['requests']} requests, {r['steps']} steps, {r['transfers']} transfers, "
              f"{r['transferred_tokens']} tokens moved in {r['messages']} messages, {r['bytes_moved']:,} bytes, "
              f"transfer time {r['transfer_seconds'] * 1e3:.1f} ms",
+             f"prefix caches: prefill side {100 * r['prefill_hit_rate']:.1f}% of prompt tokens hit "
+             f"({r['prefill_host_hit_tokens']} from its host tier), decode side {r['decode_hit_tokens']} tokens "
+             f"already there (not moved); preemptions prefill {r['preemptions']['prefill']}, decode "
+             f"{r['preemptions']['decode']}",
              "KV bytes sent, prefill rank (rows) -> decode rank (columns):",
              "      " + "".join(f"{'d' + str(b):>12}" for b in range(N))]
     for a in range(M):
