@@ -205,7 +205,7 @@ def test_identical_allocators_agree_to_the_byte():
     g = torch.Generator().manual_seed(3)
     allocs = [OwnerLaneAllocator(4096, 16, 4) for _ in range(4)]
     lens = torch.randint(1, 200, (12,), generator=g)
-    results = [a.allocate_extend(torch.zeros(12), lens, torch.full((12,), NONE)) for a in allocs]
+    results = [a.allocate_extend(torch.zeros(12, dtype=torch.int64), lens, torch.full((12,), NONE)) for a in allocs]
     for r in results[1:]:
         for name in ("out_cache_loc", "lane_base", "new_pages", "new_page_owners", "extend_start_loc"):
             assert torch.equal(getattr(r, name), getattr(results[0], name))

@@ -66,11 +66,15 @@ def test_absurd_sequence_lengths_are_refused_without_work(seq_len):
     """seq_len 2**31 on a 64K-token allocator once took 26 s and 6.8 GB to
     return None, and 2**33 died with MemoryError."""
     a = OwnerLaneAllocator(65536, 64, 8)
+    page = int(a.alloc_pages_with_owners([3])[0])  # a whole page: its last slot may be continued
     before = a.snapshot()
     with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
         a.allocate_extend([0], [seq_len], [NONE])
     with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
-        a.alloc_decode(torch.tensor([seq_len]), torch.tensor([seq_len]), torch.tensor([NONE]))
+        a.allocate_extend([64], [seq_len], [page * 64 + 63])
+    s = torch.tensor([seq_len + 1])
+    with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
+        a.alloc_decode(s, s, torch.tensor([page * 64 + 63]))
     assert a.snapshot() == before
 
 

@@ -1,0 +1,119 @@
+"""The state of an owner-lane allocator, and the only code that changes it.
+
+Logical pages ``1 .. num_pages`` (page 0 is reserved for padding); page ``p``
+belongs to lane ``p % N``. State:
+
+* ``stack[l, :free[l]]``: lane l's free pages, the next one to hand out last;
+* ``fill[p]``: how many slots of page p are written (handed out), ``0`` when
+  the page is free. A page is allocated iff ``fill[p] > 0``; a chain may only
+  continue from the last written slot of its page, ``p*S + fill[p] - 1``;
+* ``pending``: pages freed inside an open free group, still allocated until
+  the group ends.
+
+Invariants (checked by the tests after every call): every usable page is on
+exactly one free list, its own lane's, or has ``fill > 0``, never both; per
+lane, free + allocated == the lane's pages; ``pending`` pages are allocated.
+Callers validate first and change state last, through :meth:`take` and
+:meth:`put`, which cannot fail on validated input ([[RFC-0001:C-FAIL-FAST]]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each entry, how many earlier entries share its lane (one stable radix
+    sort of the lane ids)."""
+    order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
+    rank = np.empty(lanes.size, dtype=np.int64)
+    rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
+    return rank
+
+
+@dataclass(frozen=True, eq=False)
+class AllocatorState:
+    """A copy of an allocator's state from :meth:`OwnerLaneAllocator.backup_state`,
+    tagged with the shape of the allocator it came from."""
+
+    size: int
+    page_size: int
+    cp_size: int
+    free: np.ndarray
+    stack: np.ndarray
+    fill: np.ndarray
+
+
+class LaneFreeLists:
+    """Per-lane free lists of pages, fill marks, and the free-group buffer."""
+
+    def __init__(self, num_pages: int, cp_size: int):
+        self.num_pages, self.cp_size = num_pages, cp_size
+        self.lane_pages = np.bincount(np.arange(1, num_pages + 1) % cp_size, minlength=cp_size)
+        self.cap = int(self.lane_pages.max())
+        # a bitmap over pages, padded to whole rows of N, reused by every free
+        self._rows = -(-(num_pages + 1) // cp_size)
+        self.clear()
+
+    def clear(self) -> None:
+        """Every page free, on its lane's list, lowest page handed out first."""
+        N = self.cp_size
+        self.stack = np.zeros((N, self.cap), dtype=np.int64)
+        for lane in range(N):  # once per lane, at set-up only
+            pages = np.arange(lane if lane else N, self.num_pages + 1, N)
+            self.stack[lane, : pages.size] = pages[::-1]
+        self.free = self.lane_pages.copy()
+        self.fill = np.zeros(self.num_pages + 1, dtype=np.int64)
+        self.pending: np.ndarray | None = None  # a bitmap while a free group is open
+
+    # -- questions --------------------------------------------------------------
+    def deficit(self, counts: np.ndarray) -> np.ndarray | None:
+        """Pages each lane lacks to hand out ``counts[l]`` pages, or None if none lacks."""
+        short = counts > self.free
+        return np.where(short, counts - self.free, 0) if short.any() else None
+
+    def peek(self, lanes: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        """The pages :meth:`take` would hand out: entry i is the ``rank[i]``-th
+        next page of lane ``lanes[i]``. Nothing changes."""
+        return self.stack.ravel()[lanes * self.cap + self.free[lanes] - 1 - rank]
+
+    def marked(self) -> np.ndarray:
+        """An empty page bitmap (``num_pages + 1`` entries and padding to whole rows)."""
+        return np.zeros(self._rows * self.cp_size, dtype=bool)
+
+    def snapshot(self) -> tuple:
+        """The whole state as a hashable value: free pages per lane in order,
+        fill marks, pages pending in a free group (None when none is open)."""
+        lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
+        pending = None if self.pending is None else tuple(np.flatnonzero(self.pending).tolist())
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending
+
+    # -- changes ----------------------------------------------------------------
+    def take(self, pages: np.ndarray, counts: np.ndarray, fill: np.ndarray) -> None:
+        """Hand out ``pages`` (from :meth:`peek`, ``counts`` per lane) with fill marks ``fill``."""
+        self.free -= counts
+        self.fill[pages] = fill
+
+    def write(self, pages: np.ndarray, fill: np.ndarray) -> None:
+        """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
+        self.fill[pages] = fill
+
+    def put(self, mark: np.ndarray) -> None:
+        """Return every page set in bitmap ``mark`` to its lane, ascending within
+        a lane (the highest freed page is handed out next)."""
+        pages = np.flatnonzero(mark)
+        lanes = pages % self.cp_size
+        counts = np.bincount(lanes, minlength=self.cp_size)
+        self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
+        self.free += counts
+        self.fill[pages] = 0
+
+    def copy_out(self, size: int, page_size: int) -> AllocatorState:
+        """A copy of the state (the free-group buffer is not part of it)."""
+        return AllocatorState(size, page_size, self.cp_size, self.free.copy(), self.stack.copy(), self.fill.copy())
+
+    def copy_in(self, state: AllocatorState) -> None:
+        """Put a copy of ``state`` back (the caller checked it fits)."""
+        self.free, self.stack, self.fill = state.free.copy(), state.stack.copy(), state.fill.copy()
