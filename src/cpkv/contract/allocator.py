@@ -52,29 +52,22 @@ def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)
 
 
-def _expand_runs(pages, q, prefix, seq, S: int, total: int, device) -> torch.Tensor:
-    """Token-level slots of a batch from its touched pages, on ``device``.
+def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray, device) -> torch.Tensor:
+    """Token-level slots of a batch on ``device``: run k is ``n[k]`` consecutive
+    slots from ``first[k]``, the runs laid end to end (``total`` slots).
 
-    Page k (request-local position ``q[k]``) is used from offset
-    ``lo = max(prefix - q*S, 0)`` up to ``hi = min(seq - q*S, S)``; the slots
-    are those runs laid end to end. When every run is a whole page this is one
-    broadcast add; otherwise one cumulative sum over per-token steps (1 inside
-    a run, a jump at each run start), its inputs moved in one packed copy.
+    One repeat of each run's offset and one add of ``iota`` (an ``arange`` at
+    least ``total`` long). On the CPU it is built in numpy and handed over
+    without a copy; on another device the runs travel in one packed copy and
+    the expansion runs there.
     """
-    pstart = q * S
-    lo = np.maximum(prefix - pstart, 0)
-    hi = np.minimum(seq - pstart, S)
-    if not lo.any() and (hi == S).all():
-        ar = torch.arange(S, device=device)
-        return (_device_tensor(pages * S, device)[:, None] + ar[None, :]).view(-1)
-    n = hi - lo
-    first = pages * S + lo
-    jump = first.copy()
-    jump[1:] -= first[:-1] + n[:-1] - 1  # from the last slot of the previous run
-    at, jump = _device_tensor(np.stack([_excl_cumsum(n), jump]), device)
-    steps = torch.ones(total, dtype=torch.int64, device=device)
-    steps[at] = jump
-    return torch.cumsum(steps, 0, out=steps)
+    at = np.cumsum(n) - n
+    if device.type == "cpu":
+        out = np.repeat(first - at, n)
+        out += iota[:total]
+        return torch.from_numpy(out)
+    off, n = _device_tensor(np.stack([first - at, n]), device)
+    return torch.repeat_interleave(off, n, output_size=total) + torch.arange(total, device=device)
 
 
 class OwnerLaneAllocator:
@@ -116,6 +109,7 @@ class OwnerLaneAllocator:
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
         self.last_allocation: ExtendAllocation | None = None
+        self._iota_cache = np.arange(0, dtype=np.int64)
 
     # -- questions ----------------------------------------------------------------------
     def lane_free_pages(self) -> list[int]:
@@ -194,7 +188,7 @@ class OwnerLaneAllocator:
         is open already."""
         if self._lists.pending is not None:
             raise RuntimeError("a free group is open already")
-        self._lists.pending = self._lists.marked()
+        self._lists.pending = self._lists.page_bitmap()
 
     def free_group_end(self) -> None:
         """Close the free group, freeing every page collected in it in one go.
@@ -203,7 +197,7 @@ class OwnerLaneAllocator:
         if pending is None:
             raise RuntimeError("no free group is open")
         self._lists.pending = None
-        self._lists.put(pending)
+        self._lists.put(np.flatnonzero(pending))
 
     # -- page level -------------------------------------------------------------------------
     def alloc_pages_with_owners(self, owners, fill=None) -> torch.Tensor | None:
@@ -250,22 +244,22 @@ class OwnerLaneAllocator:
         Inside a free group the pages stay allocated until its end. No sort:
         pages come from the slots at stride ``S`` when they are in page runs.
         """
-        mark = self._rules.pages_to_free(slots)
-        if mark is not None:
-            self._release(mark)
+        pages = self._rules.pages_to_free(slots)
+        if pages is not None:
+            self._release(pages)
 
     def free_pages(self, pages) -> None:
         """Return ``pages [n]`` to their lanes, as :meth:`free` does for slots;
         a page listed twice is a ``double-free`` too."""
-        mark = self._rules.pages_to_free_by_page(pages)
-        if mark is not None:
-            self._release(mark)
+        pages = self._rules.pages_to_free_by_page(pages)
+        if pages is not None:
+            self._release(pages)
 
-    def _release(self, mark: np.ndarray) -> None:
+    def _release(self, pages: np.ndarray) -> None:
         if self._lists.pending is not None:
-            self._lists.pending |= mark
+            self._lists.pending[pages] = True
         else:
-            self._lists.put(mark)
+            self._lists.put(pages)
 
     # -- extend / decode ----------------------------------------------------------------------
     def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None):
@@ -289,39 +283,49 @@ class OwnerLaneAllocator:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        # request level: lane bases and the owner plan  [[RFC-0001:C-REQUEST-RELATIVE]]
+        # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
         first_new = -(-prefix // S)
         n_new = -(-seq // S) - first_new
         fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
         base = plan.choose_lane_bases(fixed, has, first_new, n_new, self._lists.free, N, self.base_policy)
-        op = plan.owner_plan(base, first_new, n_new, N)
-        if (deficit := self._lists.deficit(op.lane_counts)) is not None:
+        take = plan.lane_take(base, first_new, n_new, N)
+        if (deficit := self._lists.deficit(take.lane_counts)) is not None:
             self.last_deficit = deficit
             return None
-        new_pages = self._lists.peek(op.owners, op.rank_in_lane)
-        # page level: every page the extend touches; a partial prefix page
-        # (the prefix ends mid-page) comes first in its request
+        # page level: the new pages, then every run of slots the extend writes;
+        # a partial prefix page (the prefix ends mid-page) is its request's first run
+        starts = _excl_cumsum(n_new)
+        iota = self._iota(max(total, int(n_new.sum()) + seq.size))
+        new_pages, owners = self._lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
+        written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
+        ends = starts + n_new - 1
+        grows = n_new > 0
+        written[ends[grows]] = (seq - (first_new + n_new - 1) * S)[grows]
         partial = has & (prefix % S != 0) & (ext > 0)
-        if partial.any():
-            touched = np.where(ext > 0, -(-seq // S) - prefix // S, 0)
-            req = np.repeat(np.arange(seq.size), touched)
-            q = prefix[req] // S + np.arange(req.size) - _excl_cumsum(touched)[req]
-            is_partial = q * S < prefix[req]
-            pages = np.empty_like(q)
-            pages[~is_partial] = new_pages
-            pages[is_partial] = last_page[req[is_partial]]
+        if partial.any():  # a run into the partial page before each such request's new pages
+            lead = partial.astype(np.int64)
+            at = starts + np.cumsum(lead) - lead  # index of request r's first run
+            runs = np.empty(new_pages.size + int(lead.sum()), dtype=np.int64)
+            n = np.empty_like(runs)
+            mask = np.ones(runs.size, dtype=bool)
+            mask[at[partial]] = False
+            runs[mask], n[mask] = new_pages * S, written
+            runs[~mask] = last[partial] + 1
+            n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
+            out = _expand_runs(runs, n, total, iota, self.device)
         else:
-            req, q, pages = op.request, op.positions, new_pages
-        out = _expand_runs(pages, q, prefix[req], seq[req], S, total, self.device)
+            out = _expand_runs(new_pages * S, written, total, iota, self.device)
         # commit: nothing below can fail
-        self._lists.take(new_pages, op.lane_counts, np.minimum(seq[op.request] - op.positions * S, S))
+        self._lists.take(new_pages, take.lane_counts, written)
         if partial.any():
             self._lists.write(last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S))
-        alloc = ExtendAllocation(out, S, N, lambda: {
-            "prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
-            "lane_base": base, "new_page_start": _excl_cumsum(n_new), "new_pages": new_pages,
-            "new_page_owners": op.owners, "new_page_positions": op.positions,
-        })
+
+        def host_plan():
+            return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
+                    "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
+                    "new_page_positions": np.repeat(first_new - starts, n_new) + iota[: new_pages.size]}
+
+        alloc = ExtendAllocation(out, S, N, host_plan)
         self.last_allocation = alloc
         return alloc
 
@@ -375,6 +379,12 @@ class OwnerLaneAllocator:
         alloc = ExtendAllocation(out, S, N, host_plan)
         self.last_allocation = alloc
         return alloc
+
+    def _iota(self, n: int) -> np.ndarray:
+        """``np.arange(k)`` for some ``k >= n``, kept between calls (never written)."""
+        if self._iota_cache.size < n:
+            self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
+        return self._iota_cache
 
     def _lengths(self, prefix, seq, last) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host copies of a batch's prefix lengths, sequence lengths and last

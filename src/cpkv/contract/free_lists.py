@@ -53,20 +53,23 @@ class LaneFreeLists:
         self.num_pages, self.cp_size = num_pages, cp_size
         self.lane_pages = np.bincount(np.arange(1, num_pages + 1) % cp_size, minlength=cp_size)
         self.cap = int(self.lane_pages.max())
-        # a bitmap over pages, padded to whole rows of N, reused by every free
-        self._rows = -(-(num_pages + 1) // cp_size)
-        self.clear()
+        # every lane's pages, next one to hand out last; clear() copies it in place
+        self._initial = np.zeros((cp_size, self.cap), dtype=np.int64)
+        for lane in range(cp_size):  # once per lane, at set-up only
+            pages = np.arange(lane if lane else cp_size, num_pages + 1, cp_size)
+            self._initial[lane, : pages.size] = pages[::-1]
+        self.stack = self._initial.copy()
+        self.free = self.lane_pages.copy()
+        self.fill = np.zeros(num_pages + 1, dtype=np.int64)
+        self.pending: np.ndarray | None = None  # a bitmap while a free group is open
 
     def clear(self) -> None:
-        """Every page free, on its lane's list, lowest page handed out first."""
-        N = self.cp_size
-        self.stack = np.zeros((N, self.cap), dtype=np.int64)
-        for lane in range(N):  # once per lane, at set-up only
-            pages = np.arange(lane if lane else N, self.num_pages + 1, N)
-            self.stack[lane, : pages.size] = pages[::-1]
-        self.free = self.lane_pages.copy()
-        self.fill = np.zeros(self.num_pages + 1, dtype=np.int64)
-        self.pending: np.ndarray | None = None  # a bitmap while a free group is open
+        """Every page free, on its lane's list, lowest page handed out first
+        (in place: the arrays stay where they are)."""
+        self.stack[...] = self._initial
+        self.free[...] = self.lane_pages
+        self.fill[...] = 0
+        self.pending = None
 
     # -- questions --------------------------------------------------------------
     def deficit(self, counts: np.ndarray) -> np.ndarray | None:
@@ -79,9 +82,24 @@ class LaneFreeLists:
         next page of lane ``lanes[i]``. Nothing changes."""
         return self.stack.ravel()[lanes * self.cap + self.free[lanes] - 1 - rank]
 
-    def marked(self) -> np.ndarray:
-        """An empty page bitmap (``num_pages + 1`` entries and padding to whole rows)."""
-        return np.zeros(self._rows * self.cp_size, dtype=bool)
+    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                    iota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`peek` for whole chains: request r takes ``counts[r]`` pages
+        cycling from lane ``first_lane[r]``, after the ``before[r, l]`` pages
+        of lane l that earlier requests take (``starts`` is the exclusive
+        cumulative sum of ``counts``, ``iota`` an ``arange`` at least as long
+        as the batch's pages). Returns ``(pages, lanes)`` in request order,
+        one vectorised pass per quantity. Nothing changes."""
+        N, n = self.cp_size, int(counts.sum())
+        j = iota[:n] - np.repeat(starts, counts)  # position of each page in its request
+        lanes = (np.repeat(first_lane, counts) + j) % N
+        top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
+        idx = top.ravel()[np.repeat(np.arange(counts.size) * N, counts) + lanes] - j // N
+        return self.stack.ravel()[idx], lanes
+
+    def page_bitmap(self) -> np.ndarray:
+        """An empty bitmap over pages ``0 .. num_pages``."""
+        return np.zeros(self.num_pages + 1, dtype=bool)
 
     def snapshot(self) -> tuple:
         """The whole state as a hashable value: free pages per lane in order,
@@ -100,10 +118,9 @@ class LaneFreeLists:
         """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
         self.fill[pages] = fill
 
-    def put(self, mark: np.ndarray) -> None:
-        """Return every page set in bitmap ``mark`` to its lane, ascending within
-        a lane (the highest freed page is handed out next)."""
-        pages = np.flatnonzero(mark)
+    def put(self, pages: np.ndarray) -> None:
+        """Return distinct allocated ``pages`` to their lanes, in the order given
+        (the last one of a lane is handed out next)."""
         lanes = pages % self.cp_size
         counts = np.bincount(lanes, minlength=self.cp_size)
         self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
@@ -116,4 +133,4 @@ class LaneFreeLists:
 
     def copy_in(self, state: AllocatorState) -> None:
         """Put a copy of ``state`` back (the caller checked it fits)."""
-        self.free, self.stack, self.fill = state.free.copy(), state.stack.copy(), state.fill.copy()
+        self.free[...], self.stack[...], self.fill[...] = state.free, state.stack, state.fill

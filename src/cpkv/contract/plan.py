@@ -118,6 +118,32 @@ def _sweep_bases(fresh: np.ndarray, k: np.ndarray, start: np.ndarray, lane_free:
 
 
 @dataclass(frozen=True)
+class LaneTake:
+    """How many pages a batch takes from each lane, request by request.
+
+    ``first_lane[r]`` is the lane of request r's first new page (its pages
+    cycle from there), ``before[r, l]`` how many pages of lane l the requests
+    before r take, ``lane_counts[l]`` the batch total. ``O(bs * N)``: nothing
+    per page.
+    """
+
+    first_lane: np.ndarray
+    before: np.ndarray
+    lane_counts: np.ndarray
+
+
+def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> LaneTake:
+    """Per-lane page counts of a batch from the cyclic structure: a request of
+    n pages starting at lane s takes ``n // N`` pages of every lane plus one of
+    each of the ``n % N`` lanes from s on ([[RFC-0001:C-OWNER-LANE]])."""
+    N = cp_size
+    start = lane_of_position(lane_base, first_position, N)
+    per_req = num_pages[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (num_pages % N)[:, None])
+    total = per_req.sum(0)
+    return LaneTake(start, np.cumsum(per_req, 0) - per_req, total)
+
+
+@dataclass(frozen=True)
 class OwnerPlan:
     """Owners of the new pages of a batch, in request order then position order.
 
@@ -136,24 +162,16 @@ class OwnerPlan:
 def owner_plan(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> OwnerPlan:
     """Owner plan of a batch: request r gets ``num_pages[r]`` pages at positions
     ``first_position[r] + j``, owned by ``(lane_base[r] + q) % N``
-    ([[RFC-0001:C-OWNER-LANE]]).
-
-    Lane counts come from the cyclic structure: a request of n pages starting
-    at lane s takes ``n // N`` pages of every lane plus one of each of the
-    ``n % N`` lanes from s on; its page j is the ``j // N``-th of its lane.
-    """
+    ([[RFC-0001:C-OWNER-LANE]]). Page j of a request is the ``j // N``-th of
+    its lane in that request (see :func:`lane_take`)."""
     N, bs = cp_size, num_pages.size
+    take = lane_take(lane_base, first_position, num_pages, N)
     req = np.repeat(np.arange(bs), num_pages)
     j = np.arange(req.size) - (np.cumsum(num_pages) - num_pages)[req]
     q = first_position[req] + j
-    owners = lane_of_position(lane_base[req], q, N)
-    act = np.flatnonzero(num_pages)  # only requests that get pages count
-    n = num_pages[act]
-    start = lane_of_position(lane_base[act], first_position[act], N)
-    per_req = n[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (n % N)[:, None])
-    before = np.cumsum(per_req, 0) - per_req
-    rank = before.ravel()[np.repeat(np.arange(act.size), n) * N + owners] + j // N
-    return OwnerPlan(owners, q, req, rank, per_req.sum(0))
+    owners = lane_of_position(take.first_lane[req], j, N)
+    rank = take.before.ravel()[req * N + owners] + j // N
+    return OwnerPlan(owners, q, req, rank, take.lane_counts)
 
 
 @dataclass(frozen=True)

@@ -147,14 +147,14 @@ class AllocationRules:
 
     # -- free -------------------------------------------------------------------------
     def pages_to_free(self, slots) -> np.ndarray | None:
-        """Bitmap of the pages holding ``slots`` (padding ignored), or None when
+        """The distinct pages holding ``slots`` (padding ignored), or None when
         there are none. Raises :class:`InvalidFree` for a slot outside the
         usable pages or a page that is not allocated (or already freed in the
         open free group); ``TypeError``/``ValueError`` for a wrong input kind.
 
         No sort: when every run of ``S`` consecutive entries lies on one page
-        (a request's slots, in order) the pages are read at stride ``S``;
-        otherwise every entry marks the bitmap.
+        (a request's slots, in order) the pages are read at stride ``S``, after
+        one pass that checks it; otherwise every entry counts.
         """
         s = int_vector(slots, "slots")
         if s.size == 0:
@@ -162,46 +162,52 @@ class AllocationRules:
         S = self.S
         pg = pages_of(s, S)
         rows = s.size // S
-        v = pg[: rows * S].reshape(rows, S)
-        cand = np.concatenate([v[:, 0], pg[rows * S :]]) if (v == v[:, :1]).all() else pg
-        if int(cand.min()) < 0:  # padding, or a slot no layout has
+        if rows > 1 and S > 1:
+            head = pg[: rows * S : S]
+            change = np.flatnonzero(pg[1 : rows * S] != pg[: rows * S - 1])  # only between rows?
+            if not ((change + 1) % S).any():
+                pg = np.concatenate([head, pg[rows * S :]])
+        lo, hi = int(pg.min()), int(pg.max())
+        if lo < 0:  # padding, or a slot no layout has
             neg = s < 0
             if (s[neg] != self.pad).any():
                 raise InvalidFree("free-out-of-range", f"slot {int(s[neg & (s != self.pad)][0])} is negative and not padding")
-            cand = pg[~neg]
-            if cand.size == 0:
+            pg = pages_of(s[~neg], S)
+            if pg.size == 0:
                 return None
-        lo, hi = int(cand.min()), int(cand.max())
+            lo, hi = int(pg.min()), int(pg.max())
         if lo < 1 or hi > self.P:
-            bad = lo if lo < 1 else hi
-            raise InvalidFree("free-out-of-range", f"page {bad} is not a usable page (1..{self.P})")
-        mark = self.lists.marked()
-        mark[cand] = True
-        self.check_freeable(mark)
-        return mark
+            raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
+        pages = pg[self._last_of_each(pg)]
+        self.check_freeable(pages)
+        return pages
 
     def pages_to_free_by_page(self, pages) -> np.ndarray | None:
-        """Bitmap of ``pages`` (no padding), refusing what :meth:`pages_to_free`
-        refuses and a page given twice (``double-free``)."""
+        """``pages`` checked as :meth:`pages_to_free` checks the pages of slots;
+        a page given twice is a ``double-free`` too."""
         p = int_vector(pages, "pages")
         if p.size == 0:
             return None
         lo, hi = int(p.min()), int(p.max())
         if lo < 1 or hi > self.P:
             raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
-        mark = self.lists.marked()
-        mark[p] = True
-        if int(np.count_nonzero(mark)) != p.size:
-            _, counts = np.unique(p, return_counts=True)
-            raise InvalidFree("double-free", f"page {int(np.unique(p)[counts > 1][0])} is given twice")
-        self.check_freeable(mark)
-        return mark
+        if not (last := self._last_of_each(p)).all():
+            raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
+        self.check_freeable(p)
+        return p
 
-    def check_freeable(self, mark: np.ndarray) -> None:
-        """Every marked page is allocated and not already freed in the open group."""
-        m = mark[: self.P + 1]
-        if (m & (self.lists.fill == 0)).any():
-            raise InvalidFree("double-free", f"page {_first(m & (self.lists.fill == 0))} is not allocated (double free?)")
+    def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
+        """Mask of the last occurrence of each distinct page (usable pages only)."""
+        idx = np.arange(pages.size)
+        self._scratch[pages] = idx  # with repeats, the last write wins
+        return self._scratch[pages] == idx
+
+    def check_freeable(self, pages: np.ndarray) -> None:
+        """Every page in ``pages`` (distinct, usable) is allocated and not
+        already freed in the open free group; :class:`InvalidFree` otherwise."""
+        free = self.lists.fill[pages] == 0
+        if free.any():
+            raise InvalidFree("double-free", f"page {int(pages[free][0])} is not allocated (double free?)")
         pending = self.lists.pending
-        if pending is not None and (mark & pending).any():
-            raise InvalidFree("double-free", f"page {_first(mark & pending)} is already freed in this free group")
+        if pending is not None and (twice := pending[pages]).any():
+            raise InvalidFree("double-free", f"page {int(pages[twice][0])} is already freed in this free group")
