@@ -343,13 +343,13 @@ class OwnerLaneAllocator:
             r = int(np.flatnonzero(seq < 1)[0])
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
         prefix, seq, last = self._lengths(seq - 1, seq, last_loc)
-        has, last_page = self._rules.check_extend(prefix, seq, last)
+        has, last_page = self._rules.check_decode(seq, last)
         self._rules.check_capacity(prefix, seq, has, last_page)
         needs = prefix % S == 0  # the prefix ended its page, or there is none
         idx = np.flatnonzero(needs)
-        lanes = (owner_of(last_page[idx], N) + 1) % N
+        lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         base = None
-        if not has[idx].all():  # fresh requests: the lane-base rule for the whole batch
+        if not has.all():  # fresh requests: the lane-base rule for the whole batch
             fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
             base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), self._lists.free, N,
                                           self.base_policy)
@@ -364,8 +364,7 @@ class OwnerLaneAllocator:
         out = _device_tensor(slots, self.device)
         # commit: nothing below can fail
         self._lists.take(new_pages, counts, 1)
-        cont = ~needs
-        self._lists.write(last_page[cont], last[cont] - last_page[cont] * S + 2)
+        self._lists.write_one_more(last_page[~needs])
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
             b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base

@@ -25,8 +25,11 @@ import numpy as np
 
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """For each entry, how many earlier entries share its lane (one stable radix
-    sort of the lane ids)."""
+    """For each entry, how many earlier entries share its lane: a running count
+    per lane for a few lanes, one stable radix sort of the lane ids otherwise."""
+    if counts.size <= 16 and lanes.size <= 8192:
+        seen = np.cumsum(lanes[:, None] == np.arange(counts.size), axis=0)
+        return seen[np.arange(lanes.size), lanes] - 1
     order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
     rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
@@ -117,6 +120,10 @@ class LaneFreeLists:
     def write(self, pages: np.ndarray, fill: np.ndarray) -> None:
         """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
         self.fill[pages] = fill
+
+    def write_one_more(self, pages: np.ndarray) -> None:
+        """One more slot of each of the distinct allocated ``pages`` is written."""
+        self.fill[pages] += 1
 
     def put(self, pages: np.ndarray) -> None:
         """Return distinct allocated ``pages`` to their lanes, in the order given

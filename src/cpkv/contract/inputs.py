@@ -33,8 +33,7 @@ def int_vector(x, name: str) -> np.ndarray:
             raise TypeError(f"{name} must be int32 or int64, got a {x.dtype} tensor")
         if x.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(x.shape)}")
-        x = x.detach()
-        a = (x if x.device.type == "cpu" else x.cpu()).numpy()
+        a = (x if x.is_cpu else x.cpu()).numpy()  # an int tensor never requires grad
         return a if a.dtype == np.int64 else a.astype(np.int64)
     if isinstance(x, np.ndarray):
         if x.dtype not in INT_NUMPY:

@@ -66,6 +66,21 @@ class AllocationRules:
             self.explain_extend(prefix, seq, last)
         return has, page
 
+    def check_decode(self, seq: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`check_extend` for a decode batch (``prefix = seq - 1``, every
+        ``seq >= 1``), with fewer steps when every request has a prefix.
+        Returns ``(has_prefix, page of last_loc)``."""
+        S = self.S
+        if S & (S - 1) or not (seq > 1).all():
+            return self.check_extend(seq - 1, seq, last)
+        page = last >> (S.bit_length() - 1)
+        off = last & (S - 1)
+        usable = (page >= 1) & (page <= self.P)
+        if not usable.all() or not ((off == ((seq - 2) & (S - 1))) & (self.lists.fill[page] == off + 1)).all() \
+                or self._repeats(page[off != S - 1]):
+            self.explain_extend(seq - 1, seq, last)
+        return np.ones(seq.size, dtype=bool), page
+
     def _repeats(self, pages: np.ndarray) -> bool:
         """Whether some page occurs twice (``pages`` are usable pages)."""
         if pages.size < 2:
@@ -152,21 +167,27 @@ class AllocationRules:
         usable pages or a page that is not allocated (or already freed in the
         open free group); ``TypeError``/``ValueError`` for a wrong input kind.
 
-        No sort: when every run of ``S`` consecutive entries lies on one page
-        (a request's slots, in order) the pages are read at stride ``S``, after
-        one pass that checks it; otherwise every entry counts.
+        No sort: when every run of ``S`` consecutive entries is one whole page
+        in order (a request's slots) the pages are read at stride ``S``, after
+        one comparison pass that proves it; otherwise every entry counts.
         """
         s = int_vector(slots, "slots")
         if s.size == 0:
             return None
         S = self.S
-        pg = pages_of(s, S)
         rows = s.size // S
+        pg = None
         if rows > 1 and S > 1:
-            head = pg[: rows * S : S]
-            change = np.flatnonzero(pg[1 : rows * S] != pg[: rows * S - 1])  # only between rows?
-            if not ((change + 1) % S).any():
-                pg = np.concatenate([head, pg[rows * S :]])
+            # every row of S entries is one whole page, in order, iff its head is
+            # a page start, its tail ends that page and it rises strictly in between
+            full = s[: rows * S]
+            rises = np.empty(rows * S, dtype=bool)
+            np.greater(full[1:], full[:-1], out=rises[:-1])
+            head, tail = full[::S], full[S - 1 :: S]
+            if rises.reshape(rows, S)[:, : S - 1].all() and not (head % S).any() and (tail - head == S - 1).all():
+                pg = np.concatenate([pages_of(head, S), pages_of(s[rows * S :], S)])
+        if pg is None:
+            pg = pages_of(s, S)
         lo, hi = int(pg.min()), int(pg.max())
         if lo < 0:  # padding, or a slot no layout has
             neg = s < 0
