@@ -338,27 +338,37 @@ class OwnerLaneAllocator:
         ``(owner(last_loc) + 1) % N``. A fresh request (no ``last_loc``) takes
         a lane by the lane-base rule."""
         S, N = self.page_size, self.cp_size
-        seq = int_vector(seq_lens_cpu, "seq_lens")
+        seq = int_vector(seq_lens_cpu, "seq_lens").copy()
+        last = int_vector(last_loc, "last_loc")
+        if last.size != seq.size:
+            raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
         if seq.size and seq.min() < 1:
             r = int(np.flatnonzero(seq < 1)[0])
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
-        prefix, seq, last = self._lengths(seq - 1, seq, last_loc)
-        has, last_page = self._rules.check_decode(seq, last)
-        self._rules.check_capacity(prefix, seq, has, last_page)
-        needs = prefix % S == 0  # the prefix ended its page, or there is none
-        idx = np.flatnonzero(needs)
-        lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
+        prefix = seq - 1
         base = None
-        if not has.all():  # fresh requests: the lane-base rule for the whole batch
-            fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
-            base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), self._lists.free, N,
-                                          self.base_policy)
-            lanes = np.where(has[idx], lanes, base[idx])
+        if (fast := self._rules.check_decode(seq, last)) is not None:  # every request goes on from a last_loc
+            last_page, _, needs = fast
+            has = None
+            self._rules.check_capacity(prefix, seq, None, last_page)
+            idx = np.flatnonzero(needs)
+            lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
+        else:
+            has, last_page = self._rules.check_extend(prefix, seq, last)
+            self._rules.check_capacity(prefix, seq, has, last_page)
+            needs = prefix % S == 0  # the prefix ended its page, or there is none
+            idx = np.flatnonzero(needs)
+            lanes = (last_page[idx] + 1) % N
+            if not has.all():  # fresh requests: the lane-base rule for the whole batch
+                fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+                base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), self._lists.free, N,
+                                              self.base_policy)
+                lanes = np.where(has[idx], lanes, base[idx])
         counts = np.bincount(lanes, minlength=N)
         if (deficit := self._lists.deficit(counts)) is not None:
             self.last_deficit = deficit
             return None
-        new_pages = self._lists.peek(lanes, rank_in_lane(lanes, counts))
+        new_pages = self._lists.peek_unordered(lanes, counts)
         slots = last + 1
         slots[idx] = new_pages * S
         out = _device_tensor(slots, self.device)

@@ -25,11 +25,12 @@ import numpy as np
 
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """For each entry, how many earlier entries share its lane: a running count
-    per lane for a few lanes, one stable radix sort of the lane ids otherwise."""
-    if counts.size <= 16 and lanes.size <= 8192:
-        seen = np.cumsum(lanes[:, None] == np.arange(counts.size), axis=0)
-        return seen[np.arange(lanes.size), lanes] - 1
+    """For each entry, how many earlier entries share its lane. When the lanes
+    cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
+    is ``i // N``; otherwise one stable radix sort of the lane ids."""
+    N, i = counts.size, np.arange(lanes.size)
+    if lanes.size and not ((lanes - lanes[0] - i) % N).any():
+        return i // N
     order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
     rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
@@ -85,6 +86,18 @@ class LaneFreeLists:
         next page of lane ``lanes[i]``. Nothing changes."""
         return self.stack.ravel()[lanes * self.cap + self.free[lanes] - 1 - rank]
 
+    def peek_unordered(self, lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """:meth:`peek` with ranks by order of appearance (entry i is the next
+        page of its lane after those of the earlier entries of that lane), for
+        lanes in no particular order: one stable sort of the lane ids, the
+        pages read lane by lane, put back in entry order."""
+        order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
+        start = np.cumsum(counts) - counts  # where each lane's entries begin in sorted order
+        first = np.arange(self.cp_size) * self.cap + self.free - 1 + start  # its first page's stack index + start
+        pages = np.empty(lanes.size, dtype=np.int64)
+        pages[order] = self.stack.ravel()[first[lanes[order]] - np.arange(lanes.size)]
+        return pages
+
     def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,
                     iota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`peek` for whole chains: request r takes ``counts[r]`` pages
@@ -95,9 +108,15 @@ class LaneFreeLists:
         one vectorised pass per quantity. Nothing changes."""
         N, n = self.cp_size, int(counts.sum())
         j = iota[:n] - np.repeat(starts, counts)  # position of each page in its request
-        lanes = (np.repeat(first_lane, counts) + j) % N
+        lanes = np.repeat(first_lane, counts) + j
+        if N & (N - 1):
+            lanes %= N
+            turn = j // N
+        else:  # a power of two: mask and shift
+            lanes &= N - 1
+            turn = j >> (N.bit_length() - 1)
         top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
-        idx = top.ravel()[np.repeat(np.arange(counts.size) * N, counts) + lanes] - j // N
+        idx = top.ravel()[np.repeat(iota[: counts.size] * N, counts) + lanes] - turn
         return self.stack.ravel()[idx], lanes
 
     def page_bitmap(self) -> np.ndarray:

@@ -139,8 +139,9 @@ def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.n
     N = cp_size
     start = lane_of_position(lane_base, first_position, N)
     per_req = num_pages[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (num_pages % N)[:, None])
-    total = per_req.sum(0)
-    return LaneTake(start, np.cumsum(per_req, 0) - per_req, total)
+    before = np.cumsum(per_req, 0)
+    before -= per_req
+    return LaneTake(start, before, before[-1] + per_req[-1] if per_req.size else per_req.sum(0))
 
 
 @dataclass(frozen=True)

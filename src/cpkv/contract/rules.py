@@ -55,6 +55,10 @@ class AllocationRules:
         """
         S = self.S
         has = prefix > 0
+        if not has.any():  # a batch of fresh requests: no last_loc to check
+            if (prefix < 0).any() or (prefix > seq).any() or (last != self.pad).any():
+                self.explain_extend(prefix, seq, last)
+            return has, np.full(prefix.size, -1, dtype=np.int64)
         page = pages_of(last, S)
         off = last - page * S
         usable = (page >= 1) & (page <= self.P)
@@ -66,20 +70,25 @@ class AllocationRules:
             self.explain_extend(prefix, seq, last)
         return has, page
 
-    def check_decode(self, seq: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`check_extend` for a decode batch (``prefix = seq - 1``, every
-        ``seq >= 1``), with fewer steps when every request has a prefix.
-        Returns ``(has_prefix, page of last_loc)``."""
+    def check_decode(self, seq: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """:meth:`check_extend` for a decode batch in which every request has a
+        prefix (``prefix = seq - 1 >= 1``) and ``S`` is a power of two, in fewer
+        steps; returns ``(page of last_loc, its offset, which requests end their
+        page)``, or None when the batch is not of that kind (then use
+        :meth:`check_extend`). Raises as :meth:`check_extend` does."""
         S = self.S
-        if S & (S - 1) or not (seq > 1).all():
-            return self.check_extend(seq - 1, seq, last)
+        if S & (S - 1) or seq.size == 0 or int(seq.min()) < 2:
+            return None
         page = last >> (S.bit_length() - 1)
         off = last & (S - 1)
-        usable = (page >= 1) & (page <= self.P)
-        if not usable.all() or not ((off == ((seq - 2) & (S - 1))) & (self.lists.fill[page] == off + 1)).all() \
-                or self._repeats(page[off != S - 1]):
+        if int(page.min()) < 1 or int(page.max()) > self.P:
             self.explain_extend(seq - 1, seq, last)
-        return np.ones(seq.size, dtype=bool), page
+        expect = (seq - 2) & (S - 1)  # the offset a prefix of seq - 1 tokens ends at
+        ends = off == S - 1
+        if not (np.array_equal(off, expect) and np.array_equal(self.lists.fill[page], expect + 1)) \
+                or self._repeats(page[~ends]):
+            self.explain_extend(seq - 1, seq, last)
+        return page, off, ends
 
     def _repeats(self, pages: np.ndarray) -> bool:
         """Whether some page occurs twice (``pages`` are usable pages)."""
@@ -134,17 +143,19 @@ class AllocationRules:
             int(dup[1]),
         )
 
-    def check_capacity(self, prefix: np.ndarray, seq: np.ndarray, has: np.ndarray, page: np.ndarray) -> None:
+    def check_capacity(self, prefix: np.ndarray, seq: np.ndarray, has: np.ndarray | None, page: np.ndarray) -> None:
         """Raise ``UnsupportedPagePlan("exceeds-capacity")`` for a request whose
         whole chain (``ceil(seq / S)`` pages, its prefix pages included) could
         never be held, however much is freed: more pages than the cache, or, for
         a request whose lane base is fixed (by its prefix, or by the ``lane0``
         policy), more pages in one lane than that lane has. A request that could
-        fit after eviction is left to the allocation, which returns None."""
-        chain = -(-seq // self.S)
-        if chain.size == 0 or int(chain.max()) <= self._fits_any:
+        fit after eviction is left to the allocation, which returns None.
+        ``has`` None means every request has a prefix."""
+        if seq.size == 0 or -(-int(seq.max()) // self.S) <= self._fits_any:
             return
+        chain = -(-seq // self.S)
         N, lane_pages = self.N, self.lists.lane_pages
+        has = np.ones(seq.size, dtype=bool) if has is None else has
         big = np.flatnonzero(chain > self._fits_any)
         fixed = has[big] | (self.base_policy == "lane0")
         base = np.where(has[big], lane_base_from_prefix(owner_of(page[big], N), prefix[big], self.S, N), 0)
@@ -183,8 +194,9 @@ class AllocationRules:
             full = s[: rows * S]
             rises = np.empty(rows * S, dtype=bool)
             np.greater(full[1:], full[:-1], out=rises[:-1])
+            rises[S - 1 :: S] = True  # between rows anything goes
             head, tail = full[::S], full[S - 1 :: S]
-            if rises.reshape(rows, S)[:, : S - 1].all() and not (head % S).any() and (tail - head == S - 1).all():
+            if rises.all() and not (head % S).any() and (tail - head == S - 1).all():
                 pg = np.concatenate([pages_of(head, S), pages_of(s[rows * S :], S)])
         if pg is None:
             pg = pages_of(s, S)

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..contract.allocator import OwnerLaneAllocator
@@ -35,13 +36,14 @@ def median_seconds(cases: dict[str, tuple[Callable, Callable | None]], repeats: 
 
 
 class BlockListBaseline:
-    """The allocator engines already run, in plain Python: a deque of free page
-    ids per owner lane, popped and pushed one block at a time per request, and
-    the set of pages in use (so a double free is caught), as nano-vllm's
-    ``BlockManager`` keeps ``free_block_ids`` and ``used_block_ids`` and vLLM
-    v1's ``BlockPool`` a free queue and per-block reference counts. It follows
-    the same owner-lane rule (lane bases least-full, request by request), so it
-    returns the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
+    """The allocator engines already run, in plain Python: per block, what
+    nano-vllm's ``BlockManager`` does (a deque of free block ids, here one per
+    owner lane, popped and pushed one block at a time; the set of blocks in
+    use; a reference count per block, reset on allocation and dropped on free,
+    the block returning to the free list at zero), as vLLM v1's ``BlockPool``
+    keeps a free queue and per-block reference counts. It follows the same
+    owner-lane rule (lane bases least-full, request by request), so it returns
+    the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
 
     def __init__(self, num_pages: int, page_size: int, cp_size: int):
         self.num_pages, self.S, self.N = num_pages, page_size, cp_size
@@ -51,44 +53,51 @@ class BlockListBaseline:
         N = self.N
         self.lanes = [deque(range(l if l else N, self.num_pages + 1, N)) for l in range(N)]
         self.used: set[int] = set()
+        self.ref = [0] * (self.num_pages + 1)
 
     def alloc_extend(self, seq_lens: list[int]) -> torch.Tensor:
-        """Fresh requests of ``seq_lens`` tokens."""
-        S, N, lanes, used = self.S, self.N, self.lanes, self.used
-        pages, runs = [], []
+        """Fresh requests of ``seq_lens`` tokens; the slots of all their pages
+        come from one broadcast (and, when a last page is partial, one mask)."""
+        S, N, lanes, used, ref = self.S, self.N, self.lanes, self.used, self.ref
+        pages, used_in_page = [], []
         for n in seq_lens:
             free = [len(q) for q in lanes]
             b = free.index(max(free))
             k = -(-n // S)
             for q in range(k):
                 p = lanes[(b + q) % N].popleft()
+                ref[p] = 1
                 used.add(p)
                 pages.append(p)
-            runs.append((len(pages) - k, n))
-        full = (torch.tensor(pages)[:, None] * S + torch.arange(S)).view(-1)
+            used_in_page += [S] * (k - 1) + [n - (k - 1) * S]
+        full = (np.array(pages)[:, None] * S + np.arange(S)).reshape(-1)
         if all(n % S == 0 for n in seq_lens):
-            return full
-        return torch.cat([full[p * S: p * S + n] for p, n in runs])
+            return torch.from_numpy(full)
+        return torch.from_numpy(full[(np.arange(S)[None, :] < np.array(used_in_page)[:, None]).reshape(-1)])
 
     def alloc_decode(self, last_loc: list[int]) -> torch.Tensor:
         """One token per request after ``last_loc`` (every request has one)."""
-        S, N, lanes, used = self.S, self.N, self.lanes, self.used
+        S, N, lanes, used, ref = self.S, self.N, self.lanes, self.used, self.ref
         out = []
         for last in last_loc:
             if last % S != S - 1:
                 out.append(last + 1)
             else:
                 p = lanes[(last // S % N + 1) % N].popleft()
+                ref[p] = 1
                 used.add(p)
                 out.append(p * S)
         return torch.tensor(out)
 
     def free_pages(self, pages: list[int]) -> None:
-        """Return ``pages`` one block at a time (``KeyError`` on a double free)."""
-        N, lanes, used = self.N, self.lanes, self.used
+        """Drop one reference to each of ``pages``, one block at a time; a block
+        at zero goes back to its lane (``KeyError`` on a double free)."""
+        N, lanes, used, ref = self.N, self.lanes, self.used, self.ref
         for p in pages:
-            used.remove(p)
-            lanes[p % N].append(p)
+            ref[p] -= 1
+            if ref[p] == 0:
+                used.remove(p)
+                lanes[p % N].append(p)
 
 
 def _lengths(bs: int, tokens: int, ragged: bool) -> torch.Tensor:
