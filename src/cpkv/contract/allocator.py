@@ -338,17 +338,18 @@ class OwnerLaneAllocator:
         ``(owner(last_loc) + 1) % N``. A fresh request (no ``last_loc``) takes
         a lane by the lane-base rule."""
         S, N = self.page_size, self.cp_size
-        seq = int_vector(seq_lens_cpu, "seq_lens").copy()
+        seq = int_vector(seq_lens_cpu, "seq_lens")
         last = int_vector(last_loc, "last_loc")
         if last.size != seq.size:
             raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
-        if seq.size and seq.min() < 1:
+        shortest = int(seq.min()) if seq.size else 1
+        if shortest < 1:
             r = int(np.flatnonzero(seq < 1)[0])
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
-        prefix = seq - 1
+        prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
         base = None
-        if (fast := self._rules.check_decode(seq, last)) is not None:  # every request goes on from a last_loc
-            last_page, _, needs = fast
+        if (fast := self._rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
+            last_page, needs = fast
             has = None
             self._rules.check_capacity(prefix, seq, None, last_page)
             idx = np.flatnonzero(needs)
@@ -368,7 +369,7 @@ class OwnerLaneAllocator:
         if (deficit := self._lists.deficit(counts)) is not None:
             self.last_deficit = deficit
             return None
-        new_pages = self._lists.peek_unordered(lanes, counts)
+        new_pages = self._lists.peek_unordered(lanes, counts, self._iota(lanes.size))
         slots = last + 1
         slots[idx] = new_pages * S
         out = _device_tensor(slots, self.device)
@@ -379,8 +380,8 @@ class OwnerLaneAllocator:
         def host_plan():  # every request has a prefix unless ``base`` was chosen
             b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
             return {
-                "prefix_lens": prefix, "seq_lens": seq, "extend_lens": np.ones(seq.size, dtype=np.int64),
-                "extend_start_loc": np.arange(seq.size), "lane_base": b,
+                "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
+                "extend_start_loc": np.arange(prefix.size), "lane_base": b,
                 "new_page_start": _excl_cumsum(needs.astype(np.int64)), "new_pages": new_pages,
                 "new_page_owners": lanes, "new_page_positions": prefix[idx] // S,
             }

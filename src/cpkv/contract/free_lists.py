@@ -63,6 +63,7 @@ class LaneFreeLists:
             pages = np.arange(lane if lane else cp_size, num_pages + 1, cp_size)
             self._initial[lane, : pages.size] = pages[::-1]
         self.stack = self._initial.copy()
+        self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
         self.free = self.lane_pages.copy()
         self.fill = np.zeros(num_pages + 1, dtype=np.int64)
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
@@ -86,16 +87,17 @@ class LaneFreeLists:
         next page of lane ``lanes[i]``. Nothing changes."""
         return self.stack.ravel()[lanes * self.cap + self.free[lanes] - 1 - rank]
 
-    def peek_unordered(self, lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def peek_unordered(self, lanes: np.ndarray, counts: np.ndarray, iota: np.ndarray) -> np.ndarray:
         """:meth:`peek` with ranks by order of appearance (entry i is the next
         page of its lane after those of the earlier entries of that lane), for
         lanes in no particular order: one stable sort of the lane ids, the
-        pages read lane by lane, put back in entry order."""
-        order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
-        start = np.cumsum(counts) - counts  # where each lane's entries begin in sorted order
-        first = np.arange(self.cp_size) * self.cap + self.free - 1 + start  # its first page's stack index + start
-        pages = np.empty(lanes.size, dtype=np.int64)
-        pages[order] = self.stack.ravel()[first[lanes[order]] - np.arange(lanes.size)]
+        pages read lane by lane, put back in entry order (``iota`` an
+        ``arange`` at least ``lanes.size`` long)."""
+        m = lanes.size
+        order = np.argsort(lanes.astype(np.int16) if m > 256 and counts.size < 2**15 else lanes, kind="stable")
+        first = self._lane_top + self.free + np.cumsum(counts) - counts  # stack index of each lane's next page + its offset
+        pages = np.empty(m, dtype=np.int64)
+        pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
         return pages
 
     def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,

@@ -36,7 +36,7 @@ class AllocationRules:
     def __init__(self, lists: LaneFreeLists, page_size: int, padding: int, base_policy: str):
         self.lists, self.S, self.pad, self.base_policy = lists, page_size, padding, base_policy
         self.N, self.P = lists.cp_size, lists.num_pages
-        self._scratch = np.zeros(self.P + 1, dtype=np.int64)  # for duplicate tests; never read unwritten
+        self._scratch = np.zeros(self.P + 1, dtype=np.int32)  # for duplicate tests; never read unwritten
         self._fits_any = self.N * int(lists.lane_pages.min())  # a chain this long fits every base
 
     # -- extend and decode ----------------------------------------------------------
@@ -70,31 +70,31 @@ class AllocationRules:
             self.explain_extend(prefix, seq, last)
         return has, page
 
-    def check_decode(self, seq: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def check_decode(self, seq: np.ndarray, last: np.ndarray, shortest: int) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`check_extend` for a decode batch in which every request has a
         prefix (``prefix = seq - 1 >= 1``) and ``S`` is a power of two, in fewer
-        steps; returns ``(page of last_loc, its offset, which requests end their
-        page)``, or None when the batch is not of that kind (then use
-        :meth:`check_extend`). Raises as :meth:`check_extend` does."""
+        steps (``shortest`` is ``seq.min()``); returns ``(page of last_loc,
+        whether last_loc ends its page)``, or None when the batch is not of
+        that kind (then use :meth:`check_extend`). Raises as
+        :meth:`check_extend` does."""
         S = self.S
-        if S & (S - 1) or seq.size == 0 or int(seq.min()) < 2:
+        if S & (S - 1) or shortest < 2:
             return None
         page = last >> (S.bit_length() - 1)
-        off = last & (S - 1)
         if int(page.min()) < 1 or int(page.max()) > self.P:
             self.explain_extend(seq - 1, seq, last)
+        off = last & (S - 1)
         expect = (seq - 2) & (S - 1)  # the offset a prefix of seq - 1 tokens ends at
         ends = off == S - 1
-        if not (np.array_equal(off, expect) and np.array_equal(self.lists.fill[page], expect + 1)) \
-                or self._repeats(page[~ends]):
+        if ((off != expect) | (self.lists.fill[page] != off + 1)).any() or self._repeats(page[~ends]):
             self.explain_extend(seq - 1, seq, last)
-        return page, off, ends
+        return page, ends
 
     def _repeats(self, pages: np.ndarray) -> bool:
         """Whether some page occurs twice (``pages`` are usable pages)."""
         if pages.size < 2:
             return False
-        idx = np.arange(pages.size)
+        idx = np.arange(pages.size, dtype=np.int32)
         self._scratch[pages] = idx
         return bool((self._scratch[pages] != idx).any())
 
@@ -231,7 +231,7 @@ class AllocationRules:
 
     def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the last occurrence of each distinct page (usable pages only)."""
-        idx = np.arange(pages.size)
+        idx = np.arange(pages.size, dtype=np.int32)
         self._scratch[pages] = idx  # with repeats, the last write wins
         return self._scratch[pages] == idx
 
