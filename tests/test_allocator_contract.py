@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import cpkv.contract.batch as batch_module
 import cpkv.contract.allocator as allocator_module
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 
@@ -36,10 +37,11 @@ def test_a_failure_while_building_the_result_takes_no_page(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(allocator_module, "_expand_runs", boom)
+    monkeypatch.setattr(batch_module, "_expand_runs", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         a.allocate_extend([0, 0], [5, 9], [NONE, NONE])
     assert a.snapshot() == before
+    monkeypatch.setattr(batch_module, "_device_tensor", boom)
     monkeypatch.setattr(allocator_module, "_device_tensor", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         a.allocate_decode([1, 1], [NONE, NONE])

@@ -34,40 +34,14 @@ import torch
 
 from . import plan
 from .allocation import ExtendAllocation
+from .batch import Batch, BatchPlanner, _device_tensor
 from .errors import UnsupportedPagePlan
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
 from .inputs import check_int_tensor, int_scalar, int_vector, usable_device
-from .layout import SharedKVLayout, lane_base_from_prefix, lane_of_position, owner_of
+from .layout import SharedKVLayout, lane_of_position
 from .rules import AllocationRules
 
 __all__ = ["AllocatorState", "ExtendAllocation", "OwnerLaneAllocator"]
-
-
-def _excl_cumsum(x: np.ndarray) -> np.ndarray:
-    return np.cumsum(x) - x
-
-
-def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on ``device`` (no copy on the CPU)."""
-    return torch.from_numpy(a).to(device)
-
-
-def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray, device) -> torch.Tensor:
-    """Token-level slots of a batch on ``device``: run k is ``n[k]`` consecutive
-    slots from ``first[k]``, the runs laid end to end (``total`` slots).
-
-    One repeat of each run's offset and one add of ``iota`` (an ``arange`` at
-    least ``total`` long). On the CPU it is built in numpy and handed over
-    without a copy; on another device the runs travel in one packed copy and
-    the expansion runs there.
-    """
-    at = np.cumsum(n) - n
-    if device.type == "cpu":
-        out = np.repeat(first - at, n)
-        out += iota[:total]
-        return torch.from_numpy(out)
-    off, n = _device_tensor(np.stack([first - at, n]), device)
-    return torch.repeat_interleave(off, n, output_size=total) + torch.arange(total, device=device)
 
 
 class OwnerLaneAllocator:
@@ -109,7 +83,7 @@ class OwnerLaneAllocator:
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
         self.last_allocation: ExtendAllocation | None = None
-        self._iota_cache = np.arange(0, dtype=np.int64)
+        self._planner = BatchPlanner(self._lists, self._rules, page_size, cp_size, base_policy, self.device)
 
     # -- questions ----------------------------------------------------------------------
     def lane_free_pages(self) -> list[int]:
@@ -273,61 +247,15 @@ class OwnerLaneAllocator:
         honour or a request that can never fit (``exceeds-capacity``), before
         anything changes.
         """
-        S, N = self.page_size, self.cp_size
         prefix, seq, last = self._lengths(prefix_lens_cpu, seq_lens_cpu, last_loc)
         has, last_page = self._rules.check_extend(prefix, seq, last)
         self._rules.check_capacity(prefix, seq, has, last_page)
-        ext = seq - prefix
-        total = int(ext.sum())
+        total = int((seq - prefix).sum())
         if extend_num_tokens is not None and int_scalar(extend_num_tokens, "extend_num_tokens") != total:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
-        first_new = -(-prefix // S)
-        n_new = -(-seq // S) - first_new
-        fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
-        base = plan.choose_lane_bases(fixed, has, first_new, n_new, self._lists.free, N, self.base_policy)
-        take = plan.lane_take(base, first_new, n_new, N)
-        if (deficit := self._lists.deficit(take.lane_counts)) is not None:
-            self.last_deficit = deficit
-            return None
-        # page level: the new pages, then every run of slots the extend writes;
-        # a partial prefix page (the prefix ends mid-page) is its request's first run
-        starts = _excl_cumsum(n_new)
-        iota = self._iota(max(total, int(n_new.sum()) + seq.size))
-        new_pages, owners = self._lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
-        written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
-        ends = starts + n_new - 1
-        grows = n_new > 0
-        written[ends[grows]] = (seq - (first_new + n_new - 1) * S)[grows]
-        partial = has & (prefix % S != 0) & (ext > 0)
-        if partial.any():  # a run into the partial page before each such request's new pages
-            lead = partial.astype(np.int64)
-            at = starts + np.cumsum(lead) - lead  # index of request r's first run
-            runs = np.empty(new_pages.size + int(lead.sum()), dtype=np.int64)
-            n = np.empty_like(runs)
-            mask = np.ones(runs.size, dtype=bool)
-            mask[at[partial]] = False
-            runs[mask], n[mask] = new_pages * S, written
-            runs[~mask] = last[partial] + 1
-            n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
-            out = _expand_runs(runs, n, total, iota, self.device)
-        else:
-            out = _expand_runs(new_pages * S, written, total, iota, self.device)
-        # commit: nothing below can fail
-        self._lists.take(new_pages, take.lane_counts, written)
-        if partial.any():
-            self._lists.write(last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S))
-
-        def host_plan():
-            return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
-                    "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
-                    "new_page_positions": np.repeat(first_new - starts, n_new) + iota[: new_pages.size]}
-
-        alloc = ExtendAllocation(out, S, N, host_plan)
-        self.last_allocation = alloc
-        return alloc
+        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page))
 
     def allocate_decode(self, seq_lens_cpu, last_loc) -> ExtendAllocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
@@ -337,64 +265,20 @@ class OwnerLaneAllocator:
         ``last_loc`` ends its page; then the request takes one page from lane
         ``(owner(last_loc) + 1) % N``. A fresh request (no ``last_loc``) takes
         a lane by the lane-base rule."""
-        S, N = self.page_size, self.cp_size
-        seq = int_vector(seq_lens_cpu, "seq_lens")
-        last = int_vector(last_loc, "last_loc")
-        if last.size != seq.size:
-            raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
-        shortest = int(seq.min()) if seq.size else 1
-        if shortest < 1:
-            r = int(np.flatnonzero(seq < 1)[0])
-            raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
-        prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
-        base = None
-        if (fast := self._rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
-            last_page, needs = fast
-            has = None
-            self._rules.check_capacity(prefix, seq, None, last_page)
-            idx = np.flatnonzero(needs)
-            lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
-        else:
-            has, last_page = self._rules.check_extend(prefix, seq, last)
-            self._rules.check_capacity(prefix, seq, has, last_page)
-            needs = prefix % S == 0  # the prefix ended its page, or there is none
-            idx = np.flatnonzero(needs)
-            lanes = (last_page[idx] + 1) % N
-            if not has.all():  # fresh requests: the lane-base rule for the whole batch
-                fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
-                base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), self._lists.free, N,
-                                              self.base_policy)
-                lanes = np.where(has[idx], lanes, base[idx])
-        counts = np.bincount(lanes, minlength=N)
-        if (deficit := self._lists.deficit(counts)) is not None:
-            self.last_deficit = deficit
+        seq, last = int_vector(seq_lens_cpu, "seq_lens"), int_vector(last_loc, "last_loc")
+        return self._commit(self._planner.decode(seq, last))
+
+    def _commit(self, batch: Batch | np.ndarray) -> ExtendAllocation | None:
+        """Apply a planned batch (nothing here can fail), or record a refusal."""
+        if isinstance(batch, np.ndarray):
+            self.last_deficit = batch
             return None
-        new_pages = self._lists.peek_unordered(lanes, counts, self._iota(lanes.size))
-        slots = last + 1
-        slots[idx] = new_pages * S
-        out = _device_tensor(slots, self.device)
-        # commit: nothing below can fail
-        self._lists.take(new_pages, counts, 1)
-        self._lists.write_one_more(last_page[~needs])
-
-        def host_plan():  # every request has a prefix unless ``base`` was chosen
-            b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
-            return {
-                "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
-                "extend_start_loc": np.arange(prefix.size), "lane_base": b,
-                "new_page_start": _excl_cumsum(needs.astype(np.int64)), "new_pages": new_pages,
-                "new_page_owners": lanes, "new_page_positions": prefix[idx] // S,
-            }
-
-        alloc = ExtendAllocation(out, S, N, host_plan)
+        self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill)
+        if batch.grown is not None:
+            self._lists.write(batch.grown, batch.grown_fill)
+        alloc = ExtendAllocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
         self.last_allocation = alloc
         return alloc
-
-    def _iota(self, n: int) -> np.ndarray:
-        """``np.arange(k)`` for some ``k >= n``, kept between calls (never written)."""
-        if self._iota_cache.size < n:
-            self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
-        return self._iota_cache
 
     def _lengths(self, prefix, seq, last) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host copies of a batch's prefix lengths, sequence lengths and last

@@ -65,7 +65,7 @@ class LaneFreeLists:
         self.stack = self._initial.copy()
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
         self.free = self.lane_pages.copy()
-        self.fill = np.zeros(num_pages + 1, dtype=np.int64)
+        self.fill = np.zeros(num_pages + 1, dtype=np.int32)  # a page holds at most S < 2**31 slots
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
 
     def clear(self) -> None:
@@ -141,10 +141,6 @@ class LaneFreeLists:
     def write(self, pages: np.ndarray, fill: np.ndarray) -> None:
         """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
         self.fill[pages] = fill
-
-    def write_one_more(self, pages: np.ndarray) -> None:
-        """One more slot of each of the distinct allocated ``pages`` is written."""
-        self.fill[pages] += 1
 
     def put(self, pages: np.ndarray) -> None:
         """Return distinct allocated ``pages`` to their lanes, in the order given
