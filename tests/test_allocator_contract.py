@@ -31,7 +31,7 @@ def test_a_failure_while_building_the_result_takes_no_page(monkeypatch):
     """Everything that can fail (the result on the device) runs before any page
     leaves the free lists: a failure there leaves the allocator as it was."""
     a = OwnerLaneAllocator(1024, 4, 4)
-    a.allocate_extend([0], [6], [NONE])
+    r = a.allocate_extend([0], [6], [NONE])
     before = a.snapshot()
 
     def boom(*args, **kwargs):
@@ -40,6 +40,8 @@ def test_a_failure_while_building_the_result_takes_no_page(monkeypatch):
     monkeypatch.setattr(batch_module, "_expand_runs", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         a.allocate_extend([0, 0], [5, 9], [NONE, NONE])
+    with pytest.raises(RuntimeError, match="device lost"):  # a continuation into its partial page
+        a.allocate_extend([6, 0], [11, 4], [int(r.out_cache_loc[-1]), NONE])
     assert a.snapshot() == before
     monkeypatch.setattr(batch_module, "_device_tensor", boom)
     monkeypatch.setattr(allocator_module, "_device_tensor", boom)
