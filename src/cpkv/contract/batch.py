@@ -94,11 +94,14 @@ class BatchPlanner:
         S, N, lists = self.S, self.N, self.lists
         ext = seq - prefix
         # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
-        first_new = -(-prefix // S)
-        n_new = -(-seq // S) - first_new
         fresh = not has.any()
-        fixed = np.zeros(seq.size, dtype=np.int64) if fresh else \
-            np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+        if fresh:
+            first_new = fixed = np.zeros(seq.size, dtype=np.int64)
+            n_new = -(-seq // S)
+        else:
+            first_new = -(-prefix // S)
+            n_new = -(-seq // S) - first_new
+            fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
         base = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy)
         take = plan.lane_take(base, first_new, n_new, N)
         if (deficit := lists.deficit(take.lane_counts)) is not None:
@@ -109,8 +112,12 @@ class BatchPlanner:
         iota = self._iota(max(total, int(n_new.sum()) + seq.size))
         new_pages, owners = lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
         written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
-        grows = n_new > 0
-        written[(starts + n_new - 1)[grows]] = (seq - (first_new + n_new - 1) * S)[grows]
+        last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
+        if (n_new > 0).all():
+            written[last_new] = tail
+        else:
+            grows = n_new > 0
+            written[last_new[grows]] = tail[grows]
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
         if partial is not None and partial.any():  # a run into the partial page before the request's new pages
             lead = partial.astype(np.int64)
