@@ -171,7 +171,7 @@ class OwnerLaneAllocator:
         if pending is None:
             raise RuntimeError("no free group is open")
         self._lists.pending = None
-        self._lists.put(np.flatnonzero(pending))
+        self._lists.put(pending.nonzero()[0])
 
     # -- page level -------------------------------------------------------------------------
     def alloc_pages_with_owners(self, owners, fill=None) -> torch.Tensor | None:
@@ -189,7 +189,7 @@ class OwnerLaneAllocator:
         owners = int_vector(owners, "owners")
         N, S = self.cp_size, self.page_size
         if owners.size and (owners.min() < 0 or owners.max() >= N):
-            bad = int(np.flatnonzero((owners < 0) | (owners >= N))[0])
+            bad = int(((owners < 0) | (owners >= N)).nonzero()[0][0])
             raise UnsupportedPagePlan("owner-out-of-range", f"owner {owners[bad]} not in [0, {N})", bad)
         if fill is None:
             fill = np.full(owners.size, S, dtype=np.int64)
@@ -198,7 +198,7 @@ class OwnerLaneAllocator:
             if fill.size != owners.size:
                 raise UnsupportedPagePlan("mismatched-lengths", f"{owners.size} owners but {fill.size} fill marks")
             if fill.size and (fill.min() < 1 or fill.max() > S):
-                bad = int(np.flatnonzero((fill < 1) | (fill > S))[0])
+                bad = int(((fill < 1) | (fill > S)).nonzero()[0][0])
                 raise UnsupportedPagePlan("fill-out-of-range", f"fill {fill[bad]} not in [1, {S}]", bad)
         counts = np.bincount(owners, minlength=N)
         if (deficit := self._lists.deficit(counts)) is not None:

@@ -26,7 +26,7 @@ from .rules import AllocationRules
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
-    return np.cumsum(x) - x
+    return x.cumsum() - x
 
 
 def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -43,9 +43,9 @@ def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray,
     without a copy; on another device the runs travel in one packed copy and
     the expansion runs there.
     """
-    at = np.cumsum(n) - n
+    at = n.cumsum() - n
     if device.type == "cpu":
-        out = np.repeat(first - at, n)
+        out = (first - at).repeat(n)
         out += iota[:total]
         return torch.from_numpy(out)
     off, n = _device_tensor(np.stack([first - at, n]), device)
@@ -122,7 +122,7 @@ class BatchPlanner:
         if partial is not None and partial.any():  # a run into the partial page before the request's new pages
             lead = partial.astype(np.int64)
             mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
-            mask[(starts + np.cumsum(lead) - lead)[partial]] = False  # where those runs go
+            mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
             runs, n = np.empty(mask.size, dtype=np.int64), np.empty(mask.size, dtype=np.int64)
             runs[mask], n[mask] = new_pages * S, written
             runs[~mask] = last[partial] + 1
@@ -136,7 +136,7 @@ class BatchPlanner:
         def host_plan():
             return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
-                    "new_page_positions": np.repeat(first_new - starts, n_new) + iota[: new_pages.size]}
+                    "new_page_positions": (first_new - starts).repeat(n_new) + iota[: new_pages.size]}
 
         return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan)
 
@@ -150,20 +150,20 @@ class BatchPlanner:
             raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
         shortest = int(seq.min()) if seq.size else 1
         if shortest < 1:
-            r = int(np.flatnonzero(seq < 1)[0])
+            r = int((seq < 1).nonzero()[0][0])
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
         prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
         base = None
         if (fast := self.rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
             last_page, needs = fast
             self.rules.check_capacity(prefix, seq, None, last_page)
-            idx = np.flatnonzero(needs)
+            idx = needs.nonzero()[0]
             lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         else:
             has, last_page = self.rules.check_extend(prefix, seq, last)
             self.rules.check_capacity(prefix, seq, has, last_page)
             needs = prefix % S == 0  # the prefix ended its page, or there is none
-            idx = np.flatnonzero(needs)
+            idx = needs.nonzero()[0]
             lanes = (last_page[idx] + 1) % N
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
                 fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)

@@ -33,7 +33,7 @@ def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return i // N
     order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
-    rank[order] = np.arange(lanes.size) - (np.cumsum(counts) - counts)[lanes[order]]
+    rank[order] = np.arange(lanes.size) - (counts.cumsum() - counts)[lanes[order]]
     return rank
 
 
@@ -95,7 +95,7 @@ class LaneFreeLists:
         ``arange`` at least ``lanes.size`` long)."""
         m = lanes.size
         order = np.argsort(lanes.astype(np.int16) if m > 256 and counts.size < 2**15 else lanes, kind="stable")
-        first = self._lane_top + self.free + np.cumsum(counts) - counts  # stack index of each lane's next page + its offset
+        first = self._lane_top + self.free + counts.cumsum() - counts  # stack index of each lane's next page + its offset
         pages = np.empty(m, dtype=np.int64)
         pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
         return pages
@@ -109,8 +109,8 @@ class LaneFreeLists:
         as the batch's pages). Returns ``(pages, lanes)`` in request order,
         one vectorised pass per quantity. Nothing changes."""
         N, n = self.cp_size, int(counts.sum())
-        j = iota[:n] - np.repeat(starts, counts)  # position of each page in its request
-        lanes = np.repeat(first_lane, counts) + j
+        j = iota[:n] - starts.repeat(counts)  # position of each page in its request
+        lanes = first_lane.repeat(counts) + j
         if N & (N - 1):
             lanes %= N
             turn = j // N
@@ -118,7 +118,7 @@ class LaneFreeLists:
             lanes &= N - 1
             turn = j >> (N.bit_length() - 1)
         top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
-        idx = top.ravel()[np.repeat(iota[: counts.size] * N, counts) + lanes] - turn
+        idx = top.ravel()[(iota[: counts.size] * N).repeat(counts) + lanes] - turn
         return self.stack.ravel()[idx], lanes
 
     def page_bitmap(self) -> np.ndarray:
@@ -129,7 +129,7 @@ class LaneFreeLists:
         """The whole state as a hashable value: free pages per lane in order,
         fill marks, pages pending in a free group (None when none is open)."""
         lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
-        pending = None if self.pending is None else tuple(np.flatnonzero(self.pending).tolist())
+        pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
         return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending
 
     # -- changes ----------------------------------------------------------------

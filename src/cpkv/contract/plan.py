@@ -61,7 +61,7 @@ def choose_lane_bases(
     if not rem.any():
         return np.where(has_prefix, fixed_bases, int(np.argmax(lane_free)))
     bases = fixed_bases.astype(np.int64, copy=True)
-    moves = np.flatnonzero(~has_prefix | (rem != 0))  # the others change nothing
+    moves = (~has_prefix | (rem != 0)).nonzero()[0]  # the others change nothing
     fresh = ~has_prefix[moves]
     k = rem[moves]
     start = (fixed_bases[moves] + first_positions[moves]) % N  # where a fixed request's remainder starts
@@ -91,12 +91,12 @@ def _sweep_bases(fresh: np.ndarray, k: np.ndarray, start: np.ndarray, lane_free:
     r0, at = 0, int((gap0 * N + lanes).min())
     for _ in range(MAX_PASSES):
         kf = np.where(fresh[r0:], k[r0:], 0)
-        guess = at + np.cumsum(kf) - kf
+        guess = at + kf.cumsum() - kf
         lane = np.where(fresh[r0:], guess % N, start[r0:])
         cov = (lanes[None, :] - lane[:, None]) % N < k[r0:, None]
-        before = covered + np.cumsum(cov, 0) - cov
+        before = covered + cov.cumsum(0) - cov
         exact = ((gap0 + before) * N + lanes).min(1)
-        wrong = np.flatnonzero(fresh[r0:] & (exact % N != lane))
+        wrong = (fresh[r0:] & (exact % N != lane)).nonzero()[0]
         if wrong.size == 0:
             pos[r0:] = guess
             return pos[fresh] % N
@@ -139,7 +139,7 @@ def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.n
     N = cp_size
     start = lane_of_position(lane_base, first_position, N)
     per_req = num_pages[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (num_pages % N)[:, None])
-    before = np.cumsum(per_req, 0)
+    before = per_req.cumsum(0)
     before -= per_req
     return LaneTake(start, before, before[-1] + per_req[-1] if per_req.size else per_req.sum(0))
 
@@ -167,8 +167,8 @@ def owner_plan(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.
     its lane in that request (see :func:`lane_take`)."""
     N, bs = cp_size, num_pages.size
     take = lane_take(lane_base, first_position, num_pages, N)
-    req = np.repeat(np.arange(bs), num_pages)
-    j = np.arange(req.size) - (np.cumsum(num_pages) - num_pages)[req]
+    req = (np.arange(bs)).repeat(num_pages)
+    j = np.arange(req.size) - (num_pages.cumsum() - num_pages)[req]
     q = first_position[req] + j
     owners = lane_of_position(take.first_lane[req], j, N)
     rank = take.before.ravel()[req * N + owners] + j // N

@@ -27,7 +27,7 @@ def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
 
 
 def _first(mask: np.ndarray) -> int | None:
-    return int(np.flatnonzero(mask)[0]) if mask.any() else None
+    return int(mask.nonzero()[0][0]) if mask.any() else None
 
 
 class AllocationRules:
@@ -133,7 +133,7 @@ class AllocationRules:
                 f"(that is {page[r] * S + fill[r] - 1}): its chain moved on or the page was reused",
                 r,
             )
-        cont = np.flatnonzero(has & (prefix % S != 0) & (seq > prefix))
+        cont = (has & (prefix % S != 0) & (seq > prefix)).nonzero()[0]
         _, first_use, counts = np.unique(page[cont], return_index=True, return_counts=True)
         dup = cont[np.isin(page[cont], page[cont][first_use[counts > 1]])]
         raise UnsupportedPagePlan(
@@ -156,7 +156,7 @@ class AllocationRules:
         chain = -(-seq // self.S)
         N, lane_pages = self.N, self.lists.lane_pages
         has = np.ones(seq.size, dtype=bool) if has is None else has
-        big = np.flatnonzero(chain > self._fits_any)
+        big = (chain > self._fits_any).nonzero()[0]
         fixed = has[big] | (self.base_policy == "lane0")
         base = np.where(has[big], lane_base_from_prefix(owner_of(page[big], N), prefix[big], self.S, N), 0)
         n = chain[big]

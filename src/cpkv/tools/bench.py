@@ -3,6 +3,7 @@ same run (the machine is noisy; timed tests are not used)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import deque
@@ -172,15 +173,25 @@ def bench_alloc(page: int = 64, cp: int = 8, pool_pages: int = 32768, tokens: in
     same allocator at cp 1, and the floor (``torch.arange`` of the output's
     length). Rows: extend of ``tokens`` tokens at each batch size and a ragged
     batch, decode at ``decode_bs`` (half the requests take a new page), and a
-    free of ``tokens`` slots by slots and by pages. Torch runs one thread for
-    the whole benchmark (every case alike): on a shared machine a second
-    intra-op thread that is not scheduled stalls a 2 MB op for milliseconds."""
-    threads = torch.get_num_threads()
+    free of ``tokens`` slots by slots and by pages.
+
+    Conditions, the same for every case: torch runs one thread (on a shared
+    machine a second intra-op thread that is not scheduled stalls a 2 MB op for
+    milliseconds); the garbage collector is off while timing, as ``timeit``
+    does; and one 8 MB buffer is taken and given back first, so the C
+    allocator serves 2 MB results from its heap as a long-running engine's
+    does, instead of mapping fresh pages for the first rows only."""
+    threads, collecting = torch.get_num_threads(), gc.isenabled()
     torch.set_num_threads(1)
+    np.ones(8 << 20, dtype=np.uint8).sum()  # taken, touched, given back
+    gc.collect()
+    gc.disable()
     try:
         return _bench_alloc(page, cp, pool_pages, tokens, batch_sizes, decode_bs, repeats)
     finally:
         torch.set_num_threads(threads)
+        if collecting:
+            gc.enable()
 
 
 def _bench_alloc(page, cp, pool_pages, tokens, batch_sizes, decode_bs, repeats) -> list[dict]:
