@@ -315,5 +315,7 @@ class OwnerLaneAllocator:
     @staticmethod
     def _device_copies(device_copy, host_copy, name: str) -> None:
         check_int_tensor(device_copy, name)
-        if len(device_copy) != len(host_copy):
+        check_int_tensor(host_copy, name)
+        size = (lambda x: x.shape[0] if isinstance(x, (torch.Tensor, np.ndarray)) else len(x))
+        if size(device_copy) != size(host_copy):
             raise UnsupportedPagePlan("mismatched-lengths", f"device and cpu copies of {name} differ in size")

@@ -34,17 +34,18 @@ def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)
 
 
-def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray, device) -> torch.Tensor:
+def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray, device: torch.device | None
+                 ) -> torch.Tensor:
     """Token-level slots of a batch on ``device``: run k is ``n[k]`` consecutive
     slots from ``first[k]``, the runs laid end to end (``total`` slots).
 
     One repeat of each run's offset and one add of ``iota`` (an ``arange`` at
-    least ``total`` long). On the CPU it is built in numpy and handed over
-    without a copy; on another device the runs travel in one packed copy and
-    the expansion runs there.
+    least ``total`` long). On the CPU (``device`` None) it is built in numpy
+    and handed over without a copy; on another device the runs travel in one
+    packed copy and the expansion runs there.
     """
     at = n.cumsum() - n
-    if device.type == "cpu":
+    if device is None:
         out = (first - at).repeat(n)
         out += iota[:total]
         return torch.from_numpy(out)
@@ -79,6 +80,7 @@ class BatchPlanner:
                  device: torch.device):
         self.lists, self.rules = lists, rules
         self.S, self.N, self.base_policy, self.device = page_size, cp_size, base_policy, device
+        self._expand_on = None if device.type == "cpu" else device  # None: build in numpy
         self._iota_cache = np.arange(0, dtype=np.int64)
 
     def _iota(self, n: int) -> np.ndarray:
@@ -127,10 +129,10 @@ class BatchPlanner:
             runs[mask], n[mask] = new_pages * S, written
             runs[~mask] = last[partial] + 1
             n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
-            out = _expand_runs(runs, n, total, iota, self.device)
+            out = _expand_runs(runs, n, total, iota, self._expand_on)
             grown, grown_fill = last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S)
         else:
-            out = _expand_runs(new_pages * S, written, total, iota, self.device)
+            out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
             grown = grown_fill = None
 
         def host_plan():
