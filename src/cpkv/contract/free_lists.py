@@ -29,8 +29,13 @@ def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
     is ``i // N``; otherwise one stable radix sort of the lane ids."""
     N, i = counts.size, np.arange(lanes.size)
-    if lanes.size and not ((lanes - lanes[0] - i) % N).any():
-        return i // N
+    if lanes.size:
+        apart = lanes - lanes[0] - i  # a multiple of N everywhere iff the lanes cycle
+        if N & (N - 1) == 0:  # a power of two: mask and shift
+            if not (apart & (N - 1)).any():
+                return i >> (N.bit_length() - 1)
+        elif not (apart % N).any():
+            return i // N
     order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
     rank[order] = np.arange(lanes.size) - (counts.cumsum() - counts)[lanes[order]]
