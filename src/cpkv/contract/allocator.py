@@ -1,11 +1,13 @@
 """W2: owner-lane paged allocator, with SGLang's paged-allocator surface.
 
-:class:`OwnerLaneAllocator` is what an engine calls. It is three parts:
+:class:`OwnerLaneAllocator` is what an engine calls. Its parts:
 :class:`~cpkv.contract.free_lists.LaneFreeLists` holds the state (one free
 list per owner lane, a fill mark per page) and is the only code that changes
 it; :class:`~cpkv.contract.rules.AllocationRules` answers whether a call may
-go ahead; this module plans, builds the result, then commits. Invariants, held
-after every call:
+go ahead; :class:`~cpkv.contract.batch.BatchPlanner` plans an extend or decode
+batch and builds its result without changing anything; this class checks the
+inputs, commits the plan and speaks SGLang's surface. Invariants, held after
+every call:
 
 * every usable page is either on exactly one free list (its own lane's) or
   allocated, never both; per lane, free + allocated == the lane's pages;
