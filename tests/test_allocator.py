@@ -205,8 +205,21 @@ def test_identical_allocators_agree_to_the_byte():
     g = torch.Generator().manual_seed(3)
     allocs = [OwnerLaneAllocator(4096, 16, 4) for _ in range(4)]
     lens = torch.randint(1, 200, (12,), generator=g)
-    results = [a.allocate_extend(torch.zeros(12), lens, torch.full((12,), NONE)) for a in allocs]
+    results = [a.allocate_extend(torch.zeros(12, dtype=torch.int64), lens, torch.full((12,), NONE)) for a in allocs]
     for r in results[1:]:
         for name in ("out_cache_loc", "lane_base", "new_pages", "new_page_owners", "extend_start_loc"):
             assert torch.equal(getattr(r, name), getattr(results[0], name))
     assert len({a.snapshot() for a in allocs}) == 1
+
+
+def test_empty_requests_take_nothing():
+    """A request with nothing new (seq_len == prefix_len, 0 for a fresh one)
+    takes no page and leaves its neighbours' fill marks alone."""
+    a = OwnerLaneAllocator(256, 4, 2)
+    r = a.allocate_extend([0, 0, 0], [5, 0, 3], [NONE] * 3)
+    assert r.extend_lens.tolist() == [5, 0, 3] and r.out_cache_loc.numel() == 8
+    pages = r.new_pages.tolist()
+    assert len(pages) == 3 and a.page_fill(pages).tolist() == [4, 1, 3]
+    last = int(r.out_cache_loc[4])
+    r2 = a.allocate_extend([5, 0], [5, 2], [last, NONE])
+    assert r2.extend_lens.tolist() == [0, 2] and a.page_fill([last // 4]).tolist() == [1]

@@ -33,9 +33,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a = OwnerLaneAllocator(lane_pages * cp * S, S, cp)
 
     # -- helpers ---------------------------------------------------------------
+    def _never_fits(self, ids, seq):
+        """Whether some request's whole chain exceeds the cache, or (lane base
+        fixed by its prefix) one lane of it."""
+        for rid, n in zip(ids, seq):
+            chain = -(-n // self.S)
+            if rid not in self.reqs:
+                if chain > self.a.num_pages:
+                    return True
+                continue
+            need = np.bincount((self.reqs[rid]["base"] + np.arange(chain)) % self.N, minlength=self.N)
+            if (need > self.a.lane_pages).any():
+                return True
+        return False
+
     def _apply(self, ids, prefix, seq, last, call):
         before = self.a.snapshot()
-        res = call()
+        try:
+            res = call()
+        except UnsupportedPagePlan as e:
+            assert e.rule == "exceeds-capacity", e
+            event("refused: can never fit")
+            assert self._never_fits(ids, seq), "refused a batch that could fit"
+            assert self.a.snapshot() == before, "a refused call changed the state"
+            return
+        assert not self._never_fits(ids, seq), "a request that can never fit was not refused"
         if res is None:
             event("refused: a lane was short")
             self.refusals += 1

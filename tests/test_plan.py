@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan, split_interleave
+from cpkv.contract import plan
 from cpkv.contract.plan import choose_lane_bases, owner_plan
 
 
@@ -95,3 +96,61 @@ def test_owner_plan_matches_its_definition(N, reqs):
             seen[lane] += 1
     assert op.owners.tolist() == owners
     assert op.lane_counts.tolist() == seen
+
+
+def sequential_lane_bases(fixed, has, first, n, free, N):
+    """The least-full rule one request at a time (the definition, as first written)."""
+    rel, bases = list(free), list(fixed)
+    for r in range(len(n)):
+        if not has[r]:
+            bases[r] = rel.index(max(rel))
+        start = (bases[r] + first[r]) % N
+        for j in range(n[r]):
+            rel[(start + j) % N] -= 1
+    return bases
+
+
+@st.composite
+def lane_batches(draw):
+    N = draw(st.sampled_from([2, 3, 4, 8]))
+    even = draw(st.booleans())  # counts as a cleared allocator leaves them, or disturbed ones
+    free = [100] * N if even else draw(st.lists(st.integers(90, 100), min_size=N, max_size=N))
+    reqs = draw(st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 3), st.integers(0, 20)),
+                         min_size=1, max_size=40))
+    has = np.array([h for h, *_ in reqs])
+    fixed = np.array([b % N if h else 0 for h, b, _, _ in reqs])
+    first = np.array([f if h else 0 for h, _, f, _ in reqs])
+    n = np.array([k for *_, k in reqs])
+    return N, np.array(free), has, fixed, first, n
+
+
+@given(lane_batches())
+def test_lane_bases_equal_the_sequential_rule(case):
+    """The vectorised choice (checked sweep) gives exactly the bases of the
+    request-by-request rule, from even and from disturbed lane counts, with
+    fixed-base requests interleaved. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    N, free, has, fixed, first, n = case
+    want = sequential_lane_bases(fixed, has, first, n, free, N)
+    default = plan.MAX_PASSES
+    try:  # every mix of vectorised passes and the sequential step gives the same bases
+        for passes in (default, 1, 0):
+            plan.MAX_PASSES = passes
+            assert choose_lane_bases(fixed, has, first, n, free, N).tolist() == want, passes
+    finally:
+        plan.MAX_PASSES = default
+
+
+@given(N=st.sampled_from([2, 3, 4, 8]), S=st.sampled_from([1, 4]), extra=st.integers(0, 7),
+       batches=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=30), min_size=1, max_size=4))
+def test_fresh_batches_keep_lanes_within_one_page(N, S, extra, batches):
+    """From a cleared allocator, batch after batch of fresh requests leaves the
+    free counts of any two lanes at most one page apart (the balance the
+    least-full rule promises). [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    pages = 64 * N + extra % N
+    a = OwnerLaneAllocator(pages * S, S, N)
+    for lens in batches:
+        r = a.allocate_extend([0] * len(lens), [x * S for x in lens], [-1] * len(lens))
+        if r is None:
+            break
+        free = np.array(a.lane_free_pages())
+        assert free.max() - free.min() <= 1

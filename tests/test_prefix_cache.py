@@ -10,7 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cpkv import OwnerLaneAllocator
+from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 
 
@@ -35,7 +35,11 @@ class Engine:
             self.kv[d] = self.kv[s]  # the copy the engine makes, inside one lane
         for j in range(m.length):
             assert self.kv[int(m.slots[j])] == (tokens[j], j), "a cached slot holds the wrong KV"
-        r = self.cache.allocate_extend([m.length], [len(tokens)], torch.tensor([m.last_loc]))
+        try:
+            r = self.cache.allocate_extend([m.length], [len(tokens)], torch.tensor([m.last_loc]))
+        except UnsupportedPagePlan as e:  # "never": the request is longer than the cache could ever hold
+            assert e.rule == "exceeds-capacity", e
+            r = None
         if r is None:
             self.cache.release(m)
             return None
@@ -366,8 +370,12 @@ def test_refused_allocation_evicts_then_reports_the_deficit():
     e.finish(0)  # 4 cached pages, 2 free
     assert e.start(1, (7, 7, 7, 7, 7)) is not None  # needs 5 pages: evicts the cached chain
     assert e.cache.evicted_pages >= 3
-    assert e.start(2, (8, 8, 8, 8, 8, 8, 8)) is None  # cannot fit while request 1 lives
+    assert e.start(2, (8, 8)) is None  # 2 pages: cannot fit while request 1 lives ("not now")
     assert e.cache.last_deficit is not None and e.cache.last_deficit.sum() > 0
+    before = e.alloc.snapshot()
+    with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):  # 7 pages of 6: "never"
+        e.cache.allocate_extend([0], [7], torch.tensor([-1]))
+    assert e.alloc.snapshot() == before
     e.abort(1)
     e.cache.clear()
     assert e.alloc.lane_free_pages() == e.alloc.lane_pages.tolist()

@@ -536,10 +536,10 @@ class PrefixCache:
 
     def _take_copy_page(self, lane: int, fill: int) -> torch.Tensor | None:
         """One page in ``lane`` that will hold ``fill`` copied tokens (``None``:
-        the lane is short). The only page the cache itself allocates. Once the
-        allocator marks how far each page is written, pass ``fill=[fill]`` here,
-        so that the continuation from ``page * S + fill - 1`` is accepted."""
-        return self.alloc.alloc_pages_with_owners([lane])
+        the lane is short). The only page the cache itself allocates; its fill
+        mark says ``fill`` slots are written, so the continuation from
+        ``page * S + fill - 1`` is the page's last written slot."""
+        return self.alloc.alloc_pages_with_owners([lane], fill=[fill])
 
     # -- allocation with eviction -----------------------------------------------------------
     def _with_eviction(self, call: Callable):

@@ -1,8 +1,8 @@
 """Errors raised by cpkv.
 
-Both are loud on purpose: cpkv never falls back to an owner-oblivious path
+All are loud on purpose: cpkv never falls back to an owner-oblivious path
 ([[RFC-0001:C-FAIL-FAST]]) and never drops a write it cannot honour
-([[RFC-0001:C-DIRECT-WRITE]]).
+([[RFC-0001:C-DIRECT-WRITE]]). A refusal changes nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,16 @@ class UnsupportedPagePlan(ValueError):
         self.request = request
         where = "batch" if request is None else f"request {request}"
         super().__init__(f"[{rule}] {where}: {message}")
+
+
+class InvalidFree(ValueError):
+    """A free the allocator refuses: a slot or page outside the usable pages
+    (``rule == "free-out-of-range"``) or a page that is not allocated, or is
+    already freed in the open free group (``"double-free"``). Nothing is freed."""
+
+    def __init__(self, rule: str, message: str):
+        self.rule = rule
+        super().__init__(f"[{rule}] free: {message}")
 
 
 class ContractViolation(RuntimeError):

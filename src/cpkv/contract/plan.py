@@ -36,11 +36,19 @@ def choose_lane_bases(
     fills lanes evenly ([[RFC-0001:C-REQUEST-RELATIVE]]); under ``lane0`` it
     takes lane 0 (the comparison baseline).
 
-    A request of ``n`` pages takes ``n // N`` pages of every lane (which moves
-    no argmax) plus one of each of ``n % N`` consecutive lanes, so only those
-    remainders are tracked, one Python step per request. When no request of
-    the batch leaves a remainder the counts never move and every chosen base
-    is the same argmax, computed once.
+    The rule is sequential; it is computed without a step per request. A
+    request of ``n`` pages takes ``n // N`` pages of every lane (which moves no
+    argmax) plus one of each of ``k = n % N`` consecutive lanes, so only those
+    remainders matter. Lay the chosen requests' remainders end to end on an
+    unrolled line of lanes (position ``x`` is lane ``x % N`` in sweep
+    ``x // N``): a fresh request starts at the lowest lane of most free pages,
+    which is where the previous fresh request's run ended whenever the counts
+    are as even as a sweep leaves them (always from a cleared allocator). So
+    every start is guessed as the previous run's end and all guesses are
+    checked at once against the exact rule (one cumulative count over the
+    batch); the first wrong guess is corrected and the rest re-checked. Each
+    correction is one vectorised pass; after :data:`MAX_PASSES` of them the
+    remaining requests (if any) take the plain sequential step.
     """
     if policy not in BASE_POLICIES:
         raise ValueError(f"unknown lane-base policy {policy!r}; choose from {BASE_POLICIES}")
@@ -52,22 +60,88 @@ def choose_lane_bases(
     rem = new_pages % N
     if not rem.any():
         return np.where(has_prefix, fixed_bases, int(np.argmax(lane_free)))
-    rel = lane_free.tolist()
-    best = None
-    bases = fixed_bases.tolist()
-    moves = np.flatnonzero(~has_prefix | (rem != 0))  # the others change nothing
-    for r, pre, f, k in zip(moves.tolist(), has_prefix[moves].tolist(), first_positions[moves].tolist(),
-                            rem[moves].tolist()):
-        if not pre:
-            if best is None:
-                best = rel.index(max(rel))
-            bases[r] = best
-        if k:
-            start = bases[r] + f
-            for j in range(k):
-                rel[lane_of_position(start, j, N)] -= 1
-            best = None
-    return np.asarray(bases, dtype=np.int64)
+    bases = fixed_bases.astype(np.int64, copy=True)
+    moves = (~has_prefix | (rem != 0)).nonzero()[0]  # the others change nothing
+    fresh = ~has_prefix[moves]
+    k = rem[moves]
+    start = (fixed_bases[moves] + first_positions[moves]) % N  # where a fixed request's remainder starts
+    chosen = _sweep_bases(fresh, k, start, np.asarray(lane_free, dtype=np.int64), N)
+    bases[moves[fresh]] = chosen
+    return bases
+
+
+MAX_PASSES = 4
+
+
+def _sweep_bases(fresh: np.ndarray, k: np.ndarray, start: np.ndarray, lane_free: np.ndarray, N: int) -> np.ndarray:
+    """Bases of the fresh entries (see :func:`choose_lane_bases`); ``start`` and
+    ``k`` are every entry's first remainder lane (fixed entries) and remainder.
+
+    With ``gap[l] = max(lane_free) - lane_free[l]`` the exact rule puts fresh
+    request r in lane ``min_l(gap_l(r) * N + l) % N`` (the lowest lane of the
+    fewest pages taken), where ``gap(r)`` adds the remainder pages of the
+    requests before r. Only the lane of a guess is checked: the guesses that
+    follow depend on it alone.
+    """
+    m = k.size
+    lanes = np.arange(N)
+    gap0 = lane_free.max() - lane_free
+    covered = np.zeros(N, dtype=np.int64)  # remainder pages taken before entry r0
+    pos = np.zeros(m, dtype=np.int64)  # unrolled start of each fresh entry
+    r0, at = 0, int((gap0 * N + lanes).min())
+    for _ in range(MAX_PASSES):
+        kf = np.where(fresh[r0:], k[r0:], 0)
+        guess = at + kf.cumsum() - kf
+        lane = np.where(fresh[r0:], guess % N, start[r0:])
+        cov = (lanes[None, :] - lane[:, None]) % N < k[r0:, None]
+        before = covered + cov.cumsum(0) - cov
+        exact = ((gap0 + before) * N + lanes).min(1)
+        wrong = (fresh[r0:] & (exact % N != lane)).nonzero()[0]
+        if wrong.size == 0:
+            pos[r0:] = guess
+            return pos[fresh] % N
+        w = int(wrong[0])
+        pos[r0 : r0 + w] = guess[:w]
+        covered = before[w]
+        r0, at = r0 + w, int(exact[w])
+    # the plain sequential rule for what is left (rare: counts far from even)
+    rel = (lane_free - covered).tolist()
+    for r in range(r0, m):
+        if fresh[r]:
+            s = rel.index(max(rel))
+            pos[r] = s
+        else:
+            s = int(start[r])
+        for j in range(int(k[r])):
+            rel[(s + j) % N] -= 1
+    return pos[fresh] % N
+
+
+@dataclass(frozen=True)
+class LaneTake:
+    """How many pages a batch takes from each lane, request by request.
+
+    ``first_lane[r]`` is the lane of request r's first new page (its pages
+    cycle from there), ``before[r, l]`` how many pages of lane l the requests
+    before r take, ``lane_counts[l]`` the batch total. ``O(bs * N)``: nothing
+    per page.
+    """
+
+    first_lane: np.ndarray
+    before: np.ndarray
+    lane_counts: np.ndarray
+
+
+def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> LaneTake:
+    """Per-lane page counts of a batch from the cyclic structure: a request of
+    n pages starting at lane s takes ``n // N`` pages of every lane plus one of
+    each of the ``n % N`` lanes from s on ([[RFC-0001:C-OWNER-LANE]])."""
+    N = cp_size
+    start = lane_of_position(lane_base, first_position, N)
+    per_req = num_pages[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (num_pages % N)[:, None])
+    before = per_req.cumsum(0)
+    before -= per_req
+    return LaneTake(start, before, before[-1] + per_req[-1] if per_req.size else per_req.sum(0))
 
 
 @dataclass(frozen=True)
@@ -89,24 +163,16 @@ class OwnerPlan:
 def owner_plan(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> OwnerPlan:
     """Owner plan of a batch: request r gets ``num_pages[r]`` pages at positions
     ``first_position[r] + j``, owned by ``(lane_base[r] + q) % N``
-    ([[RFC-0001:C-OWNER-LANE]]).
-
-    Lane counts come from the cyclic structure: a request of n pages starting
-    at lane s takes ``n // N`` pages of every lane plus one of each of the
-    ``n % N`` lanes from s on; its page j is the ``j // N``-th of its lane.
-    """
+    ([[RFC-0001:C-OWNER-LANE]]). Page j of a request is the ``j // N``-th of
+    its lane in that request (see :func:`lane_take`)."""
     N, bs = cp_size, num_pages.size
-    req = np.repeat(np.arange(bs), num_pages)
-    j = np.arange(req.size) - (np.cumsum(num_pages) - num_pages)[req]
+    take = lane_take(lane_base, first_position, num_pages, N)
+    req = (np.arange(bs)).repeat(num_pages)
+    j = np.arange(req.size) - (num_pages.cumsum() - num_pages)[req]
     q = first_position[req] + j
-    owners = lane_of_position(lane_base[req], q, N)
-    act = np.flatnonzero(num_pages)  # only requests that get pages count
-    n = num_pages[act]
-    start = lane_of_position(lane_base[act], first_position[act], N)
-    per_req = n[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (n % N)[:, None])
-    before = np.cumsum(per_req, 0) - per_req
-    rank = before.ravel()[np.repeat(np.arange(act.size), n) * N + owners] + j // N
-    return OwnerPlan(owners, q, req, rank, per_req.sum(0))
+    owners = lane_of_position(take.first_lane[req], j, N)
+    rank = take.before.ravel()[req * N + owners] + j // N
+    return OwnerPlan(owners, q, req, rank, take.lane_counts)
 
 
 @dataclass(frozen=True)

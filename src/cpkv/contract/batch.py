@@ -1,0 +1,192 @@
+"""Planning one extend or decode batch against the allocator state, without
+changing it: lane bases, the pages each lane hands out, the slots
+(``out_cache_loc``, already on the device) and the fill marks to set.
+
+:class:`BatchPlanner` answers; the allocator then commits the :class:`Batch`
+in steps that cannot fail, so every fallible step (checks, the device copy)
+runs before a page moves ([[RFC-0001:C-FAIL-FAST]]). Nothing loops per
+request, page or token: the pages of a request cycle through consecutive
+lanes, so a batch's pages come from per-lane counts and a few vectorised
+passes ([[RFC-0001:C-OWNER-LANE]]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import plan
+from .errors import UnsupportedPagePlan
+from .free_lists import LaneFreeLists
+from .layout import lane_base_from_prefix, owner_of
+from .rules import AllocationRules
+
+
+def _excl_cumsum(x: np.ndarray) -> np.ndarray:
+    return x.cumsum() - x
+
+
+def _device_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (no copy on the CPU)."""
+    return torch.from_numpy(a).to(device)
+
+
+def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray, device: torch.device | None
+                 ) -> torch.Tensor:
+    """Token-level slots of a batch on ``device``: run k is ``n[k]`` consecutive
+    slots from ``first[k]``, the runs laid end to end (``total`` slots).
+
+    One repeat of each run's offset and one add of ``iota`` (an ``arange`` at
+    least ``total`` long). On the CPU (``device`` None) it is built in numpy
+    and handed over without a copy; on another device the runs travel in one
+    packed copy and the expansion runs there.
+    """
+    at = n.cumsum() - n
+    if device is None:
+        out = (first - at).repeat(n)
+        out += iota[:total]
+        return torch.from_numpy(out)
+    off, n = _device_tensor(np.stack([first - at, n]), device)
+    return torch.repeat_interleave(off, n, output_size=total) + torch.arange(total, device=device)
+
+
+@dataclass
+class Batch:
+    """What one allocation will do, computed before anything changes.
+
+    ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
+    ``new_fill`` (an array, or one value for all); ``grown`` are allocated
+    partial pages the batch writes further, their new marks ``grown_fill``;
+    ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
+    plan fields of :class:`~cpkv.contract.allocation.ExtendAllocation`.
+    """
+
+    out: torch.Tensor
+    new_pages: np.ndarray
+    lane_counts: np.ndarray
+    new_fill: np.ndarray | int
+    grown: np.ndarray | None
+    grown_fill: np.ndarray | None
+    host_plan: Callable[[], dict[str, np.ndarray]]
+
+
+class BatchPlanner:
+    """Plans extend and decode batches over ``lists`` (read only)."""
+
+    def __init__(self, lists: LaneFreeLists, rules: AllocationRules, page_size: int, cp_size: int, base_policy: str,
+                 device: torch.device):
+        self.lists, self.rules = lists, rules
+        self.S, self.N, self.base_policy, self.device = page_size, cp_size, base_policy, device
+        self._expand_on = None if device.type == "cpu" else device  # None: build in numpy
+        self._iota_cache = np.arange(0, dtype=np.int64)
+
+    def _iota(self, n: int) -> np.ndarray:
+        """``np.arange(k)`` for some ``k >= n``, kept between calls (never written)."""
+        if self._iota_cache.size < n:
+            self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
+        return self._iota_cache
+
+    def extend(self, prefix, seq, last, total: int, has, last_page) -> Batch | np.ndarray:
+        """An extend batch that passed :meth:`AllocationRules.check_extend` and
+        ``check_capacity`` (``total`` new tokens): the :class:`Batch`, or the
+        per-lane deficit when some lane lacks pages."""
+        S, N, lists = self.S, self.N, self.lists
+        ext = seq - prefix
+        # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
+        fresh = not has.any()
+        if fresh:
+            first_new = fixed = np.zeros(seq.size, dtype=np.int64)
+            n_new = -(-seq // S)
+        else:
+            first_new = -(-prefix // S)
+            n_new = -(-seq // S) - first_new
+            fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+        base = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy)
+        take = plan.lane_take(base, first_new, n_new, N)
+        if (deficit := lists.deficit(take.lane_counts)) is not None:
+            return deficit
+        # page level: the new pages, then every run of slots the extend writes;
+        # a partial prefix page (the prefix ends mid-page) is its request's first run
+        starts = _excl_cumsum(n_new)
+        iota = self._iota(max(total, int(n_new.sum()) + seq.size))
+        new_pages, owners = lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
+        written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
+        last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
+        if (n_new > 0).all():
+            written[last_new] = tail
+        else:
+            grows = n_new > 0
+            written[last_new[grows]] = tail[grows]
+        partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
+        if partial is not None and partial.any():  # a run into the partial page before the request's new pages
+            lead = partial.astype(np.int64)
+            mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
+            mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
+            runs, n = np.empty(mask.size, dtype=np.int64), np.empty(mask.size, dtype=np.int64)
+            runs[mask], n[mask] = new_pages * S, written
+            runs[~mask] = last[partial] + 1
+            n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
+            out = _expand_runs(runs, n, total, iota, self._expand_on)
+            grown, grown_fill = last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S)
+        else:
+            out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
+            grown = grown_fill = None
+
+        def host_plan():
+            return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
+                    "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
+                    "new_page_positions": (first_new - starts).repeat(n_new) + iota[: new_pages.size]}
+
+        return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan)
+
+    def decode(self, seq: np.ndarray, last: np.ndarray) -> Batch | np.ndarray:
+        """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
+        previous token's slot, padding for none), checked here: the
+        :class:`Batch`, or the per-lane deficit. Raises as an extend with
+        ``prefix = seq - 1`` would, plus ``empty-decode`` for ``seq < 1``."""
+        S, N, lists = self.S, self.N, self.lists
+        if last.size != seq.size:
+            raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
+        shortest = int(seq.min()) if seq.size else 1
+        if shortest < 1:
+            r = int((seq < 1).nonzero()[0][0])
+            raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
+        prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
+        base = None
+        if (fast := self.rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
+            last_page, needs = fast
+            self.rules.check_capacity(prefix, seq, None, last_page)
+            idx = needs.nonzero()[0]
+            lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
+        else:
+            has, last_page = self.rules.check_extend(prefix, seq, last)
+            self.rules.check_capacity(prefix, seq, has, last_page)
+            needs = prefix % S == 0  # the prefix ended its page, or there is none
+            idx = needs.nonzero()[0]
+            lanes = (last_page[idx] + 1) % N
+            if not has.all():  # fresh requests: the lane-base rule for the whole batch
+                fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+                base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free, N,
+                                              self.base_policy)
+                lanes = np.where(has[idx], lanes, base[idx])
+        counts = np.bincount(lanes, minlength=N)
+        if (deficit := lists.deficit(counts)) is not None:
+            return deficit
+        new_pages = lists.peek_unordered(lanes, counts, self._iota(lanes.size))
+        slots = last + 1
+        slots[idx] = new_pages * S
+        grown = last_page[~needs]
+
+        def host_plan():  # every request has a prefix unless ``base`` was chosen
+            b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
+            return {
+                "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
+                "extend_start_loc": np.arange(prefix.size), "lane_base": b,
+                "new_page_start": _excl_cumsum(needs.astype(np.int64)), "new_pages": new_pages,
+                "new_page_owners": lanes, "new_page_positions": prefix[idx] // S,
+            }
+
+        return Batch(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan)

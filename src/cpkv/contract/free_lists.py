@@ -1,0 +1,165 @@
+"""The state of an owner-lane allocator, and the only code that changes it.
+
+Logical pages ``1 .. num_pages`` (page 0 is reserved for padding); page ``p``
+belongs to lane ``p % N``. State:
+
+* ``stack[l, :free[l]]``: lane l's free pages, the next one to hand out last;
+* ``fill[p]``: how many slots of page p are written (handed out), ``0`` when
+  the page is free. A page is allocated iff ``fill[p] > 0``; a chain may only
+  continue from the last written slot of its page, ``p*S + fill[p] - 1``;
+* ``pending``: pages freed inside an open free group, still allocated until
+  the group ends.
+
+Invariants (checked by the tests after every call): every usable page is on
+exactly one free list, its own lane's, or has ``fill > 0``, never both; per
+lane, free + allocated == the lane's pages; ``pending`` pages are allocated.
+Callers validate first and change state last, through :meth:`take` and
+:meth:`put`, which cannot fail on validated input ([[RFC-0001:C-FAIL-FAST]]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each entry, how many earlier entries share its lane. When the lanes
+    cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
+    is ``i // N``; otherwise one stable radix sort of the lane ids."""
+    N, i = counts.size, np.arange(lanes.size)
+    if lanes.size:
+        apart = lanes - lanes[0] - i  # a multiple of N everywhere iff the lanes cycle
+        if N & (N - 1) == 0:  # a power of two: mask and shift
+            if not (apart & (N - 1)).any():
+                return i >> (N.bit_length() - 1)
+        elif not (apart % N).any():
+            return i // N
+    order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
+    rank = np.empty(lanes.size, dtype=np.int64)
+    rank[order] = np.arange(lanes.size) - (counts.cumsum() - counts)[lanes[order]]
+    return rank
+
+
+@dataclass(frozen=True, eq=False)
+class AllocatorState:
+    """A copy of an allocator's state from :meth:`OwnerLaneAllocator.backup_state`,
+    tagged with the shape of the allocator it came from."""
+
+    size: int
+    page_size: int
+    cp_size: int
+    free: np.ndarray
+    stack: np.ndarray
+    fill: np.ndarray
+
+
+class LaneFreeLists:
+    """Per-lane free lists of pages, fill marks, and the free-group buffer."""
+
+    def __init__(self, num_pages: int, cp_size: int):
+        self.num_pages, self.cp_size = num_pages, cp_size
+        self.lane_pages = np.bincount(np.arange(1, num_pages + 1) % cp_size, minlength=cp_size)
+        self.cap = int(self.lane_pages.max())
+        # every lane's pages, next one to hand out last; clear() copies it in place
+        self._initial = np.zeros((cp_size, self.cap), dtype=np.int64)
+        for lane in range(cp_size):  # once per lane, at set-up only
+            pages = np.arange(lane if lane else cp_size, num_pages + 1, cp_size)
+            self._initial[lane, : pages.size] = pages[::-1]
+        self.stack = self._initial.copy()
+        self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
+        self.free = self.lane_pages.copy()
+        self.fill = np.zeros(num_pages + 1, dtype=np.int32)  # a page holds at most S < 2**31 slots
+        self.pending: np.ndarray | None = None  # a bitmap while a free group is open
+
+    def clear(self) -> None:
+        """Every page free, on its lane's list, lowest page handed out first
+        (in place: the arrays stay where they are)."""
+        self.stack[...] = self._initial
+        self.free[...] = self.lane_pages
+        self.fill[...] = 0
+        self.pending = None
+
+    # -- questions --------------------------------------------------------------
+    def deficit(self, counts: np.ndarray) -> np.ndarray | None:
+        """Pages each lane lacks to hand out ``counts[l]`` pages, or None if none lacks."""
+        short = counts > self.free
+        return np.where(short, counts - self.free, 0) if short.any() else None
+
+    def peek(self, lanes: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        """The pages :meth:`take` would hand out: entry i is the ``rank[i]``-th
+        next page of lane ``lanes[i]``. Nothing changes."""
+        return self.stack.ravel()[lanes * self.cap + self.free[lanes] - 1 - rank]
+
+    def peek_unordered(self, lanes: np.ndarray, counts: np.ndarray, iota: np.ndarray) -> np.ndarray:
+        """:meth:`peek` with ranks by order of appearance (entry i is the next
+        page of its lane after those of the earlier entries of that lane), for
+        lanes in no particular order: one stable sort of the lane ids, the
+        pages read lane by lane, put back in entry order (``iota`` an
+        ``arange`` at least ``lanes.size`` long)."""
+        m = lanes.size
+        order = np.argsort(lanes.astype(np.int16) if m > 256 and counts.size < 2**15 else lanes, kind="stable")
+        first = self._lane_top + self.free + counts.cumsum() - counts  # stack index of each lane's next page + its offset
+        pages = np.empty(m, dtype=np.int64)
+        pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
+        return pages
+
+    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                    iota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`peek` for whole chains: request r takes ``counts[r]`` pages
+        cycling from lane ``first_lane[r]``, after the ``before[r, l]`` pages
+        of lane l that earlier requests take (``starts`` is the exclusive
+        cumulative sum of ``counts``, ``iota`` an ``arange`` at least as long
+        as the batch's pages). Returns ``(pages, lanes)`` in request order,
+        one vectorised pass per quantity. Nothing changes."""
+        N, n = self.cp_size, int(counts.sum())
+        j = iota[:n] - starts.repeat(counts)  # position of each page in its request
+        lanes = first_lane.repeat(counts) + j
+        if N & (N - 1):
+            lanes %= N
+            turn = j // N
+        else:  # a power of two: mask and shift
+            lanes &= N - 1
+            turn = j >> (N.bit_length() - 1)
+        top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
+        idx = top.ravel()[(iota[: counts.size] * N).repeat(counts) + lanes] - turn
+        return self.stack.ravel()[idx], lanes
+
+    def page_bitmap(self) -> np.ndarray:
+        """An empty bitmap over pages ``0 .. num_pages``."""
+        return np.zeros(self.num_pages + 1, dtype=bool)
+
+    def snapshot(self) -> tuple:
+        """The whole state as a hashable value: free pages per lane in order,
+        fill marks, pages pending in a free group (None when none is open)."""
+        lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
+        pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending
+
+    # -- changes ----------------------------------------------------------------
+    def take(self, pages: np.ndarray, counts: np.ndarray, fill: np.ndarray) -> None:
+        """Hand out ``pages`` (from :meth:`peek`, ``counts`` per lane) with fill marks ``fill``."""
+        self.free -= counts
+        self.fill[pages] = fill
+
+    def write(self, pages: np.ndarray, fill: np.ndarray) -> None:
+        """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
+        self.fill[pages] = fill
+
+    def put(self, pages: np.ndarray) -> None:
+        """Return distinct allocated ``pages`` to their lanes, in the order given
+        (the last one of a lane is handed out next)."""
+        lanes = pages % self.cp_size
+        counts = np.bincount(lanes, minlength=self.cp_size)
+        self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
+        self.free += counts
+        self.fill[pages] = 0
+
+    def copy_out(self, size: int, page_size: int) -> AllocatorState:
+        """A copy of the state (the free-group buffer is not part of it)."""
+        return AllocatorState(size, page_size, self.cp_size, self.free.copy(), self.stack.copy(), self.fill.copy())
+
+    def copy_in(self, state: AllocatorState) -> None:
+        """Put a copy of ``state`` back (the caller checked it fits)."""
+        self.free[...], self.stack[...], self.fill[...] = state.free, state.stack, state.fill

@@ -1,0 +1,246 @@
+"""The fail-fast rules of allocation, checked against the allocator state
+without changing it ([[RFC-0001:C-FAIL-FAST]]).
+
+:class:`AllocationRules` answers "may this call go ahead?" for extend, decode
+and free. Each check is one fused vectorised test on the fast path; only
+when it fails does :meth:`AllocationRules.explain_extend` walk the rules in
+order to name the first broken one, the request and the value. The allocator
+runs these checks before it takes or returns any page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidFree, UnsupportedPagePlan
+from .free_lists import LaneFreeLists
+from .inputs import int_vector
+from .layout import lane_base_from_prefix, owner_of, page_of
+
+
+def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """:func:`cpkv.contract.layout.page_of` (``s // S``, floor for negatives),
+    as a shift when ``S`` is a power of two (three times faster on big frees)."""
+    if page_size & (page_size - 1) == 0:
+        return slots >> (page_size.bit_length() - 1)
+    return page_of(slots, page_size)
+
+
+def _first(mask: np.ndarray) -> int | None:
+    return int(mask.nonzero()[0][0]) if mask.any() else None
+
+
+class AllocationRules:
+    """Read-only checks over one :class:`LaneFreeLists` (``lists``)."""
+
+    def __init__(self, lists: LaneFreeLists, page_size: int, padding: int, base_policy: str):
+        self.lists, self.S, self.pad, self.base_policy = lists, page_size, padding, base_policy
+        self.N, self.P = lists.cp_size, lists.num_pages
+        self._scratch = np.zeros(self.P + 1, dtype=np.int32)  # for duplicate tests; never read unwritten
+        self._fits_any = self.N * int(lists.lane_pages.min())  # a chain this long fits every base
+
+    # -- extend and decode ----------------------------------------------------------
+    def check_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Raise :class:`UnsupportedPagePlan` unless every request may extend.
+
+        Rules, in the order :meth:`explain_extend` reports them:
+        ``negative-prefix``, ``prefix-longer-than-sequence``,
+        ``last-loc-without-prefix``, ``slot-out-of-range`` (``last_loc`` not a
+        slot of a usable page), ``inconsistent-last-loc`` (its page offset does
+        not end the prefix), ``last-loc-not-allocated``, ``stale-last-loc``
+        (not the last written slot of its page: the chain it ended has moved
+        on, or the page was freed and handed to someone else) and
+        ``shared-partial-page`` (two requests would extend one partial page).
+        Returns ``(has_prefix, page of last_loc)``.
+        """
+        S = self.S
+        has = prefix > 0
+        if not has.any():  # a batch of fresh requests: no last_loc to check
+            if (prefix < 0).any() or (prefix > seq).any() or (last != self.pad).any():
+                self.explain_extend(prefix, seq, last)
+            return has, np.full(prefix.size, -1, dtype=np.int64)
+        page = pages_of(last, S)
+        off = last - page * S
+        usable = (page >= 1) & (page <= self.P)
+        fill = self.lists.fill[np.where(usable, page, 0)]
+        chain_ok = usable & (off == (prefix - 1) % S) & (fill - 1 == off)
+        bad = (prefix < 0) | (prefix > seq) | np.where(has, ~chain_ok, last != self.pad)
+        cont = has & (prefix % S != 0) & (seq > prefix)
+        if bad.any() or self._repeats(page[cont]):
+            self.explain_extend(prefix, seq, last)
+        return has, page
+
+    def check_decode(self, seq: np.ndarray, last: np.ndarray, shortest: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`check_extend` for a decode batch in which every request has a
+        prefix (``prefix = seq - 1 >= 1``) and ``S`` is a power of two, in fewer
+        steps (``shortest`` is ``seq.min()``); returns ``(page of last_loc,
+        whether last_loc ends its page)``, or None when the batch is not of
+        that kind (then use :meth:`check_extend`). Raises as
+        :meth:`check_extend` does."""
+        S = self.S
+        if S & (S - 1) or shortest < 2:
+            return None
+        page = last >> (S.bit_length() - 1)
+        if int(page.min()) < 1 or int(page.max()) > self.P:
+            self.explain_extend(seq - 1, seq, last)
+        off = last & (S - 1)
+        expect = (seq - 2) & (S - 1)  # the offset a prefix of seq - 1 tokens ends at
+        ends = off == S - 1
+        if ((off != expect) | (self.lists.fill[page] != off + 1)).any() or self._repeats(page[~ends]):
+            self.explain_extend(seq - 1, seq, last)
+        return page, ends
+
+    def _repeats(self, pages: np.ndarray) -> bool:
+        """Whether some page occurs twice (``pages`` are usable pages)."""
+        if pages.size < 2:
+            return False
+        idx = np.arange(pages.size, dtype=np.int32)
+        self._scratch[pages] = idx
+        return bool((self._scratch[pages] != idx).any())
+
+    def explain_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> None:
+        """Raise :class:`UnsupportedPagePlan` for the first broken rule of :meth:`check_extend`."""
+        S, pad = self.S, self.pad
+        if (r := _first(prefix < 0)) is not None:
+            raise UnsupportedPagePlan("negative-prefix", f"prefix_len {prefix[r]} < 0", r)
+        if (r := _first(prefix > seq)) is not None:
+            raise UnsupportedPagePlan("prefix-longer-than-sequence", f"prefix_len {prefix[r]} > seq_len {seq[r]}", r)
+        has = prefix > 0
+        if (r := _first(~has & (last != pad))) is not None:
+            raise UnsupportedPagePlan(
+                "last-loc-without-prefix", f"prefix_len 0 needs last_loc {pad}, got {last[r]}", r
+            )
+        page = pages_of(last, S)
+        if (r := _first(has & ((page < 1) | (page > self.P)))) is not None:
+            raise UnsupportedPagePlan(
+                "slot-out-of-range", f"last_loc {last[r]} is not a slot of a usable page (1..{self.P})", r
+            )
+        off = last - page * S
+        if (r := _first(has & (off != (prefix - 1) % S))) is not None:
+            raise UnsupportedPagePlan(
+                "inconsistent-last-loc",
+                f"last_loc {last[r]} sits at page offset {off[r]}, but a prefix of "
+                f"{prefix[r]} tokens ends at offset {(prefix[r] - 1) % S}",
+                r,
+            )
+        fill = self.lists.fill[np.where(has, page, 0)]
+        if (r := _first(has & (fill == 0))) is not None:
+            raise UnsupportedPagePlan("last-loc-not-allocated", f"last_loc {last[r]} lies on free page {page[r]}", r)
+        if (r := _first(has & (fill - 1 != off))) is not None:
+            raise UnsupportedPagePlan(
+                "stale-last-loc",
+                f"last_loc {last[r]} is not the last written slot of page {page[r]} "
+                f"(that is {page[r] * S + fill[r] - 1}): its chain moved on or the page was reused",
+                r,
+            )
+        cont = (has & (prefix % S != 0) & (seq > prefix)).nonzero()[0]
+        _, first_use, counts = np.unique(page[cont], return_index=True, return_counts=True)
+        dup = cont[np.isin(page[cont], page[cont][first_use[counts > 1]])]
+        raise UnsupportedPagePlan(
+            "shared-partial-page",
+            f"requests {dup.tolist()} would all extend into partial page {page[dup[0]]}; "
+            "give all but one a copy of that page",
+            int(dup[1]),
+        )
+
+    def check_capacity(self, prefix: np.ndarray, seq: np.ndarray, has: np.ndarray | None, page: np.ndarray) -> None:
+        """Raise ``UnsupportedPagePlan("exceeds-capacity")`` for a request whose
+        whole chain (``ceil(seq / S)`` pages, its prefix pages included) could
+        never be held, however much is freed: more pages than the cache, or, for
+        a request whose lane base is fixed (by its prefix, or by the ``lane0``
+        policy), more pages in one lane than that lane has. A request that could
+        fit after eviction is left to the allocation, which returns None.
+        ``has`` None means every request has a prefix."""
+        if seq.size == 0 or -(-int(seq.max()) // self.S) <= self._fits_any:
+            return
+        chain = -(-seq // self.S)
+        N, lane_pages = self.N, self.lists.lane_pages
+        has = np.ones(seq.size, dtype=bool) if has is None else has
+        big = (chain > self._fits_any).nonzero()[0]
+        fixed = has[big] | (self.base_policy == "lane0")
+        base = np.where(has[big], lane_base_from_prefix(owner_of(page[big], N), prefix[big], self.S, N), 0)
+        n = chain[big]
+        need = n[:, None] // N + ((np.arange(N)[None, :] - base[:, None]) % N < (n % N)[:, None])
+        never = np.where(fixed, (need > lane_pages).any(1), n > self.P)
+        if (i := _first(never)) is not None:
+            r = int(big[i])
+            where = (f"lane base {base[i]} puts {need[i].max()} of them in lane {int(np.argmax(need[i] - lane_pages))}, "
+                     f"which holds {lane_pages[int(np.argmax(need[i] - lane_pages))]}") if fixed[i] else \
+                f"the cache holds {self.P}"
+            raise UnsupportedPagePlan(
+                "exceeds-capacity", f"seq_len {seq[r]} needs {n[i]} pages; {where}: it can never fit", r
+            )
+
+    # -- free -------------------------------------------------------------------------
+    def pages_to_free(self, slots) -> np.ndarray | None:
+        """The distinct pages holding ``slots`` (padding ignored), or None when
+        there are none. Raises :class:`InvalidFree` for a slot outside the
+        usable pages or a page that is not allocated (or already freed in the
+        open free group); ``TypeError``/``ValueError`` for a wrong input kind.
+
+        No sort: when every run of ``S`` consecutive entries is one whole page
+        in order (a request's slots) the pages are read at stride ``S``, after
+        one comparison pass that proves it; otherwise every entry counts.
+        """
+        s = int_vector(slots, "slots")
+        if s.size == 0:
+            return None
+        S = self.S
+        rows = s.size // S
+        pg = None
+        if rows > 1 and S > 1:
+            # every row of S entries is one whole page, in order, iff its head is
+            # a page start, its tail ends that page and it rises strictly in between
+            full = s[: rows * S]
+            rises = np.empty(rows * S, dtype=bool)
+            np.greater(full[1:], full[:-1], out=rises[:-1])
+            rises[S - 1 :: S] = True  # between rows anything goes
+            head, tail = full[::S], full[S - 1 :: S]
+            if rises.all() and not (head % S).any() and (tail - head == S - 1).all():
+                pg = np.concatenate([pages_of(head, S), pages_of(s[rows * S :], S)])
+        if pg is None:
+            pg = pages_of(s, S)
+        lo, hi = int(pg.min()), int(pg.max())
+        if lo < 0:  # padding, or a slot no layout has
+            neg = s < 0
+            if (s[neg] != self.pad).any():
+                raise InvalidFree("free-out-of-range", f"slot {int(s[neg & (s != self.pad)][0])} is negative and not padding")
+            pg = pages_of(s[~neg], S)
+            if pg.size == 0:
+                return None
+            lo, hi = int(pg.min()), int(pg.max())
+        if lo < 1 or hi > self.P:
+            raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
+        pages = pg[self._last_of_each(pg)]
+        self.check_freeable(pages)
+        return pages
+
+    def pages_to_free_by_page(self, pages) -> np.ndarray | None:
+        """``pages`` checked as :meth:`pages_to_free` checks the pages of slots;
+        a page given twice is a ``double-free`` too."""
+        p = int_vector(pages, "pages")
+        if p.size == 0:
+            return None
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 1 or hi > self.P:
+            raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
+        if not (last := self._last_of_each(p)).all():
+            raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
+        self.check_freeable(p)
+        return p
+
+    def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
+        """Mask of the last occurrence of each distinct page (usable pages only)."""
+        idx = np.arange(pages.size, dtype=np.int32)
+        self._scratch[pages] = idx  # with repeats, the last write wins
+        return self._scratch[pages] == idx
+
+    def check_freeable(self, pages: np.ndarray) -> None:
+        """Every page in ``pages`` (distinct, usable) is allocated and not
+        already freed in the open free group; :class:`InvalidFree` otherwise."""
+        free = self.lists.fill[pages] == 0
+        if free.any():
+            raise InvalidFree("double-free", f"page {int(pages[free][0])} is not allocated (double free?)")
+        pending = self.lists.pending
+        if pending is not None and (twice := pending[pages]).any():
+            raise InvalidFree("double-free", f"page {int(pages[twice][0])} is already freed in this free group")
