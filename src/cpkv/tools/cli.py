@@ -42,6 +42,9 @@ def _simulate(args) -> int:
 def _bench(args) -> int:
     from .bench import bench_alloc, bench_kv, format_rows
 
+    if args.what == "splits":
+        return _bench_splits(args)
+    args.repeats = args.repeats or 21
     if args.what in ("alloc", "all"):
         rows = bench_alloc(repeats=args.repeats)
         print(format_rows(rows, "alloc: page 64, cp 8, 262144 extend tokens; median of "
@@ -51,6 +54,23 @@ def _bench(args) -> int:
         print(format_rows(rows, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of "
                                 f"{args.repeats} interleaved runs; plain = index_copy_/index_select on an "
                                 "unshared buffer of the same size"))
+    return 0
+
+
+def _bench_splits(args) -> int:
+    """``cpkv bench splits``: prefill and decode splits on a process group, one table per model."""
+    from .bench import SPLIT_MODELS, bench_splits, format_rows, splits_title
+
+    for model in SPLIT_MODELS if args.model == "all" else [args.model]:
+        sizes = dict(cp=args.cp, tokens=args.tokens or (16384 if model == "llama" else 4096), bs=args.bs,
+                     decode_bs=args.decode_bs, context=args.context, page=args.page, repeats=args.repeats or 5)
+        try:
+            rows = bench_splits(model, **sizes)
+        except ValueError as e:
+            print(f"cpkv bench splits: {e}", file=sys.stderr)
+            return 2
+        print(format_rows(rows, splits_title(model, **sizes)))
+        print()
     return 0
 
 
@@ -201,8 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=_run)
 
     b = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "all"], help="which benchmark")
-    b.add_argument("--repeats", type=_positive, default=21, help="timed rounds; the median is reported (default 21)")
+    b.add_argument("what", choices=["alloc", "kv", "splits", "all"],
+                   help="which benchmark (all: alloc and kv; splits runs process groups for minutes, by name only)")
+    b.add_argument("--repeats", type=_positive, default=None,
+                   help="timed rounds; the median is reported (default 21; splits: 5 prefill, 20 decode)")
+    b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
+    b.add_argument("--cp", type=_positive, default=4, help="splits: ranks in the group (default 4)")
+    b.add_argument("--tokens", type=_positive, default=None,
+                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
+    b.add_argument("--bs", type=_positive, default=4, help="splits: prefill requests (default 4)")
+    b.add_argument("--decode-bs", type=_positive, default=64, help="splits: decode requests (default 64)")
+    b.add_argument("--context", type=_positive, default=4096, help="splits: decode context per request (default 4096)")
+    b.add_argument("--page", type=_positive, default=16, help="splits: tokens per page (default 16)")
     b.set_defaults(func=_bench)
     k = sub.add_parser("bytes", help="KV bytes per token per rank of DeepSeek-V3.2 / GLM-5, replicated vs shared",
                        description="Per-token KV bytes of the real DSA shapes (MLA latent on every layer, indexer "
