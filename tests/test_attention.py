@@ -59,7 +59,8 @@ def test_grouped_kernel_equals_plain_attention_and_drops_queries_that_see_nothin
     attention, with out 0 and lse -inf for a query that sees no key."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv = heads
-    q, k, v = torch.randn(T, H, 8, generator=g), torch.randn(T, K, Hkv, 8, generator=g), torch.randn(T, K, Hkv, 8, generator=g)
+    q = torch.randn(T, H, 8, generator=g)
+    k, v = torch.randn(T, K, Hkv, 8, generator=g), torch.randn(T, K, Hkv, 8, generator=g)
     mask = torch.rand(T, K, generator=g) < 0.6
     mask[0] = False  # the first query sees nothing
     out, lse = attend(q, k, v, mask, 0.3)

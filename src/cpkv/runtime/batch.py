@@ -102,9 +102,11 @@ class ForwardBatch:
         else:
             full = {}
             for group in _by_dtype(values):  # one all-gather per dtype, of every family packed side by side
-                packed = torch.cat([values[n].reshape(self.num_tokens, -1) for n in group], 1)
+                packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:]))
+                                    for n in group], 1)
                 parts = self.comm.all_gather(packed, self._rank_sizes)
-                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
+                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts)
+                                        if r != self.comm.rank)
                 every = torch.empty((self.alloc.out_cache_loc.numel(), packed.shape[1]), dtype=packed.dtype)
                 every[self._gathered_order] = torch.cat(parts)
                 full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
@@ -229,7 +231,7 @@ class ForwardBatch:
         tokens, merged; one all-gather when they share a dtype."""
         T, sizes = out.shape[0], [out.shape[0]] * self.comm.size
         if out.dtype == lse.dtype:
-            parts = self.comm.all_gather(torch.cat([out.reshape(T, -1), lse], 1), sizes)
+            parts = self.comm.all_gather(torch.cat([out.reshape(T, math.prod(out.shape[1:])), lse], 1), sizes)
             got = _unpack(torch.stack(parts), {"out": out.shape[1:], "lse": lse.shape[1:]}, lead=2)
             outs, lses = got["out"], got["lse"]
             self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)

@@ -328,7 +328,8 @@ class SplitsSpec:
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if self.context < 2:
-            raise ValueError(f"a decode context holds a cached entry and the new token: context >= 2, got {self.context}")
+            raise ValueError(f"a decode context holds a cached entry and the new token: context >= 2, "
+                             f"got {self.context}")
         if self.tokens < self.bs:
             raise ValueError(f"{self.tokens} prefill tokens cannot fill {self.bs} requests")
         if self.tokens < self.cp:
@@ -386,21 +387,20 @@ def _fill_random(runner, slots: torch.Tensor, seed: int) -> None:
     pool.write_all_layers(mine, values)
 
 
-def _splits_rank(ctx, spec: SplitsSpec) -> dict | None:
-    """One rank of the split benchmark: prefill, then each decode batch, every
+def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
+    """One model's matrix on this rank: prefill, then each decode batch, every
     split of each interleaved in rounds; rank 0 returns every rank's counters."""
     from ..consumers.kv_pool import SharedKVPool, allocate_buffers
     from ..contract.layout import SharedKVLayout
     from ..models import build_adapter
     from ..runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
-    from ..runtime.comm import DistComm, LocalComm
     from ..runtime.runner import CPRunner
 
     adapter = build_adapter(spec.model)
-    comm = DistComm() if ctx.distributed else LocalComm()
     layout = SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank())
     fams = adapter.families()
-    bufs = allocate_buffers(layout, fams, lambda tag, shape, dtype: ctx.shared(tag, shape, dtype))
+    tag = f"{type(spec.model).__name__}_"  # one pool per model in the one group
+    bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype))
     pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * spec.page, spec.page, spec.cp, layout=layout)
     contexts = spec.decode_contexts()
@@ -449,25 +449,40 @@ def _splits_rank(ctx, spec: SplitsSpec) -> dict | None:
         for s, c in cases.items():
             c["ranks"] = [e[phase][s] for e in everyone]
             del c["counts"]
-    bytes_per_token_layer = {layer: sum(math.prod(f.shape) * torch.empty((), dtype=f.dtype).element_size()
-                                        for f in fams if layer in f.layers) for layer in range(adapter.num_layers)}
-    return {"phases": out, "layers": adapter.num_layers, "bytes_per_token_layer": bytes_per_token_layer,
-            "contexts": contexts, "attention_family": fams[0].name,
+    return {"phases": out, "layers": adapter.num_layers, "contexts": contexts, "attention_family": fams[0].name,
             "family_layers": {f.name: len(f.layers) for f in fams}}
 
 
-def measure_splits(spec: SplitsSpec, timeout: float = 3600.0) -> dict:
-    """Run one model's split matrix on a group of ``spec.cp`` processes (one
-    group; every case interleaved inside it) and return rank 0's raw result:
-    per phase (``prefill``, ``decode0`` uniform contexts, ``decode1`` ragged)
-    and split, the median ``seconds`` of a forward and each rank's counters of
-    one forward (``tokens`` computed, context entries ``reads`` per family,
-    cache bytes ``moved`` to it from other ranks). Raises ``ValueError`` on an
-    impossible spec before any process starts."""
+def _splits_rank(ctx, specs: list[SplitsSpec]) -> list[dict] | None:
+    """One rank of the split benchmark: every model's matrix, one after the other, in this one group."""
+    from ..runtime.comm import DistComm, LocalComm
+
+    comm = DistComm() if ctx.distributed else LocalComm()
+    results = [_splits_matrix(ctx, comm, spec) for spec in specs]
+    return results if comm.rank == 0 else None
+
+
+def measure_splits(*specs: SplitsSpec, timeout: float = 3600.0) -> list[dict]:
+    """Run each spec's split matrix, one after the other, on one group of
+    ``cp`` processes (every case of a matrix interleaved in rounds inside it),
+    and return rank 0's raw result per spec: per phase (``prefill``,
+    ``decode0`` the same-length contexts, ``decode1`` the ragged ones) and
+    split, the median ``seconds`` of a forward and every rank's counters of one
+    forward (``tokens`` computed, context entries ``reads`` per family, cache
+    bytes ``moved`` to it from other ranks, median ``cpu`` seconds). Raises
+    ``ValueError`` on an impossible spec, or specs of different group sizes,
+    before any process starts."""
     from ..runtime.group import launch
 
-    spec.check()
-    return launch(_splits_rank, spec.cp, spec, timeout=timeout)
+    if not specs:
+        raise ValueError("measure_splits needs at least one spec")
+    if len({s.cp for s in specs}) != 1:
+        raise ValueError(f"one group runs every spec: cp must agree, got {[s.cp for s in specs]}")
+    if len({type(s.model) for s in specs}) != len(specs):
+        raise ValueError("one spec per model family: their pools share the group")
+    for s in specs:
+        s.check()
+    return launch(_splits_rank, specs[0].cp, list(specs), timeout=timeout)
 
 
 def _ratio(values: list[int]) -> float:
@@ -475,32 +490,52 @@ def _ratio(values: list[int]) -> float:
     return max(values) / mean if mean else 1.0
 
 
-def bench_splits(model: str = "llama", cp: int = 4, tokens: int = 16384, bs: int = 4, decode_bs: int = 64,
-                 context: int = 4096, page: int = 16, repeats: int = 5, ragged: bool = True) -> list[dict]:
-    """Prefill and decode splits of ``model`` (:func:`splits_model`), medians of
-    interleaved rounds on one process group of ``cp`` ranks (:class:`SplitsSpec`).
+def default_split_tokens(model: str) -> int:
+    """Prefill tokens of the split benchmark: 16384 for Llama; 4096 for DSA,
+    whose indexer copies each query's whole context (``[T, L, index_dim]``),
+    more than 4 ranks of this benchmark hold at 16K."""
+    return 16384 if model == "llama" else 4096
 
-    One row per phase and split: time of a forward and per layer; against the
-    baseline (prefill: the fastest all-gather split; decode: ``owner``); cache
-    bytes moved between ranks per layer (all ranks together); per-rank tokens
-    computed and attention reads (context entries of the attention family:
-    K for Llama, the latent for DSA), max and max / mean; for DSA also the
-    indexer's reads (``index_k``), which every rank that computes a query makes
-    over that query's whole context, under every split.
+
+def bench_splits(models=SPLIT_MODELS, cp: int = 4, tokens: int | None = None, bs: int = 4, decode_bs: int = 64,
+                 context: int = 4096, page: int = 16, repeats: int = 5, ragged: bool = True) -> dict[str, dict]:
+    """Prefill and decode splits of each of ``models`` (:func:`splits_model`;
+    a name or a sequence of names), medians of interleaved rounds, on one
+    process group of ``cp`` ranks (:class:`SplitsSpec`, :func:`measure_splits`);
+    ``tokens`` defaults to :func:`default_split_tokens`.
+
+    Returns ``{model: {"rows": rows, "raw": raw}}``. One row per phase and
+    split: time of a forward and per layer; against the baseline (prefill: the
+    fastest all-gather split; decode: ``owner``); cache bytes moved between
+    ranks per layer (all ranks together); per-rank tokens computed and
+    attention reads (context entries of the attention family: K for Llama,
+    the latent for DSA), max and max / mean; per-rank CPU time, max and sum;
+    for DSA also the indexer's reads (``index_k``), which every rank that
+    computes a query makes over that query's whole context, under every split.
+    Raises ``ValueError`` on impossible sizes before any process starts.
     """
-    longest = max(-(-tokens // bs), context + context // 2 + 1 if ragged else context)
-    spec = SplitsSpec(splits_model(model, max(longest, 512)), cp, tokens, bs, decode_bs, context, page, repeats, ragged)
-    raw = measure_splits(spec)
+    models = [models] if isinstance(models, str) else list(models)
+    specs = []
+    for model in models:
+        n = tokens or default_split_tokens(model)
+        longest = max(-(-n // max(bs, 1)), context + context // 2 + 1 if ragged else context)
+        specs.append(SplitsSpec(splits_model(model, max(longest, 512)), cp, n, bs, decode_bs, context, page,
+                                repeats, ragged))
+    raws = measure_splits(*specs)
+    return {model: {"rows": _split_rows(model, spec, raw), "raw": raw} for model, spec, raw in zip(models, specs, raws)}
+
+
+def _split_rows(model: str, spec: SplitsSpec, raw: dict) -> list[dict]:
     L, fam, per = raw["layers"], raw["attention_family"], raw["family_layers"]
     rows = []
     for phase, cases in raw["phases"].items():
         if phase == "prefill":
-            label = f"prefill {tokens} tok, bs {bs}"
+            label = f"prefill {spec.tokens} tok, bs {spec.bs}"
             base = min(c["seconds"] for s, c in cases.items() if s != "page")
         else:
             ctx = raw["contexts"][int(phase[-1])]
-            label = (f"decode bs {decode_bs}, ctx {context}" if len(set(ctx)) == 1 else
-                     f"decode bs {decode_bs}, ctx {min(ctx)}-{max(ctx)} (mean {sum(ctx) // len(ctx)})")
+            label = (f"decode bs {spec.decode_bs}, ctx {spec.context}" if len(set(ctx)) == 1 else
+                     f"decode bs {spec.decode_bs}, ctx {min(ctx)}-{max(ctx)} (mean {sum(ctx) // len(ctx)})")
             base = cases["owner"]["seconds"]
         for split, c in cases.items():
             ranks = c["ranks"]
@@ -511,7 +546,7 @@ def bench_splits(model: str = "llama", cp: int = 4, tokens: int = 16384, bs: int
                    "tokens max": max(tok), "tok max/mean": _ratio(tok),
                    "reads/layer max": max(att), "reads max/mean": _ratio(att),
                    "cpu ms max": max(r["cpu"] for r in ranks) * 1e3, "cpu ms sum": sum(r["cpu"] for r in ranks) * 1e3}
-            if model != "llama":
+            if "index_k" in per:
                 idx = [r["reads"].get("index_k", 0) // per["index_k"] for r in ranks]
                 row["index reads/layer max"] = max(idx)
                 row["index max/mean"] = _ratio(idx)
@@ -530,9 +565,9 @@ def splits_title(model: str, cp: int, tokens: int, bs: int, decode_bs: int, cont
              f"DeepSeek-V3.2 {m.layers} layers, hidden {m.hidden}, {m.heads} heads, latent {m.kv_lora_rank} + rope "
              f"{m.rope_dim}, indexer {m.index_heads} x {m.index_dim}, top-{m.index_topk}")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"splits: {shape}, fp32; CP {cp} processes (gloo, 1 torch thread each), page {page}; prefill {tokens} "
-            f"tokens over bs {bs}, median of {repeats} rounds; decode bs {decode_bs}, context {context} (and a "
-            f"ragged batch), median of {4 * repeats} rounds; vs base: prefill / fastest all-gather split, decode / "
-            f"owner; moved: bytes received from other ranks, all ranks; reads: context entries of the attention "
-            f"family per rank; cpu: per-rank CPU time of a forward. Machine: {os.cpu_count()} CPU cores, load "
-            f"average (1/5/15 min) {load} at the end")
+    return (f"splits: {shape}, fp32; CP {cp} processes in one group (gloo, 1 torch thread each), page {page}; "
+            f"prefill {tokens} tokens over bs {bs}, median of {repeats} rounds; decode bs {decode_bs}, context "
+            f"{context} (and a ragged batch), median of {4 * repeats} rounds; vs base: prefill / fastest all-gather "
+            f"split, decode / owner; moved: bytes received from other ranks, all ranks; reads: context entries of "
+            f"the attention family per rank; cpu: per-rank CPU time of a forward. Machine: {os.cpu_count()} CPU "
+            f"cores, load average (1/5/15 min) {load} at the end")

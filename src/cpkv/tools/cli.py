@@ -58,19 +58,24 @@ def _bench(args) -> int:
 
 
 def _bench_splits(args) -> int:
-    """``cpkv bench splits``: prefill and decode splits on a process group, one table per model."""
-    from .bench import SPLIT_MODELS, bench_splits, format_rows, splits_title
+    """``cpkv bench splits``: prefill and decode splits on one process group, one table per model."""
+    from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, format_rows, splits_title
 
-    for model in SPLIT_MODELS if args.model == "all" else [args.model]:
-        sizes = dict(cp=args.cp, tokens=args.tokens or (16384 if model == "llama" else 4096), bs=args.bs,
-                     decode_bs=args.decode_bs, context=args.context, page=args.page, repeats=args.repeats or 5)
-        try:
-            rows = bench_splits(model, **sizes)
-        except ValueError as e:
-            print(f"cpkv bench splits: {e}", file=sys.stderr)
-            return 2
-        print(format_rows(rows, splits_title(model, **sizes)))
-        print()
+    models = list(SPLIT_MODELS) if args.model == "all" else [args.model]
+    sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
+                 page=args.page, repeats=args.repeats or 5)
+    try:
+        report = bench_splits(models, **sizes)
+    except ValueError as e:
+        print(f"cpkv bench splits: {e}", file=sys.stderr)
+        return 2
+    for model, r in report.items():
+        r["title"] = splits_title(model, **{**sizes, "tokens": args.tokens or default_split_tokens(model)})
+        if not args.json:
+            print(format_rows(r["rows"], r["title"]))
+            print()
+    if args.json:
+        print(json.dumps(report, indent=2))
     return 0
 
 
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["alloc", "kv", "splits", "all"],
                    help="which benchmark (all: alloc and kv; splits runs process groups for minutes, by name only)")
     b.add_argument("--repeats", type=_positive, default=None,
-                   help="timed rounds; the median is reported (default 21; splits: 5 prefill, 20 decode)")
+                   help="timed rounds; the median is reported (default 21; splits: R prefill and 4R decode "
+                        "rounds, R 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
     b.add_argument("--cp", type=_positive, default=4, help="splits: ranks in the group (default 4)")
     b.add_argument("--tokens", type=_positive, default=None,
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--decode-bs", type=_positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=_positive, default=4096, help="splits: decode context per request (default 4096)")
     b.add_argument("--page", type=_positive, default=16, help="splits: tokens per page (default 16)")
+    b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
     b.set_defaults(func=_bench)
     k = sub.add_parser("bytes", help="KV bytes per token per rank of DeepSeek-V3.2 / GLM-5, replicated vs shared",
                        description="Per-token KV bytes of the real DSA shapes (MLA latent on every layer, indexer "
