@@ -50,3 +50,39 @@ def test_paged_attention_equals_attend_with_a_causal_mask():
     mask = torch.arange(7)[None, :] <= pos[:, None]
     out, _ = attend(q, k[req], v[req], mask, 0.5)
     assert torch.allclose(paged_attention(q, req, pos, k, v, 0.5), out, atol=1e-6)
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.sampled_from([(8, 2), (4, 4), (4, 1)]), st.integers(0, 2**16))
+def test_grouped_kernel_equals_plain_attention_and_drops_queries_that_see_nothing(T, K, heads, seed):
+    """Same head size for keys and values: ``attend`` runs on the CPU flash
+    kernel, reading strided keys in place; it must equal plain softmax
+    attention, with out 0 and lse -inf for a query that sees no key."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    q = torch.randn(T, H, 8, generator=g)
+    k, v = torch.randn(T, K, Hkv, 8, generator=g), torch.randn(T, K, Hkv, 8, generator=g)
+    mask = torch.rand(T, K, generator=g) < 0.6
+    mask[0] = False  # the first query sees nothing
+    out, lse = attend(q, k, v, mask, 0.3)
+    seen = mask.any(1)
+    assert torch.allclose(out[seen], dense(q, k, v, mask, 0.3)[seen], atol=1e-5)
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen])) and torch.isinf(lse[~seen]).all()
+    s = torch.einsum("thd,tkhd->thk", q, k.repeat_interleave(H // Hkv, 2)) * 0.3
+    want = torch.logsumexp(s.masked_fill(~mask[:, None, :], float("-inf")), -1)
+    assert torch.allclose(lse[seen], want[seen], atol=1e-5)
+
+
+def test_paged_attention_of_one_query_per_row_equals_the_padded_batch():
+    """A decode batch (query i on context row i) takes the grouped kernel; the
+    same queries in another row order take the padded path; both agree."""
+    g = torch.Generator().manual_seed(2)
+    B, L = 5, 9
+    k, v = torch.randn(B, L, 2, 8, generator=g), torch.randn(B, L, 2, 8, generator=g)
+    q = torch.randn(B, 4, 8, generator=g)
+    pos = torch.tensor([8, 0, 3, 5, 8])
+    fast = paged_attention(q, torch.arange(B), pos, k, v, 0.4)
+    extra = torch.randn(1, L, 2, 8, generator=g)  # a context row no query reads: not one query per row
+    slow = paged_attention(q, torch.arange(B), pos, torch.cat([k, extra]), torch.cat([v, extra]), 0.4)
+    mask = torch.arange(L)[None, :] <= pos[:, None]
+    assert torch.allclose(fast, dense(q, k, v, mask, 0.4), atol=1e-5)
+    assert torch.allclose(fast, slow, atol=1e-5)

@@ -88,6 +88,14 @@ BAD = [
     (["bytes", "--json=1"], "--json"),
     (["bench", "nope"], "what"),
     (["bench", "alloc", "--repeats", "0"], "--repeats"),
+    (["bench", "splits", "--model", "glm"], "--model"),
+    (["bench", "splits", "--cp", "0"], "--cp"),
+    (["bench", "splits", "--tokens", "0"], "--tokens"),
+    (["bench", "splits", "--bs", "0"], "--bs"),
+    (["bench", "splits", "--decode-bs", "-1"], "--decode-bs"),
+    (["bench", "splits", "--context", "0"], "--context"),
+    (["bench", "splits", "--page", "0"], "--page"),
+    (["bench", "splits", "--json=1"], "--json"),
 ]
 
 

@@ -14,12 +14,17 @@ def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k
     ``q_req[i]`` indexes the row of ``k_ctx, v_ctx [B, L, Hkv, D]`` holding
     token i's request context in position order, and ``q_pos[i]`` is its
     position: it attends to context positions ``0 .. q_pos[i]``. Queries are
-    grouped per request into one padded batch (no loop per token or request).
+    grouped per request into one padded batch (no loop per token or request);
+    a batch of one query per row (decode) runs on :func:`attend`'s grouped kernel.
     """
     T = q.shape[0]
     if T == 0:
         return q.new_zeros(q.shape)
     B, L = k_ctx.shape[:2]
+    if T == B and _flash_fits(q, k_ctx, v_ctx) and torch.equal(q_req, torch.arange(B, device=q.device)):
+        # one query per context row, in order (a decode batch): the grouped kernel of attend
+        visible = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]
+        return attend(q, k_ctx, v_ctx, visible, scaling)[0]
     counts = torch.bincount(q_req, minlength=B)
     j = torch.arange(T, device=q.device) - (torch.cumsum(counts, 0) - counts)[q_req]
     qmax = int(counts.max())
@@ -49,6 +54,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     T, H, D = q.shape
     Hkv = k.shape[2]
+    if _flash_fits(q, k, v):
+        return _attend_flash(q, k, v, mask, scaling)
     qg = q.float().view(T, Hkv, H // Hkv, D)
     s = torch.einsum("tgrd,tkgd->tgrk", qg, k.float()) * scaling  # [T, Hkv, H/Hkv, K]
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
@@ -56,6 +63,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("tgrk,tkgd->tgrd", p, v.float())
     return out.reshape(T, H, v.shape[-1]).to(q.dtype), lse.reshape(T, H)
+
+
+# the CPU flash-attention kernel that F.scaled_dot_product_attention dispatches to; it also returns the
+# log-sum-exp, which the public function does not
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and q.dtype == k.dtype == v.dtype and v.shape[-1] == q.shape[-1] and q.shape[0] > 0 and k.shape[1] > 0)
+
+
+def _attend_flash(q, k, v, mask, scaling):
+    """:func:`attend` on the CPU flash kernel, reading ``k``/``v`` in place
+    (strided, no copy): query t is a batch of its own, each KV head a head,
+    and the ``H // Hkv`` query heads of a group its query rows, which is
+    grouped-query attention without repeating any key."""
+    T, H, D = q.shape
+    K, Hkv = k.shape[1], k.shape[2]
+    bias = torch.zeros((T, 1, 1, K), dtype=q.dtype).masked_fill_(~mask[:, None, None, :], float("-inf"))
+    out, lse = _FLASH_CPU(q.reshape(T, Hkv, H // Hkv, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+                          scale=scaling)
+    seen = mask.any(1)[:, None]  # the kernel reports lse 0 for a query that sees no key
+    return (torch.where(seen[..., None], out.reshape(T, H, D), 0.0).to(q.dtype),
+            torch.where(seen, lse.reshape(T, H).float(), float("-inf")))
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,13 @@ way of dividing a batch among the ranks of a CP group:
 Fences are collective and lazy: a read of another rank's segment fences first
 if this batch wrote since the last fence. Every rank runs the same layers with
 the same mode, so they fence alike. Work counters (``kv_read``: context
-entries read per family, ``moved_bytes``: cache bytes received from other
-ranks) feed the split benchmark.
+entries read, and ``reads``: the same per family, ``moved_bytes``: cache
+bytes received from other ranks) feed the split benchmark.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -72,6 +74,7 @@ class ForwardBatch:
         self.token_indices = everyone if ranks is None else torch.nonzero(ranks == comm.rank).flatten()
         # under a token split, every rank's tokens in rank order: how gathered entries map back
         self._gathered_order = None if mode in ("page", "owner", "lse") else torch.argsort(ranks, stable=True)
+        self._rank_sizes = None if ranks is None else torch.bincount(ranks, minlength=N).tolist()
         idx = self.token_indices
         self.req = alloc.request_of_token[idx]
         self.positions = alloc.positions[idx]
@@ -83,6 +86,7 @@ class ForwardBatch:
         self._read_all = None
         self._read_own = None
         self.kv_read = 0
+        self.reads: dict[str, int] = {}
         self.moved_bytes = 0
 
     # -- writes ---------------------------------------------------------------------
@@ -97,11 +101,15 @@ class ForwardBatch:
                 self.pool.write(layer, self.slots, **values)
         else:
             full = {}
-            for n, x in values.items():
-                parts = self.comm.all_gather(x)
-                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
-                full[n] = torch.empty((self.alloc.out_cache_loc.numel(), *x.shape[1:]), dtype=x.dtype)
-                full[n][self._gathered_order] = torch.cat(parts)
+            for group in _by_dtype(values):  # one all-gather per dtype, of every family packed side by side
+                packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:]))
+                                    for n in group], 1)
+                parts = self.comm.all_gather(packed, self._rank_sizes)
+                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts)
+                                        if r != self.comm.rank)
+                every = torch.empty((self.alloc.out_cache_loc.numel(), packed.shape[1]), dtype=packed.dtype)
+                every[self._gathered_order] = torch.cat(parts)
+                full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
             loc = self.alloc.out_cache_loc
             mine = self.layout.owned_slot_mask(loc, owner_rank=self.comm.rank)
             self.pool.write(layer, loc[mine], **{n: x[mine] for n, x in full.items()})
@@ -143,7 +151,10 @@ class ForwardBatch:
         (valid ones). ``own``: only this rank's segment is read, so no fence."""
         if not own:  # another rank's segment: its writes of this layer must have landed
             self._fence_if_dirty()
-        self.kv_read += int(valid.sum())
+        n = int(valid.sum())
+        self.kv_read += n
+        for name in names:
+            self.reads[name] = self.reads.get(name, 0) + n
         return list(self.pool.gather(layer, index, *names))
 
     def _values(self, layer, index, valid, key, value, value_dims, own=False):
@@ -164,7 +175,7 @@ class ForwardBatch:
         read, valid, inv = self._read_index()
         (ctx,) = self._gather(layer, read, valid, (family,))
         visible = torch.arange(read.shape[1])[None, :] <= self.positions[:, None]
-        return ctx[inv], visible
+        return (ctx if _identity(inv, ctx.shape[0]) else ctx[inv]), visible
 
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
                      value_dims: int | None = None) -> torch.Tensor:
@@ -198,8 +209,9 @@ class ForwardBatch:
             owned = self.layout.owned_slot_mask(table, owner_rank=self.comm.rank)
             count = owned.sum(1)
             width = int(count.max()) if count.numel() else 0
-            order = torch.argsort((~owned).to(torch.int8), dim=1, stable=True)[:, :width]  # owned first, in order
-            pos = torch.where(torch.arange(width)[None, :] < count[:, None], order, -1)
+            row, col = torch.nonzero(owned, as_tuple=True)  # row-major: each row's owned positions in order
+            pos = torch.full((table.shape[0], width), -1, dtype=torch.int64)
+            pos[row, (owned.cumsum(1) - 1)[row, col]] = col
             slots = torch.where(pos >= 0, table.gather(1, pos.clamp(min=0)), 0)
             self._read_own = (pos, self.pool.read_index(slots))
         return self._read_own
@@ -209,11 +221,47 @@ class ForwardBatch:
         k, v = self._values(layer, read, pos >= 0, key, value, value_dims, own=True)
         p = pos[self.req]
         seen = (p >= 0) & (p <= self.positions[:, None])
-        out, lse = attend(q, k[self.req], v[self.req], seen, scaling)
+        if not _identity(self.req, pos.shape[0]):  # else a decode batch: one token per request, in order
+            k, v = k[self.req], v[self.req]
+        out, lse = attend(q, k, v, seen, scaling)
         return self._merge(out, lse)
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        outs, lses = self.comm.all_gather(out), self.comm.all_gather(lse)
-        self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
-                                for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
-        return merge_partials(torch.stack(outs), torch.stack(lses))
+        """Every rank's partial ``out [T, H, Dv]`` and ``lse [T, H]`` of the same
+        tokens, merged; one all-gather when they share a dtype."""
+        T, sizes = out.shape[0], [out.shape[0]] * self.comm.size
+        if out.dtype == lse.dtype:
+            parts = self.comm.all_gather(torch.cat([out.reshape(T, math.prod(out.shape[1:])), lse], 1), sizes)
+            got = _unpack(torch.stack(parts), {"out": out.shape[1:], "lse": lse.shape[1:]}, lead=2)
+            outs, lses = got["out"], got["lse"]
+            self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
+        else:
+            outs, lses = self.comm.all_gather(out, sizes), self.comm.all_gather(lse, sizes)
+            self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
+                                    for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
+            outs, lses = torch.stack(outs), torch.stack(lses)
+        return merge_partials(outs, lses)
+
+
+def _identity(index: torch.Tensor, n: int) -> bool:
+    """Whether ``index`` is ``0 .. n - 1`` (indexing with it would only copy)."""
+    return index.numel() == n and torch.equal(index, torch.arange(n, device=index.device))
+
+
+def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names of ``values`` grouped by dtype, in first-seen order."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for n, x in values.items():
+        groups.setdefault(x.dtype, []).append(n)
+    return list(groups.values())
+
+
+def _unpack(packed: torch.Tensor, shapes: dict[str, torch.Size], lead: int = 1) -> dict[str, torch.Tensor]:
+    """Split the last axis of ``packed [*lead dims, sum of widths]`` back into
+    one view per name, shaped ``[*lead dims, *shapes[name]]``."""
+    out, at = {}, 0
+    for n, shape in shapes.items():
+        w = math.prod(shape)
+        out[n] = packed[..., at : at + w].reshape(*packed.shape[:lead], *shape)
+        at += w
+    return out

@@ -31,8 +31,10 @@ class Comm:
         """Every rank arrives before any leaves."""
         raise NotImplementedError
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` of every rank, in rank order; first dimensions may differ, the rest must agree."""
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """``x`` of every rank, in rank order; first dimensions may differ, the rest must agree.
+        ``sizes``: every rank's first dimension, when the caller already knows them
+        (it saves a collective); ``ValueError`` if this rank's disagrees with ``x``."""
         raise NotImplementedError
 
     def all_gather_object(self, obj: Any) -> list:
@@ -49,8 +51,9 @@ class LocalComm(Comm):
     def barrier(self) -> None:
         """Nothing to wait for."""
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
         """``[x]``."""
+        _check_sizes(self, x, sizes)
         return [x]
 
     def all_gather_object(self, obj: Any) -> list:
@@ -75,16 +78,24 @@ class DistComm(Comm):
         if self.size > 1:
             dist.barrier(group=self.group)
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Pads every rank's ``x`` to the longest first dimension, gathers, trims."""
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Pads every rank's ``x`` to the longest first dimension, gathers, trims
+        (one collective with ``sizes``, two without)."""
+        _check_sizes(self, x, sizes)
         if self.size == 1:
             return [x]
-        n = torch.tensor([x.shape[0]], dtype=torch.int64)
-        sizes = [torch.zeros_like(n) for _ in range(self.size)]
-        dist.all_gather(sizes, n, group=self.group)
+        if sizes is None:
+            n = torch.tensor([x.shape[0]], dtype=torch.int64)
+            got = [torch.zeros_like(n) for _ in range(self.size)]
+            dist.all_gather(got, n, group=self.group)
+            sizes = got
         sizes = [int(s) for s in sizes]
         m = max(sizes)
-        pad = x.new_zeros((m, *x.shape[1:]))
+        if x.shape[0] == m and x.is_contiguous():
+            out = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(out, x, group=self.group)
+            return [o[:s] for o, s in zip(out, sizes)]
+        pad = x.new_empty((m, *x.shape[1:]))  # rows past x are trimmed away
         pad[: x.shape[0]] = x
         out = [torch.empty_like(pad) for _ in range(self.size)]
         dist.all_gather(out, pad.contiguous(), group=self.group)
@@ -97,6 +108,12 @@ class DistComm(Comm):
         out = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _check_sizes(comm: Comm, x: torch.Tensor, sizes: Sequence[int] | None) -> None:
+    if sizes is not None and (len(sizes) != comm.size or int(sizes[comm.rank]) != x.shape[0]):
+        raise ValueError(f"rank {comm.rank} of {comm.size}: all_gather sizes {list(sizes)} do not match its "
+                         f"{x.shape[0]} rows")
 
 
 class _Rendezvous:
@@ -123,8 +140,9 @@ class ThreadComm(Comm):
         rv.barrier.wait()
         return list(rv.slots)
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Every rank's ``x`` (cloned, so later in-place changes do not leak across ranks)."""
+        _check_sizes(self, x, sizes)
         return [t.clone() for t in self._exchange(x)]
 
     def all_gather_object(self, obj: Any) -> list:

@@ -51,6 +51,7 @@ class CPRunner:
         self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
         self.kv_read = 0
+        self.reads: dict[str, int] = {}  # context entries read, per cache family
         self.moved_bytes = 0
 
     # -- the page table ------------------------------------------------------------------
@@ -129,6 +130,8 @@ class CPRunner:
         fb.finish()
         self.tokens_computed += fb.num_tokens
         self.kv_read += fb.kv_read
+        for n, c in fb.reads.items():
+            self.reads[n] = self.reads.get(n, 0) + c
         self.moved_bytes += fb.moved_bytes
         return fb.token_indices, logits
 

@@ -223,17 +223,48 @@ def _add_simulate(sub) -> None:
 
 # -- bench --------------------------------------------------------------------------
 def _bench(args) -> int:
-    from .bench import bench_alloc, bench_kv, format_rows
+    from .bench import bench_alloc, bench_engine, bench_kv, format_rows
 
+    if args.what == "splits":
+        return _bench_splits(args)
+    repeats = args.repeats or 21
     if args.what in ("alloc", "all"):
-        rows = bench_alloc(repeats=args.repeats)
-        print(format_rows(rows, "alloc: page 64, cp 8, 262144 extend tokens; median of "
-                                f"{args.repeats} interleaved runs; floor = torch.arange of the same length"))
+        rows = bench_alloc(repeats=repeats)
+        print(format_rows(rows, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of "
+                                f"{repeats} interleaved rounds; per-block = a deque of page ids per lane in plain "
+                                "Python; floor = torch.arange of the same length"))
+        print()
     if args.what in ("kv", "all"):
-        rows = bench_kv(repeats=args.repeats)
+        rows = bench_kv(repeats=repeats)
         print(format_rows(rows, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of "
-                                f"{args.repeats} interleaved runs; plain = index_copy_/index_select on an "
+                                f"{repeats} interleaved rounds; plain = index_copy_/index_select on an "
                                 "unshared buffer of the same size"))
+        print()
+    if args.what in ("engine", "all"):
+        rows = bench_engine(repeats=args.repeats or 3)
+        print(format_rows(rows, "engine: N 1, one thread, one process; medians of interleaved rounds"))
+    return EXIT_OK
+
+
+def _bench_splits(args) -> int:
+    """``cpkv bench splits``: prefill and decode splits on one process group, one table per model."""
+    from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, format_rows, splits_title
+
+    models = list(SPLIT_MODELS) if args.model == "all" else [args.model]
+    sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
+                 page=args.page, repeats=args.repeats or 5)
+    try:
+        report = bench_splits(models, **sizes)
+    except ValueError as e:
+        print(f"cpkv bench splits: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    for model, r in report.items():
+        r["title"] = splits_title(model, **{**sizes, "tokens": args.tokens or default_split_tokens(model)})
+        if not args.json:
+            print(format_rows(r["rows"], r["title"]))
+            print()
+    if args.json:
+        print(json.dumps(report, indent=2))
     return EXIT_OK
 
 
@@ -265,8 +296,23 @@ def _bytes(args) -> int:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "all"], help="which benchmark")
-    b.add_argument("--repeats", type=positive, default=21, help="timed rounds; the median is reported (default 21)")
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "all"],
+                   help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
+                        "by name only)")
+    b.add_argument("--repeats", type=positive, default=None,
+                   help="timed rounds; the median is reported (default 21; engine 3; splits: R prefill and 4R "
+                        "decode rounds, R 5)")
+    b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
+    b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
+                   help="splits: ranks in the group (default 4)")
+    b.add_argument("--tokens", type=positive, default=None,
+                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
+    b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
+    b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
+    b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
+    b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
+                   help="splits: tokens per page (default 16)")
+    b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
     b.set_defaults(func=_bench)
 
 
