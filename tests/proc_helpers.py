@@ -3,7 +3,7 @@
 import os
 import time
 
-from cpkv.runtime.shm import SHM_DIR
+from cpkv.runtime.shm import mapped_shm
 
 
 def gone(pid: int) -> bool:
@@ -49,22 +49,6 @@ def wait_until(cond, seconds: float, step: float = 0.1) -> bool:
             return True
         time.sleep(step)
     return cond()
-
-
-def mapped_shm(pid: int) -> set[str]:
-    """Every /dev/shm name process ``pid`` maps (segments and named semaphores,
-    unlinked ones included)."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
-    out = set()
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
-            out.add(parts[5][len(SHM_DIR) + 1:].removesuffix(" (deleted)"))
-    return out
 
 
 def semaphores_of(*pids: int) -> set[str]:

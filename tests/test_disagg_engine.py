@@ -17,6 +17,7 @@ from cpkv.engine import Scheduler, StepPlan
 from cpkv.engine.engine import RankExecutor
 from cpkv.engine.trace import RequestSpec, TraceError, dump_jsonl
 from cpkv.models import model_config
+from engine_checks import assert_exact
 
 X = tuple(range(1, 40))
 SHARED = [RequestSpec("a", 0, X, 1), RequestSpec("b", 3, X + (50, 51), 3), RequestSpec("c", 3, X + (60,), 2)]
@@ -99,11 +100,7 @@ def llama():
 
 
 def exact(r):
-    c = r["check"]
-    assert c["requests_matched"] == c["requests"] == r["requests"] == r["finished"], c["mismatched"]
-    assert c["max_abs_diff"] < 1e-4
-    pre = sum(r["preemptions"].values())
-    assert (c["logits_checked"] == r["computed_tokens"]) if not pre else (0 < c["logits_checked"] < r["computed_tokens"])
+    assert_exact(r)
     assert r["sent_bytes_per_pair"] == r["bytes_per_pair"] == r["received_bytes_per_pair"]
     assert len(set(r["plan_digests"])) == 1 and r["transfers"] > 0
 

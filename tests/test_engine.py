@@ -11,20 +11,12 @@ import pytest
 
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.models import LlamaAdapter, TinyLlama
+from engine_checks import assert_exact as exact
 
 
 @pytest.fixture(scope="module")
 def llama():
     return LlamaAdapter(TinyLlama().build())
-
-
-def exact(r):
-    c = r["check"]
-    assert c["requests_matched"] == c["requests"] == r["requests"] == r["finished"], c["mismatched"]
-    assert c["max_abs_diff"] < 1e-4
-    # every computed position's logits were compared (a preempted request recomputes positions)
-    assert (c["logits_checked"] == r["computed_tokens"]) if not r["preemptions"] else \
-        (0 < c["logits_checked"] < r["computed_tokens"])
 
 
 CASES = {

@@ -131,6 +131,10 @@ class BatchPlanner:
             n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
             out = _expand_runs(runs, n, total, iota, self._expand_on)
             grown, grown_fill = last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S)
+        elif new_pages.size and total == new_pages.size * S and self._expand_on is None:  # whole pages: a broadcast
+            out = np.empty((new_pages.size, S), dtype=np.int64)
+            out = torch.from_numpy(np.add((new_pages * S)[:, None], iota[:S], out=out).reshape(-1))
+            grown = grown_fill = None
         else:
             out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
             grown = grown_fill = None

@@ -95,9 +95,10 @@ def shm_segments(pid: int | None = None) -> set[str]:
     return shm_names(SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}_")
 
 
-def mapped_segments(pid: int) -> set[str]:
-    """cpkv segments process ``pid`` maps now, unlinked ones included (from
-    ``/proc/<pid>/maps``; empty where there is no ``/proc`` or no such process)."""
+def mapped_shm(pid: int) -> set[str]:
+    """Every ``/dev/shm`` name process ``pid`` maps now (segments and named
+    semaphores, unlinked ones included), from ``/proc/<pid>/maps``; empty where
+    there is no ``/proc`` or no such process."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
@@ -105,7 +106,12 @@ def mapped_segments(pid: int) -> set[str]:
         return set()
     out = set()
     for line in lines:
-        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
-        if path.startswith(f"{SHM_DIR}/{SHM_PREFIX}"):
-            out.add(path[len(SHM_DIR) + 1:].removesuffix(" (deleted)"))
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+            out.add(parts[5][len(SHM_DIR) + 1:].removesuffix(" (deleted)"))
     return out
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """cpkv segments process ``pid`` maps now, unlinked ones included."""
+    return {name for name in mapped_shm(pid) if name.startswith(SHM_PREFIX)}

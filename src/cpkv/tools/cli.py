@@ -223,26 +223,24 @@ def _add_simulate(sub) -> None:
 
 # -- bench --------------------------------------------------------------------------
 def _bench(args) -> int:
+    """``cpkv bench``: one table per benchmark asked for (``all``: alloc, kv and engine)."""
     from .bench import bench_alloc, bench_engine, bench_kv, format_rows
 
+    tables = {
+        "alloc": (bench_alloc, 21, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
+                  "rounds; per-block = a deque of page ids per lane in plain Python; floor = torch.arange of the "
+                  "same length"),
+        "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
+               "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
+        "engine": (bench_engine, 3, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
+    }
     if args.what == "splits":
         return _bench_splits(args)
-    repeats = args.repeats or 21
-    if args.what in ("alloc", "all"):
-        rows = bench_alloc(repeats=repeats)
-        print(format_rows(rows, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of "
-                                f"{repeats} interleaved rounds; per-block = a deque of page ids per lane in plain "
-                                "Python; floor = torch.arange of the same length"))
-        print()
-    if args.what in ("kv", "all"):
-        rows = bench_kv(repeats=repeats)
-        print(format_rows(rows, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of "
-                                f"{repeats} interleaved rounds; plain = index_copy_/index_select on an "
-                                "unshared buffer of the same size"))
-        print()
-    if args.what in ("engine", "all"):
-        rows = bench_engine(repeats=args.repeats or 3)
-        print(format_rows(rows, "engine: N 1, one thread, one process; medians of interleaved rounds"))
+    for what, (bench, repeats, title) in tables.items():
+        if args.what in (what, "all"):
+            n = args.repeats or repeats
+            print(format_rows(bench(repeats=n), title.format(n=n)))
+            print()
     return EXIT_OK
 
 
