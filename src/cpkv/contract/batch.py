@@ -82,6 +82,7 @@ class BatchPlanner:
         self.S, self.N, self.base_policy, self.device = page_size, cp_size, base_policy, device
         self._expand_on = None if device.type == "cpu" else device  # None: build in numpy
         self._iota_cache = np.arange(0, dtype=np.int64)
+        self._page_iota = torch.arange(page_size, device=device)  # the slot offsets of a page
 
     def _iota(self, n: int) -> np.ndarray:
         """``np.arange(k)`` for some ``k >= n``, kept between calls (never written)."""
@@ -113,31 +114,31 @@ class BatchPlanner:
         starts = _excl_cumsum(n_new)
         iota = self._iota(max(total, int(n_new.sum()) + seq.size))
         new_pages, owners = lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
-        written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
-        last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
-        if (n_new > 0).all():
-            written[last_new] = tail
-        else:
-            grows = n_new > 0
-            written[last_new[grows]] = tail[grows]
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
-        if partial is not None and partial.any():  # a run into the partial page before the request's new pages
-            lead = partial.astype(np.int64)
-            mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
-            mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
-            runs, n = np.empty(mask.size, dtype=np.int64), np.empty(mask.size, dtype=np.int64)
-            runs[mask], n[mask] = new_pages * S, written
-            runs[~mask] = last[partial] + 1
-            n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
-            out = _expand_runs(runs, n, total, iota, self._expand_on)
-            grown, grown_fill = last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S)
-        elif new_pages.size and total == new_pages.size * S and self._expand_on is None:  # whole pages: a broadcast
-            out = np.empty((new_pages.size, S), dtype=np.int64)
-            out = torch.from_numpy(np.add((new_pages * S)[:, None], iota[:S], out=out).reshape(-1))
-            grown = grown_fill = None
+        grown = grown_fill = None
+        if (partial is None or not partial.any()) and total == new_pages.size * S:  # whole new pages only
+            written = S  # one broadcast add on the device (torch's is faster than numpy's on the CPU)
+            out = (_device_tensor(new_pages * S, self.device)[:, None] + self._page_iota).view(-1)
         else:
-            out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
-            grown = grown_fill = None
+            written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
+            last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
+            if (n_new > 0).all():
+                written[last_new] = tail
+            else:
+                grows = n_new > 0
+                written[last_new[grows]] = tail[grows]
+            if partial is not None and partial.any():  # a run into the partial page before the request's new pages
+                lead = partial.astype(np.int64)
+                mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
+                mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
+                runs, n = np.empty(mask.size, dtype=np.int64), np.empty(mask.size, dtype=np.int64)
+                runs[mask], n[mask] = new_pages * S, written
+                runs[~mask] = last[partial] + 1
+                n[~mask] = np.minimum(seq[partial], first_new[partial] * S) - prefix[partial]
+                out = _expand_runs(runs, n, total, iota, self._expand_on)
+                grown, grown_fill = last_page[partial], np.minimum(seq[partial] - prefix[partial] // S * S, S)
+            else:
+                out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
 
         def host_plan():
             return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),

@@ -58,8 +58,9 @@ def choose_lane_bases(
     if policy == "lane0":
         return np.where(has_prefix, fixed_bases, 0)
     rem = new_pages % N
-    if not rem.any():
-        return np.where(has_prefix, fixed_bases, int(np.argmax(lane_free)))
+    if not rem.any():  # whole sweeps: every fresh request starts at the same lane
+        b = int(np.argmax(lane_free))
+        return np.full(has_prefix.size, b, dtype=np.int64) if not has_prefix.any() else np.where(has_prefix, fixed_bases, b)
     bases = fixed_bases.astype(np.int64, copy=True)
     moves = (~has_prefix | (rem != 0)).nonzero()[0]  # the others change nothing
     fresh = ~has_prefix[moves]
