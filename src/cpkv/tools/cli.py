@@ -227,12 +227,12 @@ def _bench(args) -> int:
     from .bench import bench_alloc, bench_engine, bench_kv, format_rows
 
     tables = {
-        "alloc": (bench_alloc, 21, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
+        "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; per-block = a deque of page ids per lane in plain Python; floor = torch.arange of the "
                   "same length"),
         "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
-        "engine": (bench_engine, 3, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
+        "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
     }
     if args.what == "splits":
         return _bench_splits(args)
@@ -298,8 +298,8 @@ def _add_bench(sub) -> None:
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only)")
     b.add_argument("--repeats", type=positive, default=None,
-                   help="timed rounds; the median is reported (default 21; engine 3; splits: R prefill and 4R "
-                        "decode rounds, R 5)")
+                   help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
+                        "prefill and 4R decode rounds, R 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
                    help="splits: ranks in the group (default 4)")

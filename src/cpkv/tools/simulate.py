@@ -21,13 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from ..runtime.progress import progress_bar
 
 from ..consumers.hicache import HostTier
 from ..consumers.prefix_cache import PrefixCache
 from ..contract.allocator import OwnerLaneAllocator
 from ..engine.scheduler import ADMISSION, Scheduler, StepPlan
 from ..engine.trace import WORKLOADS, RequestSpec
+from ..runtime.progress import progress_bar
 
 POLICIES = ("least_full", "lane0", "oblivious")
 
