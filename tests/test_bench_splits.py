@@ -7,8 +7,9 @@ config, against what each split must do (nothing here is timed):
   to one pass over every context (each rank its own pages), and it moves the
   partial outputs; ``owner`` computes each token once and reads its whole context;
 * for DSA, ``lse`` splits the attention over the selected positions (one pass
-  over each selection in all) while every rank scores every query's whole
-  context with the indexer.
+  over each selection in all) and scores each query's whole context with the
+  indexer once, on one rank (queries dealt out by context length), then
+  all-gathers the selections: the indexer reads are owner's, balanced.
 
 One ``cpkv bench splits --json --repeats 1`` on a tiny size supplies them all.
 
@@ -21,6 +22,7 @@ import json
 import pytest
 import torch
 
+from cpkv.contract.plan import balanced_ranks
 from cpkv.models import TinyLlama
 from cpkv.runtime.comm import LocalComm, run_threads
 from cpkv.tools.bench import SplitsSpec, splits_model
@@ -97,15 +99,26 @@ def test_lse_reads_one_pass_over_every_context_and_owner_reads_whole_contexts(re
         m.layers * CONTEXT * t for t in per_rank(raw, "decode0", "owner", "tokens")]
 
 
-def test_dsa_lse_splits_the_selected_attention_and_replicates_the_selection(report):
+def test_dsa_lse_splits_the_selected_attention_and_the_selection(report):
     raw, m = report["deepseek-v3.2"]["raw"], DSA
     assert CONTEXT // 2 < m.index_topk < CONTEXT  # sparse on every uniform context, dense on some ragged ones
     for phase, contexts in zip(("decode0", "decode1"), raw["contexts"]):
+        B, total = len(contexts), sum(contexts)
         selected = sum(min(m.index_topk, n) for n in contexts)  # each query's top-k of its context
-        assert sum(per_rank(raw, phase, "lse", "reads", "latent")) == m.layers * selected
+        lat = per_rank(raw, phase, "lse", "reads", "latent")
+        assert sum(lat) == m.layers * selected and max(lat) <= m.layers * (selected / N + B * 4)
         assert sum(per_rank(raw, phase, "owner", "reads", "latent")) == m.layers * selected
-        assert per_rank(raw, phase, "lse", "reads", "index_k") == [m.layers * sum(contexts)] * N
-        assert sum(per_rank(raw, phase, "owner", "reads", "index_k")) == m.layers * sum(contexts)
+        # each query scored once, by the rank balanced_ranks deals it to: its whole context
+        scorer = balanced_ranks(torch.tensor(contexts), N)
+        idx = per_rank(raw, phase, "lse", "reads", "index_k")
+        assert idx == [m.layers * sum(c for c, r in zip(contexts, scorer.tolist()) if r == k) for k in range(N)]
+        assert sum(idx) == m.layers * total and max(idx) <= m.layers * (total / N + max(contexts))
+        assert sum(per_rank(raw, phase, "owner", "reads", "index_k")) == m.layers * total
+        # moved, every layer: the other ranks' partial outputs (latent-wide, fp32) and lse, and their
+        # selections [T', K] (int32), K = min(top-k, longest context)
+        K, mine = min(m.index_topk, max(contexts)), torch.bincount(scorer, minlength=N).tolist()
+        assert per_rank(raw, phase, "lse", "moved") == [
+            m.layers * ((N - 1) * B * m.heads * (m.kv_lora_rank + 1) * 4 + (B - mine[k]) * K * 4) for k in range(N)]
 
 
 @pytest.mark.parametrize("argv,message", [

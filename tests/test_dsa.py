@@ -138,6 +138,22 @@ def test_every_split_matches_transformers_and_selects_its_top_k(adapters, kind, 
     assert sum(p + 1 > k for _, _, p, _ in picks) > 0  # the selection really is sparse here
 
 
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_lse_decode_scores_each_query_once(adapters, kind):
+    """Under the log-sum-exp decode split every rank computes every query, yet
+    each query's indexer scoring (a read of its whole context) happens on one
+    rank only: the group's indexer reads equal the owner split's, the latent
+    reads of the sparse attention too (each rank its own selected slots), and
+    every rank ends with the same selections (the test above checks them).
+    [[RFC-0001:C-INDEXER-POOL]]"""
+    ad = adapters[kind]
+    reads = {}
+    for decode in ("owner", "lse"):
+        _, results, _ = run_group(ad, 4, 5, "page", decode)
+        reads[decode] = [sum(r[2].reads[f] for r in results) for f in ("index_k", "latent")]
+    assert reads["lse"] == reads["owner"]
+
+
 def test_report_worst_diffs():
     """Prints the worst logit difference of each configuration above (for the report)."""
     for key, v in sorted(WORST.items()):

@@ -10,7 +10,7 @@ import torch
 
 from cpkv import OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
-from cpkv.contract.plan import zigzag_ranks
+from cpkv.contract.plan import balanced_ranks, zigzag_ranks
 from cpkv.models import LlamaAdapter, TinyLlama
 from cpkv.runtime.comm import run_threads
 from cpkv.runtime.runner import CPRunner
@@ -110,3 +110,17 @@ def test_zigzag_blocks(n, N):
     sizes = [n // (2 * N) + (b < n % (2 * N)) for b in range(2 * N)]
     want = [b if b < N else 2 * N - 1 - b for b, k in enumerate(sizes) for _ in range(k)]
     assert ranks == want
+
+
+@pytest.mark.parametrize("n,N,seed", [(64, 4, 0), (5, 4, 1), (3, 4, 2), (0, 2, 3), (33, 3, 4), (7, 1, 5)])
+def test_balanced_ranks_deal_work_evenly(n, N, seed):
+    """Counts differ by at most one and sums by at most the largest item; the
+    largest item goes to rank 0; pure (the same on every call)."""
+    work = torch.randint(1, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+    ranks = balanced_ranks(work, N)
+    assert torch.equal(ranks, balanced_ranks(work, N)) and ranks.shape == (n,)
+    counts = torch.bincount(ranks, minlength=N)
+    sums = torch.zeros(N, dtype=work.dtype).index_add_(0, ranks, work)
+    assert counts.numel() == N and int(counts.max() - counts.min()) <= 1
+    if n:
+        assert int(sums.max() - sums.min()) <= int(work.max()) and int(ranks[work.argmax()]) == 0

@@ -244,6 +244,22 @@ def zigzag_ranks(extend_lens: torch.Tensor, cp_size: int) -> torch.Tensor:
     return torch.where(block < cp_size, block, N2 - 1 - block)
 
 
+def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of each item ``[n]`` so that every rank's summed ``work [n]`` is
+    near equal and item counts differ by at most one: items sorted by work,
+    largest first (ties: lower index first), dealt out in snake order
+    ``0 .. N-1, N-1 .. 0, 0 .. N-1, ...``. Any two ranks' sums then differ by at
+    most the largest item. Pure: every rank gets the same (the log-sum-exp
+    decode split spreads each query's top-k selection with it)."""
+    n = work.numel()
+    order = torch.sort(work, descending=True, stable=True).indices
+    j = torch.arange(n, device=work.device)
+    snake = torch.where((j // cp_size) % 2 == 0, j % cp_size, cp_size - 1 - j % cp_size)
+    ranks = torch.empty(n, dtype=torch.int64, device=work.device)
+    ranks[order] = snake
+    return ranks
+
+
 def split_zigzag(request_of_token: torch.Tensor, positions: torch.Tensor, extend_lens: torch.Tensor, bs: int,
                  rank: int, cp_size: int) -> RankSplit:
     """Zigzag split (SGLang's in-sequence CP split, balanced for causal

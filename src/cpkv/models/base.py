@@ -10,7 +10,7 @@ for attention over what is cached.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -43,6 +43,19 @@ class CacheAccess(Protocol):
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's whole context in ``family``: ``(values [T, L, *shape],
         visible [T, L])``, where ``visible`` marks positions ``0 .. position``."""
+
+    def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
+               *queries: torch.Tensor) -> torch.Tensor:
+        """Each token's best ``min(k, visible)`` context positions in ``family``,
+        ``[T, K]`` int64 (``K <= k``; ``-1``: none), as ``topk_positions`` picks
+        them from ``score(*queries, keys) -> [T', L]``: ``queries`` are per-token
+        tensors ``[T, ...]`` (for DSA's indexer: its queries and head weights)
+        and ``score`` gets the rows of the tokens it scores, ``[T', ...]``, with
+        their whole contexts ``keys [T', L, *shape]``; it must score each token
+        from its own row only. The cache decides who scores which token: under
+        the log-sum-exp decode split each token once, on one rank, and every
+        rank gets every selection (so an expensive selection is not
+        replicated); the model sees the same answer either way."""
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
                         value: str, value_dims: int | None = None) -> torch.Tensor:

@@ -13,9 +13,13 @@ Two per-slot cache families, over the same logical slots and owner lanes
   values, the indexer key after its LayerNorm and rotary. GLM-5's ``shared``
   layers reuse the top-k of the most recent ``full`` layer and keep none.
 
-The rank that computes a query scores the request's whole visible context
-through the shared view, takes its own top-k and attends over the selected
-latents only (a gather), in absorbed form; no top-k list crosses ranks.
+A query's top-k is asked of the cache (``CacheAccess.select``): the indexer
+scores the request's whole visible context through the shared view, and the
+query attends over the selected latents only (a gather), in absorbed form.
+The cache decides which rank scores which query: the rank that computes it,
+or, under the log-sum-exp decode split (where every rank holds every query),
+one rank per query, whose selection reaches the others by one all-gather; the
+attention over the selected positions is then split by owner.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..consumers.kv_pool import Family
-from .attention import absorb_query, absorbed_output, index_scores, topk_positions
+from .attention import absorb_query, absorbed_output, index_scores
 from .base import ModelAdapter
 
 KINDS = ("deepseek-v3.2", "glm-5")
@@ -175,10 +179,11 @@ class DsaAdapter(ModelAdapter):
     def select(self, layer: int, q: torch.Tensor, w: torch.Tensor, cache) -> torch.Tensor:
         """This layer's top-k context positions per query, ``[T, K]`` (``-1``:
         none), from the indexer keys of each query's whole context in the
-        shared view. [[RFC-0001:C-INDEXER-POOL]]"""
-        keys, visible = cache.context(layer, "index_k")
-        scores = index_scores(q, w, keys, self.layers[layer].self_attn.indexer.softmax_scale)
-        return topk_positions(scores, visible, self.index_topk)
+        shared view, through ``cache.select`` (which rank scores which query is
+        the cache's choice). [[RFC-0001:C-INDEXER-POOL]]"""
+        scale = self.layers[layer].self_attn.indexer.softmax_scale
+        return cache.select(layer, "index_k", self.index_topk, lambda q, w, keys: index_scores(q, w, keys, scale),
+                            q, w)
 
     def layer(self, layer, h, cache):
         """Attention block (cache the latent and, on indexer layers, the indexer

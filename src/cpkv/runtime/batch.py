@@ -14,18 +14,24 @@ way of dividing a batch among the ranks of a CP group:
 * ``lse`` (decode): every rank computes every request's token, attends over
   the context positions on pages it owns only (reads of its own segment), and
   the partial outputs merge exactly by log-sum-exp after one all-gather per
-  layer; the owner of the new token's page writes its entries.
+  layer; the owner of the new token's page writes its entries. A top-k
+  selection over the whole context (DSA's indexer, :meth:`ForwardBatch.select`)
+  is not replicated: each token's is made by one rank (tokens dealt out by
+  context length, :func:`cpkv.contract.plan.balanced_ranks`) and shared by one
+  all-gather; attention over the selected positions is then split by owner.
 
 Fences are collective and lazy: a read of another rank's segment fences first
 if this batch wrote since the last fence. Every rank runs the same layers with
 the same mode, so they fence alike. Work counters (``kv_read``: context
-entries read, and ``reads``: the same per family, ``moved_bytes``: cache
-bytes received from other ranks) feed the split benchmark.
+entries read, and ``reads``: the same per family, ``moved_bytes``: bytes
+received from other ranks: cache entries, partial outputs, selections) feed
+the split benchmark.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -33,7 +39,7 @@ from ..consumers.kv_pool import SharedKVPool
 from ..contract import plan
 from ..contract.allocator import ExtendAllocation
 from ..contract.errors import UnsupportedPagePlan
-from ..models.attention import attend, merge_partials, paged_attention
+from ..models.attention import attend, merge_partials, paged_attention, topk_positions
 from .comm import Comm
 
 PREFILL_SPLITS = ("page", "interleave", "zigzag")
@@ -85,6 +91,7 @@ class ForwardBatch:
         self._dirty = False
         self._read_all = None
         self._read_own = None
+        self._selectors = None
         self.kv_read = 0
         self.reads: dict[str, int] = {}
         self.moved_bytes = 0
@@ -127,20 +134,19 @@ class ForwardBatch:
         self._dirty = False
 
     # -- reads through the shared view -------------------------------------------------
-    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Requests this rank has tokens of, and each token's row among them."""
-        rows, inv = torch.unique(self.req, return_inverse=True)
-        return rows, inv
+    def _context_index(self, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rank-major read index ``[b, L]`` of the contexts of the requests
+        ``req [T']`` (a request per token; each once), which entries are real
+        (not padding), and each token's row among them. [[RFC-0001:C-READ-PATH]]"""
+        rows, inv = torch.unique(req, return_inverse=True)
+        L = int(self.alloc.seq_lens[rows].max()) if rows.numel() else 0
+        read = self.pool.read_index(self.table[rows, :L])
+        return read.clamp(min=0), read >= 0, inv
 
     def _read_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rank-major read index ``[b, L]`` of the contexts of the requests this
-        rank has tokens of, which entries are real (not padding), and each
-        token's row among them: translated once per batch. [[RFC-0001:C-READ-PATH]]"""
+        """:meth:`_context_index` of this rank's tokens, translated once per batch."""
         if self._read_all is None:
-            rows, inv = self._rows()
-            L = int(self.alloc.seq_lens[rows].max()) if rows.numel() else 0
-            read = self.pool.read_index(self.table[rows, :L])
-            self._read_all = (read.clamp(min=0), read >= 0, inv)
+            self._read_all = self._context_index(self.req)
         return self._read_all
 
     def _gather(self, layer: int, index: torch.Tensor, valid: torch.Tensor, names: tuple[str, ...],
@@ -172,10 +178,52 @@ class ForwardBatch:
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's whole context in ``family`` through the shared view:
         ``(values [T, L, *shape], visible [T, L])``."""
-        read, valid, inv = self._read_index()
+        return self._context(layer, family, self._read_index(), self.positions)
+
+    def _context(self, layer, family, index, positions):
+        read, valid, inv = index
         (ctx,) = self._gather(layer, read, valid, (family,))
-        visible = torch.arange(read.shape[1])[None, :] <= self.positions[:, None]
+        visible = torch.arange(read.shape[1])[None, :] <= positions[:, None]
         return (ctx if _identity(inv, ctx.shape[0]) else ctx[inv]), visible
+
+    def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
+               *queries: torch.Tensor) -> torch.Tensor:
+        """Each token's best ``min(k, visible)`` context positions by ``score``
+        (see :class:`cpkv.models.CacheAccess`), ``[T, K]`` int64, ``-1`` padding.
+
+        Under ``lse`` every rank holds every token, yet each token is scored
+        once: by the rank :func:`~cpkv.contract.plan.balanced_ranks` deals it to
+        by context length, which reads that token's whole context through the
+        shared view; one all-gather of the ``[T', K]`` positions (int32) gives
+        every rank every selection, ``K = min(k, longest context)``. Elsewhere
+        the rank scores its own tokens. The set is the one scoring every
+        token's whole row would pick (the same rows, the same ``topk``)."""
+        if self.mode != "lse":
+            keys, visible = self.context(layer, family)
+            return topk_positions(score(*queries, keys), visible, k)
+        mine, order, sizes, index, width = self._selection_plan()
+        keys, visible = self._context(layer, family, index, self.positions[mine])
+        sel = topk_positions(score(*(x[mine] for x in queries), keys), visible, k)
+        packed = torch.full((mine.numel(), min(k, width)), -1, dtype=torch.int32)
+        packed[:, : sel.shape[1]] = sel
+        parts = self.comm.all_gather(packed, sizes)
+        self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
+        out = torch.empty((self.num_tokens, packed.shape[1]), dtype=torch.int64)
+        out[order] = torch.cat(parts).to(torch.int64)
+        return out
+
+    def _selection_plan(self):
+        """Under ``lse``, once per batch: the tokens whose selection this rank
+        makes, every token in rank order of who makes it, every rank's count,
+        the read index of this rank's share and the longest context."""
+        if self._selectors is None:
+            ranks = plan.balanced_ranks(self.positions + 1, self.comm.size)
+            mine = torch.nonzero(ranks == self.comm.rank).flatten()
+            width = int(self.positions.max()) + 1 if self.num_tokens else 0
+            self._selectors = (mine, torch.argsort(ranks, stable=True),
+                               torch.bincount(ranks, minlength=self.comm.size).tolist(),
+                               self._context_index(self.req[mine]), width)
+        return self._selectors
 
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
                      value_dims: int | None = None) -> torch.Tensor:
@@ -188,12 +236,13 @@ class ForwardBatch:
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
                         value: str, value_dims: int | None = None) -> torch.Tensor:
-        """Attention over the selected context positions of each token, gathered."""
-        T, K = positions.shape
+        """Attention over the selected context positions of each token, gathered;
+        under ``lse``, over the selected slots this rank owns only (packed left,
+        so a rank's work is its share of each selection), merged."""
         slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
-        seen = slots >= 0
         if self.mode == "lse":
-            seen = seen & self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank)
+            slots = _pack_left(self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank), slots)
+        seen = slots >= 0
         read = self.pool.read_index(torch.where(seen, slots, 0))
         k, v = self._values(layer, read, seen, key, value, value_dims, own=self.mode == "lse")
         out, lse = attend(q, k, v, seen, scaling)
@@ -207,11 +256,7 @@ class ForwardBatch:
             L = int(self.alloc.seq_lens.max()) if self.alloc.batch_size else 0
             table = self.table[:, :L]
             owned = self.layout.owned_slot_mask(table, owner_rank=self.comm.rank)
-            count = owned.sum(1)
-            width = int(count.max()) if count.numel() else 0
-            row, col = torch.nonzero(owned, as_tuple=True)  # row-major: each row's owned positions in order
-            pos = torch.full((table.shape[0], width), -1, dtype=torch.int64)
-            pos[row, (owned.cumsum(1) - 1)[row, col]] = col
+            pos = _pack_left(owned, torch.arange(L).expand_as(table))
             slots = torch.where(pos >= 0, table.gather(1, pos.clamp(min=0)), 0)
             self._read_own = (pos, self.pool.read_index(slots))
         return self._read_own
@@ -246,6 +291,16 @@ class ForwardBatch:
 def _identity(index: torch.Tensor, n: int) -> bool:
     """Whether ``index`` is ``0 .. n - 1`` (indexing with it would only copy)."""
     return index.numel() == n and torch.equal(index, torch.arange(n, device=index.device))
+
+
+def _pack_left(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The entries of ``values [R, L]`` where ``keep [R, L]``, packed left in
+    their order in each row: ``[R, most kept in a row]``, ``-1`` after."""
+    count = keep.sum(1)
+    out = torch.full((keep.shape[0], int(count.max()) if count.numel() else 0), -1, dtype=values.dtype)
+    row, col = torch.nonzero(keep, as_tuple=True)  # row-major: each row's kept entries in order
+    out[row, (keep.cumsum(1) - 1)[row, col]] = values[row, col]
+    return out
 
 
 def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -667,8 +667,9 @@ def bench_splits(models=SPLIT_MODELS, cp: int = 4, tokens: int | None = None, bs
     ranks per layer (all ranks together); per-rank tokens computed and
     attention reads (context entries of the attention family: K for Llama,
     the latent for DSA), max and max / mean; per-rank CPU time, max and sum;
-    for DSA also the indexer's reads (``index_k``), which every rank that
-    computes a query makes over that query's whole context, under every split.
+    for DSA also the indexer's reads (``index_k``): each query's whole
+    context, read once, by the rank that computes it (under ``lse``, by the
+    one rank that selects for it).
     Raises ``ValueError`` on impossible sizes before any process starts.
     """
     models = [models] if isinstance(models, str) else list(models)
