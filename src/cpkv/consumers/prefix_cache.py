@@ -56,6 +56,8 @@ import numpy as np
 import torch
 
 from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
+from ..contract.errors import UnsupportedPagePlan
+from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_from_prefix, lane_of_position, owner_of, page_of
 
 EvictHook = Callable[[tuple, torch.Tensor], None]
@@ -135,7 +137,8 @@ class PrefixHit:
     ``copy_lane`` the lane of the page the copy reads (-1 for none).
     ``newly_pinned`` [N] counts, per lane, the cached pages that acquiring
     would take out of :meth:`PrefixCache.evictable_pages` (matched pages that
-    nobody holds now).
+    nobody holds now). A hit answers for the cache that made it only
+    (:meth:`PrefixCache.lane_need` refuses another's).
     """
 
     length: int
@@ -144,6 +147,7 @@ class PrefixHit:
     last_shared_loc: int
     copy_lane: int
     newly_pinned: np.ndarray
+    _owner: "PrefixCache | None" = field(default=None, repr=False)
 
     @property
     def needs_copy(self) -> bool:
@@ -451,15 +455,24 @@ class PrefixCache:
                 pinned += node.lanes if m * self.S == len(node.key) else self.tree.pages_of(node.slots[: m * self.S])[1]
         last = int(w.path[-1][0].slots[w.path[-1][1] * self.S - 1]) if w.path else -1
         lane = self.tree.lane_of(w.src.slots[w.src_off]) if w.src is not None else -1
-        return PrefixHit(w.shared + w.copy, w.shared, w.copy, last, lane, pinned)
+        return PrefixHit(w.shared + w.copy, w.shared, w.copy, last, lane, pinned, self)
 
     def lane_need(self, hit: PrefixHit, end: int) -> np.ndarray:
         """Pages per lane [N] a request with ``hit`` needs to reach ``end``
         tokens once acquired: the copy page (if any) and every later page. The
         lanes of a chain that starts fresh (a copy, or no match) are the ones
-        the allocator would pick now. Pure."""
+        the allocator would pick now. Pure, and O(N) for any ``end``.
+
+        Raises :class:`PrefixCacheMisuse`: ``not-a-hit`` for anything but a
+        :class:`PrefixHit`, ``foreign-hit`` for a hit of another cache (its
+        lanes and slots mean nothing here), ``bad-end`` unless ``end`` is an
+        int >= 0. [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]"""
         if not isinstance(hit, PrefixHit):
             raise PrefixCacheMisuse("not-a-hit", f"lane_need takes the PrefixHit of lookup(), got {type(hit).__name__}")
+        if hit._owner is not self:
+            raise PrefixCacheMisuse("foreign-hit", "lane_need: the hit was not looked up in this cache")
+        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < 0:
+            raise PrefixCacheMisuse("bad-end", f"end must be an int >= 0, got {end!r}")
         q0, stop = hit.shared // self.S, -(-int(end) // self.S)
         if stop <= q0:
             return np.zeros(self.N, dtype=np.int64)
@@ -470,7 +483,9 @@ class PrefixCache:
             base = lane_base_from_prefix(self.tree.lane_of(hit.last_shared_loc), hit.shared, self.S, self.N)
         else:
             base = self.alloc.lane_for_new_chain(0)
-        return np.bincount(lane_of_position(base, np.arange(q0, stop), self.N), minlength=self.N)
+        # positions q0 .. stop-1 cycle through the lanes from lane_of_position(base, q0): whole turns, then the rest
+        n, first = stop - q0, int(lane_of_position(base, q0, self.N))
+        return n // self.N + ((np.arange(self.N) - first) % self.N < n % self.N).astype(np.int64)
 
     def evictable_pages(self) -> np.ndarray:
         """Pages per lane [N] in unreferenced nodes (all of them can be evicted,
@@ -555,13 +570,53 @@ class PrefixCache:
 
     def allocate_extend(self, prefix_lens, seq_lens, last_loc) -> ExtendAllocation | None:
         """``allocator.allocate_extend``, evicting lane-aware on a refusal;
-        ``None`` (``last_deficit`` set) when even eviction does not help."""
+        ``None`` (``last_deficit`` set) when even eviction does not help.
+        Raises what the allocator raises, and ``extends-cached-page`` (see
+        :meth:`_refuse_cached_growth`), before anything is evicted."""
+        self._refuse_cached_growth(prefix_lens, seq_lens, last_loc)
         return self._with_eviction(lambda: self.alloc.allocate_extend(prefix_lens, seq_lens, last_loc))
 
     def allocate_decode(self, seq_lens, last_loc) -> ExtendAllocation | None:
         """``allocator.allocate_decode``, evicting lane-aware on a refusal;
-        ``None`` (``last_deficit`` set) when even eviction does not help."""
+        ``None`` (``last_deficit`` set) when even eviction does not help.
+        Refuses as :meth:`allocate_extend` does."""
+        seq = int_vector(seq_lens, "seq_lens")
+        self._refuse_cached_growth(seq - 1, seq, last_loc)
         return self._with_eviction(lambda: self.alloc.allocate_decode(seq_lens, last_loc))
+
+    def _refuse_cached_growth(self, prefix_lens, seq_lens, last_loc) -> None:
+        """Raise ``UnsupportedPagePlan("extends-cached-page")``, nothing
+        changed, if a request would grow its chain inside a partly filled page
+        that the cache holds: ``last_loc`` is the last written slot of a cached
+        page that is not full (a partial leaf, say) and the request adds tokens
+        after it. The allocator alone would accept that (the slot ends its
+        page's writes) and hand out the rest of the cache's page, so a second
+        request matching that prefix would read another request's KV. A request
+        that matched a prefix ending mid-page continues in its private copy
+        (``PrefixMatch.last_loc``), never in the page the copy read.
+        [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]
+
+        Only chains the allocator would otherwise take are checked here; a
+        malformed batch is left to the allocator's own rules."""
+        S = self.S
+        prefix, seq = int_vector(prefix_lens, "prefix_lens"), int_vector(seq_lens, "seq_lens")
+        last = int_vector(last_loc, "last_loc")
+        if not prefix.size == seq.size == last.size:
+            return
+        grows = (prefix > 0) & (seq > prefix) & (prefix % S != 0)  # the next token lands on last_loc's page
+        if not grows.any():
+            return
+        page = page_of(last, S)
+        off = last - page * S
+        grows &= (page >= 1) & (page <= self.alloc.num_pages) & (off == (prefix - 1) % S)
+        page = np.where(grows, page, 0)
+        grows &= self.tree.page_cached[page] & (self.alloc.page_fill(page) - 1 == off)
+        if grows.any():
+            r = int(grows.nonzero()[0][0])
+            raise UnsupportedPagePlan(
+                "extends-cached-page",
+                f"last_loc {last[r]} ends the written part of page {page[r]}, a partly filled page the prefix cache "
+                "holds; a request that matched it continues in its own copy (the match's last_loc)", r)
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, deficit) -> bool:

@@ -1,0 +1,532 @@
+"""One misuse machine over the allocator and the prefix cache on the SAME
+allocator: requests the allocator serves directly and requests the cache
+admits (matching cached prefixes, whole pages and mid-page, continuing in
+their copy page, inserting, releasing, evicting) take pages from one set of
+free lists, interleaved with invalid calls of every kind against both.
+
+After an invalid call: the right error type and rule, and the allocator's and
+the cache's snapshots exactly as before. After a valid call: every invariant
+of both (the allocator component's page accounting counts the cache's pages
+and its requests' private pages too), checked against a plain model: which
+pages the cache owns, what each cache request holds, and the 'KV' written in
+every slot (``(token, position)``), so a cached or live slot that is handed
+out again, or a copy that read the wrong page, shows as wrong KV.
+[[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]] [[RFC-0001:C-OWNER-LANE]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+
+from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixMatch
+from cpkv.contract.layout import lane_base_from_prefix
+from test_allocator_misuse import AllocatorComponent, Component, Misuse, MisuseMachine
+
+STEMS = [(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (2,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)]
+
+BAD_TOKENS = [(1, -2, 3), (1.0, 2.0), ((1, 2), (3, 4)), "abc", torch.tensor([True, False]), np.array([1.5]),
+              torch.tensor([[1, 2]]), (2**70,)]
+
+
+@dataclass
+class Req:
+    """A request the cache admitted: its prompt (decode appends to it), the
+    slots of the tokens computed so far (the match's, then its own), its match."""
+
+    tokens: list
+    slots: list
+    m: PrefixMatch
+
+    @property
+    def private(self) -> list:
+        return self.slots[self.m.shared :]
+
+
+def _pages(slots, S) -> set:
+    return set((np.asarray(slots, dtype=np.int64) // S).tolist())
+
+
+class CacheComponent(Component):
+    """A :class:`PrefixCache` over the shared allocator, its requests, and a
+    plain model: ``cached`` (pages the cache owns, changed only as each call
+    allows), ``kv`` (what each held slot holds), ``live`` and ``ended``."""
+
+    def __init__(self, alloc: OwnerLaneAllocator, S: int, N: int):
+        self.a, self.S, self.N = alloc, S, N
+        self.c = PrefixCache(alloc)
+        self.cached: set = set()
+        self.kv: dict = {}
+        self.live: dict[int, Req] = {}
+        self.ended: list = []  # (tokens, slots, match) of consumed matches
+        self.finished: list = []  # token runs inserted: stems of follow-ups
+        self.next = 0
+        # another cache, on an allocator of another shape, with something cached (its hits and matches are foreign)
+        self.other = PrefixCache(OwnerLaneAllocator(4 * (N + 2) * 2, 2, N + 2))
+        om = self.other.acquire((1, 2, 3, 4, 5))
+        r = self.other.allocate_extend([0], [5], torch.tensor([-1]))
+        self.other.insert((1, 2, 3, 4, 5), r.out_cache_loc, om)
+        self.foreign = self.other.acquire((1, 2, 3, 4, 5, 6))  # a match of the other cache, never consumed
+        self._warm((1, 2, 3))  # a cached chain ending mid-page (for S > 1) from the start, when it fits
+
+    def _warm(self, tokens: tuple) -> None:
+        m = self.c.acquire(tokens)
+        self.live[-1] = Req(list(tokens), m.slots.tolist(), m)
+        self._allocate([-1], [len(tokens)], decode=False)
+        r = self.live.pop(-1)
+        if len(r.slots) == len(tokens):
+            self.c.insert(tokens, torch.tensor(r.slots), m)
+            self._sync(joined=_pages(r.private, self.S))
+            self.finished.append(tokens)
+        else:
+            self.c.release(m, r.slots)
+            self._sync()
+
+    # -- model helpers ---------------------------------------------------------------------
+    def held_slots(self) -> list[int]:
+        """Every slot of the shared allocator this component holds: the cache's and its requests' own."""
+        return [s for n in self.c.tree.nodes() for s in n.slots.tolist()] + \
+            [s for r in self.live.values() for s in r.private]
+
+    def quiet(self) -> bool:
+        """No cache request is live: the cache may be emptied."""
+        return not self.live
+
+    def empty(self) -> None:
+        """Evict everything (only when quiet)."""
+        self.c.clear()
+        self._sync()
+        assert not self.cached
+
+    def _sync(self, joined: set = frozenset()) -> None:
+        """After a call that may change the cache: only ``joined`` pages may
+        join it; a page that leaves it is one no live request shares; the KV
+        of slots nobody holds any more is forgotten."""
+        now = set(np.flatnonzero(self.c.tree.page_cached).tolist())
+        assert now - self.cached <= set(joined), "a page joined the cache from nowhere"
+        shared = {p for r in self.live.values() for p in _pages(r.slots[: r.m.shared], self.S)}
+        assert not (self.cached - now) & shared, "a page that a live request shares left the cache"
+        self.cached = now
+        held = set(self.held_slots())
+        self.kv = {s: v for s, v in self.kv.items() if s in held}
+
+    def _tokens(self, data) -> tuple:
+        stem = data.draw(st.sampled_from(STEMS + self.finished[-3:]))
+        stem = stem[: data.draw(st.integers(len(stem) // 2, len(stem)))]
+        return tuple(stem) + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=2 * self.S + 1)))
+
+    def _never_fits(self, prefix, seq, last) -> bool:
+        S, N = self.S, self.N
+        for p, n, l in zip(prefix, seq, last):
+            chain = -(-n // S)
+            if p == 0:
+                if chain > self.a.num_pages:
+                    return True
+            else:
+                base = lane_base_from_prefix(l // S % N, p, S, N)
+                if (np.bincount((base + np.arange(chain)) % N, minlength=N) > self.a.lane_pages).any():
+                    return True
+        return False
+
+    def _allocate(self, ids, seq, decode: bool) -> None:
+        """Allocate through the cache (which evicts on a refusal) and check the result."""
+        reqs = [self.live[r] for r in ids]
+        prefix = [len(r.slots) for r in reqs]
+        last = [r.slots[-1] if r.slots else -1 for r in reqs]
+        try:
+            res = (self.c.allocate_decode(seq, torch.tensor(last)) if decode
+                   else self.c.allocate_extend(prefix, seq, torch.tensor(last)))
+        except UnsupportedPagePlan as e:
+            assert e.rule == "exceeds-capacity", e
+            assert self._never_fits(prefix, seq, last)
+            event("cache: can never fit")
+            self._sync()
+            return
+        self._sync()
+        if res is None:
+            assert self.c.last_deficit is not None and (self.c.last_deficit > 0).any()
+            event("cache: refused, a lane was short")
+            return
+        assert not self._never_fits(prefix, seq, last)
+        out, starts = res.out_cache_loc.tolist(), res.extend_start_loc.tolist()
+        assert starts == np.cumsum([0] + [s - p for p, s in zip(prefix, seq)])[:-1].tolist(), "flattened order"
+        S, N = self.S, self.N
+        for i, r in enumerate(reqs):
+            b = int(res.lane_base[i])
+            if prefix[i]:
+                assert b == lane_base_from_prefix(last[i] // S % N, prefix[i], S, N), "lane base not from last_loc"
+            new = out[starts[i] : starts[i] + seq[i] - prefix[i]]
+            for t, s in zip(range(prefix[i], seq[i]), new):
+                assert s % S == t % S and s // S % N == (b + t // S) % N, "owner-lane invariant"
+                assert s // S not in self.cached, "a new slot lies on a page the cache owns"
+                self.kv[s] = (r.tokens[t], t)
+            r.slots += new
+        event("cache: decode" if decode else "cache: extend")
+
+    # -- component interface -------------------------------------------------------------
+    def snapshot(self):
+        return self.c.snapshot()
+
+    def check(self) -> None:
+        c, S, N = self.c, self.S, self.N
+        nodes = list(c.tree.nodes())
+        pages, lanes, free_lanes = set(), np.zeros(N, dtype=np.int64), np.zeros(N, dtype=np.int64)
+        for n in nodes:
+            toks = c.tree.prefix_tokens(n)
+            start = len(toks) - len(n.key)
+            assert start % S == 0 and len(n.key) == n.slots.numel() > 0, "an edge off the page grid"
+            assert not n.children or len(n.key) % S == 0, "a partial page inside the tree"
+            for j, (tok, s) in enumerate(zip(n.key, n.slots.tolist())):
+                assert s % S == (start + j) % S, "a cached slot off its page offset"
+                assert self.kv.get(s) == (tok, start + j), "cached KV lost or overwritten"
+            own = _pages(n.slots.tolist(), S)
+            assert not own & pages, "a page in two nodes"
+            pages |= own
+            per_lane = np.bincount(np.array(sorted(own)) % N, minlength=N)
+            lanes += per_lane
+            if n.ref == 0:
+                free_lanes += per_lane
+            holders = 0
+            for r in self.live.values():
+                up = r.m.node
+                while up is not None and up is not n:
+                    up = up.parent
+                holders += up is n
+            assert n.ref == holders, "reference count != live requests holding the node"
+        assert pages == self.cached == set(np.flatnonzero(c.tree.page_cached).tolist()), "cache pages != model"
+        assert c.lane_cached_pages().tolist() == lanes.tolist()
+        assert c.evictable_pages().tolist() == free_lanes.tolist()
+        assert set(c.tree.leaves) == {n for n in nodes if not n.children}
+        assert c.open_matches == len(self.live), "acquired matches != live requests"
+        for r in self.live.values():
+            for t, s in enumerate(r.slots):
+                assert self.kv.get(s) == (r.tokens[t], t), "a live request's KV lost or overwritten"
+            assert _pages(r.slots[: r.m.shared], S) <= self.cached, "a shared page left the cache"
+            assert not _pages(r.private, S) & self.cached, "a private page is the cache's"
+        for leaf in c.tree.leaves:  # whatever is cached can be found
+            toks = c.tree.prefix_tokens(leaf)
+            assert c.lookup(toks, max_length=len(toks)).length == len(toks), "a cached chain cannot be found"
+
+    def valid_calls(self):
+        return [self.admit, self.turn, self.turn, self.extend, self.extend, self.decode, self.finish, self.abort,
+                self.evict, self.lookup, self.clear]
+
+    def invalid_calls(self):
+        return [self.extends_cached_page, self.consumed, self.foreign_or_not_a_match, self.bad_inputs,
+                self.bad_end, self.bad_lane_need, self.stale_through_cache, self.too_big]
+
+    # -- valid calls ---------------------------------------------------------------------------
+    def turn(self, data):
+        """A request finishes (its tokens computed so far are cached) and its
+        follow-up arrives at once: its tokens, cut anywhere, plus new ones, so
+        matches on whole pages and mid-page are common."""
+        if not self.live:
+            return self.admit(data)
+        tokens = self.finish(data)
+        cut = data.draw(st.integers(len(tokens) // 2, len(tokens)))
+        self.admit(data, tokens[:cut] + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=self.S + 1))))
+
+    def admit(self, data, tokens=None):
+        tokens, c = tokens or self._tokens(data), self.c
+        before = self.snapshot(), self.a.snapshot()
+        hit = c.lookup(tokens)
+        assert (self.snapshot(), self.a.snapshot()) == before, "lookup changed the cache or the allocator"
+        m = c.acquire(tokens)
+        assert m.shared == hit.shared and m.length in (hit.length, hit.shared)
+        assert m.length == hit.length or c.last_deficit is not None, "the copy was dropped with pages to spare"
+        for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):  # the engine's copy, before the first forward
+            assert s in self.kv, "the copy source left the cache before the copy"
+            self.kv[d] = self.kv[s]
+        rid, self.next = self.next, self.next + 1
+        self.live[rid] = Req(list(tokens), m.slots.tolist(), m)
+        self._sync()
+        event("cache: admit, " + ("mid-page match" if m.copy_dst.numel() else "page match" if m.length else "no match"))
+        if data.draw(st.integers(0, 3)):  # the first chunk at once, mostly
+            self._allocate([rid], [data.draw(st.integers(m.length + 1, len(tokens)))], decode=False)
+
+    def extend(self, data):
+        ready = sorted(r for r, q in self.live.items() if len(q.slots) < len(q.tokens))
+        if not ready:
+            return
+        ids = data.draw(st.lists(st.sampled_from(ready), unique=True, min_size=1, max_size=3))
+        self._allocate(ids, [data.draw(st.integers(len(self.live[r].slots) + 1, len(self.live[r].tokens)))
+                             for r in ids], decode=False)
+
+    def decode(self, data):
+        done = sorted(r for r, q in self.live.items() if q.slots and len(q.slots) == len(q.tokens))
+        if not done:
+            return
+        ids = data.draw(st.lists(st.sampled_from(done), unique=True, min_size=1, max_size=3))
+        for r in ids:
+            self.live[r].tokens.append(data.draw(st.integers(0, 3)))
+        self._allocate(ids, [len(self.live[r].tokens) for r in ids], decode=True)
+
+    def finish(self, data):
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        tokens, slots = tuple(r.tokens[: len(r.slots)]), torch.tensor(r.slots, dtype=torch.int64)
+        private = _pages(r.private, self.S)
+        self.c.insert(tokens, slots, r.m)
+        assert r.m.consumed
+        self._sync(joined=private)
+        gone = private - self.cached  # private pages the tree already had: freed
+        assert not self.a.is_allocated(sorted(gone)).any() or self.a.snapshot()[3] is not None
+        assert self.c.lookup(tokens, max_length=len(tokens)).length == len(tokens), "inserted but not found"
+        self.ended.append((tokens, slots, r.m))
+        self.finished.append(tokens)
+        event("cache: insert")
+        return tokens
+
+    def abort(self, data):
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        slots = torch.tensor(r.slots, dtype=torch.int64)
+        if len(r.slots) == r.m.length and data.draw(st.booleans()):
+            self.c.release(r.m)  # by default: the match's own slots
+        else:
+            self.c.release(r.m, slots)
+        self._sync()
+        if self.a.snapshot()[3] is None:
+            assert not self.a.is_allocated(sorted(_pages(r.private, self.S))).any(), "release kept a private page"
+        self.ended.append((tuple(r.tokens[: len(r.slots)]), slots, r.m))
+        event("cache: release")
+
+    def evict(self, data):
+        deficit = np.array(data.draw(st.lists(st.integers(0, 3), min_size=self.N, max_size=self.N)))
+        nodes = self.c.evicted_nodes
+        assert self.c.evict(deficit) == (self.c.evicted_nodes > nodes)
+        self._sync()
+        event("cache: evict")
+
+    def lookup(self, data):
+        tokens = self._tokens(data)
+        limit = data.draw(st.none() | st.integers(0, 2 * len(tokens)))
+        before = self.snapshot(), self.a.snapshot()
+        hit = self.c.lookup(tokens, limit)
+        assert (self.snapshot(), self.a.snapshot()) == before, "lookup changed the cache or the allocator"
+        assert hit.shared % self.S == 0 and 0 <= hit.copy < self.S
+        assert hit.length <= (len(tokens) - 1 if limit is None else min(limit, len(tokens)))
+        end = data.draw(st.sampled_from([len(tokens), hit.length, 0, self.a.num_pages * self.S + 1, 2**62]))
+        need = self.c.lane_need(hit, end)
+        assert (need >= 0).all() and int(need.sum()) == max(0, -(-end // self.S) - hit.shared // self.S)
+        assert (self.snapshot(), self.a.snapshot()) == before, "lane_need changed the cache or the allocator"
+
+    def clear(self, data):
+        if data.draw(st.integers(0, 3)) == 3:
+            self.c.clear()
+            self._sync()
+            assert all(n.ref > 0 for n in self.c.tree.nodes()), "clear left an unreferenced node"
+            event("cache: clear")
+
+    # -- invalid calls -------------------------------------------------------------------------
+    def extends_cached_page(self, data):
+        """A chain that would grow inside a page the cache holds: a request
+        that matched mid-page continuing from the cached page its match read
+        instead of its copy, or any chain ending on a cached partial page.
+        Where that slot ends the page's written part, only the cache can tell
+        (``extends-cached-page``); where the match read part of what the page
+        holds, the allocator sees a stale ``last_loc``."""
+        S, c, a = self.S, self.c, self.a
+        cands = [(r.m.length, int(r.m.copy_src[-1])) for r in self.live.values() if r.m.copy_src.numel()]
+        cands += [(len(c.tree.prefix_tokens(n)), int(n.slots[-1])) for n in c.tree.leaves if len(n.key) % S]
+        cands = [(p, l, "extends-cached-page" if a.page_fill([l // S])[0] - 1 == l % S else "stale-last-loc")
+                 for p, l in cands if l // S in self.cached]
+        if not cands:
+            return None
+        p, l, rule = data.draw(st.sampled_from(cands))
+        k = data.draw(st.integers(1, 2 * S))
+        # a valid request may come first: the refusal names the bad one
+        ready = [q for q in self.live.values() if q.slots and len(q.slots) < len(q.tokens) and q.slots[-1] != l]
+        lead = [data.draw(st.sampled_from(ready))] if ready and data.draw(st.booleans()) else []
+        pre = [len(q.slots) for q in lead] + [p]
+        seq = [len(q.tokens) for q in lead] + [p + k]
+        last = [q.slots[-1] for q in lead] + [l]
+        if data.draw(st.booleans()) and not lead:
+            call = lambda: c.allocate_decode([p + 1], torch.tensor([l]))  # noqa: E731
+        else:
+            call = lambda: c.allocate_extend(pre, seq, torch.tensor(last))  # noqa: E731
+        return Misuse(f"a chain grows inside a cached page ({rule})", call, UnsupportedPagePlan, rule)
+
+    def consumed(self, data):
+        if not self.ended:
+            return None
+        tokens, slots, m = data.draw(st.sampled_from(self.ended))
+        c = self.c
+        call = data.draw(st.sampled_from([lambda: c.insert(tokens, slots, m), lambda: c.release(m, slots),
+                                          lambda: c.release(m)]))
+        return Misuse(f"second end of a match ({m._ended})", call, PrefixCacheMisuse, "match-consumed")
+
+    def foreign_or_not_a_match(self, data):
+        c, fm = self.c, self.foreign
+        hit = c.lookup((1, 2, 3))
+        cases = [
+            Misuse("insert of another cache's match", lambda: c.insert(fm.tokens, fm.slots, fm), PrefixCacheMisuse,
+                   "foreign-match"),
+            Misuse("release of another cache's match", lambda: c.release(fm), PrefixCacheMisuse, "foreign-match"),
+            Misuse("release of a PrefixHit", lambda: c.release(hit), PrefixCacheMisuse, "not-a-match"),
+            Misuse("release of None", lambda: c.release(None), PrefixCacheMisuse, "not-a-match"),
+            Misuse("insert of a PrefixHit", lambda: c.insert((1,), [self.S], hit), PrefixCacheMisuse, "not-a-match"),
+        ]
+        return data.draw(st.sampled_from(cases))
+
+    def bad_inputs(self, data):
+        c, N = self.c, self.N
+        bad = data.draw(st.sampled_from(BAD_TOKENS))
+        cases = [
+            Misuse("lookup of bad tokens", lambda: c.lookup(bad), PrefixCacheMisuse, "bad-tokens"),
+            Misuse("acquire of bad tokens", lambda: c.acquire(bad), PrefixCacheMisuse, "bad-tokens"),
+        ]
+        for limit in (-1, 1.5, True, "2"):
+            cases.append(Misuse(f"max_length {limit!r}", lambda limit=limit: c.acquire((1, 2, 3), max_length=limit),
+                                PrefixCacheMisuse, "bad-max-length"))
+        for d in ([1] * (N + 1), [-1] * N, [0.5] * N, [[1] * N], np.full(N, 1.0), torch.ones(N, dtype=torch.bool)):
+            cases.append(Misuse(f"deficit {d!r}", lambda d=d: c.evict(d), PrefixCacheMisuse, "bad-deficit"))
+        live = sorted(self.live)
+        if live:
+            r = self.live[data.draw(st.sampled_from(live))]
+            if len(r.slots) == len(bad) if hasattr(bad, "__len__") else False:
+                cases.append(Misuse("insert of bad tokens", lambda: c.insert(bad, r.slots, r.m), PrefixCacheMisuse,
+                                    "bad-tokens"))
+            cases += self._bad_end_of(r, data)
+        return data.draw(st.sampled_from(cases))
+
+    def _bad_end_of(self, r: Req, data) -> list:
+        """A live request ended with wrong arguments (insert or release)."""
+        S, c, m = self.S, self.c, r.m
+        tokens, slots = tuple(r.tokens[: len(r.slots)]), torch.tensor(r.slots, dtype=torch.int64)
+        ends = lambda bent: [lambda: c.insert(tokens[: len(bent)], bent, m), lambda: c.release(m, bent)]  # noqa: E731
+        out = [Misuse("insert of fewer slots than tokens", lambda: c.insert(tokens, slots[:-1], m)
+                      if len(tokens) else c.insert((1,), slots, m), PrefixCacheMisuse, "length-mismatch"),
+               Misuse("insert of float slots", lambda: c.insert(tokens, slots.float(), m), PrefixCacheMisuse,
+                      "bad-slots")]
+        if m.length:
+            off = (tokens[0] + 1,) + tokens[1:]
+            out.append(Misuse("insert of tokens that do not extend the match", lambda: c.insert(off, slots, m),
+                              PrefixCacheMisuse, "tokens-do-not-extend-match"))
+            j = data.draw(st.integers(0, m.length - 1))
+            bent = slots.clone()
+            bent[j] = slots[j] + 1 if S > 1 and slots[j] % S < S - 1 else slots[j] - 1 if S > 1 else 0
+            for call in ends(bent):
+                out.append(Misuse("a match slot changed", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
+            for call in ends(slots[: m.length - 1]):
+                out.append(Misuse("fewer slots than the match", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
+        if len(r.slots) > m.length:
+            chains = [torch.cat([slots[:-1], torch.tensor([-1])]),  # padding
+                      torch.cat([slots[:-1], torch.tensor([(self.a.num_pages + 1) * S + (len(slots) - 1) % S])])]
+            if S > 1:
+                shifted = slots.clone()
+                shifted[-1] = shifted[-1] + 1 if shifted[-1] % S < S - 1 else shifted[-1] - 1
+                chains.append(shifted)  # off its page offset
+            elif len(slots) - m.shared >= 2:
+                chains.append(torch.cat([slots[:-1], slots[-2:-1]]))  # one page twice
+            for bent in chains:
+                for call in ends(bent):
+                    out.append(Misuse("slots that are not a page chain", call, PrefixCacheMisuse, "not-a-page-chain"))
+            q = (len(slots) - 1) // S
+            if q * S >= m.length:  # the last page is the request's own: put another there
+                free = np.flatnonzero(~self.a.is_allocated(np.arange(1, self.a.num_pages + 1))) + 1
+                for pool, rule in ((free, "private-page-not-allocated"),
+                                   (np.array(sorted(self.cached - _pages(r.slots, S))), "private-page-cached")):
+                    if pool.size:
+                        bent = slots.clone()
+                        bent[q * S :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + \
+                            torch.arange(len(slots) - q * S)
+                        for call in ends(bent):
+                            out.append(Misuse(f"another page as the request's own ({rule})", call, PrefixCacheMisuse,
+                                              rule))
+        return out
+
+    def bad_end(self, data):
+        if not self.live:
+            return None
+        return data.draw(st.sampled_from(self._bad_end_of(self.live[data.draw(st.sampled_from(sorted(self.live)))],
+                                                          data)))
+
+    def bad_lane_need(self, data):
+        c = self.c
+        hit, fhit = c.lookup((1, 2, 3, 4)), self.other.lookup((1, 2, 3, 4, 5, 6))
+        fm = self.foreign
+        return data.draw(st.sampled_from([
+            Misuse("lane_need of a match", lambda: c.lane_need(fm, 10), PrefixCacheMisuse, "not-a-hit"),
+            Misuse("lane_need of another cache's hit", lambda: c.lane_need(fhit, 10), PrefixCacheMisuse,
+                   "foreign-hit"),
+            Misuse("lane_need of a negative end", lambda: c.lane_need(hit, -1), PrefixCacheMisuse, "bad-end"),
+            Misuse("lane_need of a float end", lambda: c.lane_need(hit, 2.5), PrefixCacheMisuse, "bad-end"),
+            Misuse("lane_need of a str end", lambda: c.lane_need(hit, "7"), PrefixCacheMisuse, "bad-end"),
+        ]))
+
+    def stale_through_cache(self, data):
+        """An ended request's ``last_loc`` used again through the cache: its
+        page was freed, reused, or is the cache's now."""
+        S, a = self.S, self.a
+        cases = []
+        for tokens, slots, m in self.ended:
+            n = len(tokens)
+            if not n:
+                continue
+            last = int(slots[-1])
+            page, off = last // S, last % S
+            fill = int(a.page_fill([page])[0])
+            if fill == 0:
+                rule = "last-loc-not-allocated"
+            elif fill - 1 != off:
+                rule = "stale-last-loc"
+            elif page in self.cached and n % S:
+                rule = "extends-cached-page"
+            else:
+                continue  # a continuation the allocator cannot tell from a live one
+            cases.append((n, last, rule))
+        if not cases:
+            return None
+        n, last, rule = data.draw(st.sampled_from(cases))
+        c = self.c
+        call = data.draw(st.sampled_from([lambda: c.allocate_extend([n], [n + 2], torch.tensor([last])),
+                                          lambda: c.allocate_decode([n + 1], torch.tensor([last]))]))
+        return Misuse(f"an ended request's last_loc ({rule})", call, UnsupportedPagePlan, rule)
+
+    def too_big(self, data):
+        c = self.c
+        n = data.draw(st.sampled_from([self.a.num_pages * self.S + 1, 2**31, 2**62]))
+        return Misuse("more than the whole cache, through the cache", lambda: c.allocate_extend([0], [n], [-1]),
+                      UnsupportedPagePlan, "exceeds-capacity")
+
+
+class SharedAllocator(AllocatorComponent):
+    """The allocator component on the shared allocator: clearing it, or
+    restoring a backup, empties the cache first, and only while no cache
+    request is live (an allocator reset under live requests is no valid call)."""
+
+    def __init__(self, cp, S, lane_pages, alloc, cache: CacheComponent):
+        super().__init__(cp, S, lane_pages, allocator=alloc)
+        self.cache = cache
+        self.co_holders.append(cache.held_slots)
+
+    def clear(self, data):
+        if self.cache.quiet():
+            self.cache.empty()
+            super().clear(data)
+
+    def backup_restore(self, data):
+        if self.cache.quiet() and not self.m["group"]:  # emptying the cache inside a group leaves frees pending
+            self.cache.empty()
+            super().backup_restore(data)
+
+
+class SharedMisuseMachine(MisuseMachine):
+    def components_for(self, cp, S, lane_pages):
+        alloc = OwnerLaneAllocator(lane_pages * cp * S, S, cp)
+        cache = CacheComponent(alloc, S, cp)
+        return [SharedAllocator(cp, S, lane_pages, alloc, cache), cache]
+
+
+SharedMisuseMachine.TestCase.settings = settings(settings(), max_examples=100, stateful_step_count=100, deadline=None)
+TestSharedMisuseMachine = SharedMisuseMachine.TestCase
