@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit
-from test_prefix_cache import Engine
+from support.cache_engine import Engine
 
 S, N = 2, 2
 

@@ -21,7 +21,7 @@ import pytest
 
 from cpkv.tools.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SHELL_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)

@@ -47,7 +47,7 @@ def test_engine_on_a_process_group_with_the_host_tier(model, cp, page, split):
 
 
 def test_a_rank_killed_mid_trace_ends_the_group_and_leaves_nothing(tmp_path, monkeypatch):
-    """(A rank that raises instead is tests/test_launch.py's, on a tiny target.)"""
+    """(A rank that raises instead is tests/runtime/test_launch.py's, on a tiny target.)"""
     marker = tmp_path / "fault"
     monkeypatch.setenv("CPKV_FAULT_MARKER", str(marker))
     with pytest.raises(RankFailure) as e:

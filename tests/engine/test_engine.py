@@ -3,7 +3,7 @@
 Traces with shared prefixes ending mid-page and on page ends, chunked prefill
 (continuations from mid-page slots), eviction, preemption, host backup and
 restore, for N in {1, 2, 4} and page sizes {1, 16}. Ranks run as threads of
-one process here (fast); tests/test_engine_group.py runs the process group.
+one process here (fast); tests/engine/test_engine_group.py runs the process group.
 [[RFC-0001:C-NO-PLANNER-COLLECTIVE]] [[RFC-0001:C-HICACHE]] [[RFC-0001:C-PREFIX-CACHE]]
 [[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
 
@@ -11,7 +11,7 @@ import pytest
 
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.models import LlamaAdapter, TinyLlama
-from engine_checks import assert_exact as exact
+from support.engine_checks import assert_exact as exact
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The launcher itself (cpkv.runtime.group): shared segments, faults, timeouts, a
 killed launcher, and sizing a group before it starts. Multi-process tests use
-the tiny targets of tests/launch_targets.py, so a group costs a torch import
+the tiny targets of tests/support/launch_targets.py, so a group costs a torch import
 per rank, not a model."""
 
 import math
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import launch_targets as lt
-from proc_helpers import children, gone, semaphores_of, spawned_ranks, wait_until
+from support import launch_targets as lt
+from support.proc_helpers import children, gone, semaphores_of, spawned_ranks, wait_until
 from cpkv.runtime.group import (
     RANK_BASELINE_BYTES,
     GroupFootprint,
@@ -29,7 +29,7 @@ from cpkv.runtime.group import (
 )
 from cpkv.runtime.shm import mapped_segments, shm_segments
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
 
@@ -86,7 +86,7 @@ def test_a_killed_launcher_takes_its_ranks_and_leaves_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
-        import launch_targets
+        from support import launch_targets
         from cpkv.runtime import launch
         launch(launch_targets.hang, 2, {str(tmp_path)!r}, timeout=300)
     """)

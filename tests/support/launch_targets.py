@@ -8,7 +8,7 @@ import time
 import torch
 
 from cpkv.runtime.shm import shm_names
-from proc_helpers import semaphores_of
+from .proc_helpers import semaphores_of
 
 
 def share(ctx, n):

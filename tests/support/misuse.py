@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
@@ -456,7 +456,3 @@ class MisuseMachine(RuleBasedStateMachine):
         if m.rule is not None:
             assert getattr(e.value, "rule", None) == m.rule, f"{m.what}: {e.value}"
         assert [p.snapshot() for p in self.parts] == before, f"{m.what} changed the state"
-
-
-MisuseMachine.TestCase.settings = settings(settings(), max_examples=80, stateful_step_count=50)
-TestMisuseMachine = MisuseMachine.TestCase

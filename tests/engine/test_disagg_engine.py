@@ -2,7 +2,7 @@
 replicated on every rank of both groups, and thread-rank runs exact against
 transformers (the DSA models' latent and indexer pools move together; a
 decode-side preemption sends the request back to the prefill group; requests
-sharing cached source pages). tests/test_disagg_group.py runs process groups.
+sharing cached source pages). tests/engine/test_disagg_group.py runs process groups.
 [[RFC-0001:C-DISAGG]] [[RFC-0001:C-NO-PLANNER-COLLECTIVE]] [[RFC-0001:C-PREFIX-CACHE]]
 [[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
 
@@ -17,7 +17,7 @@ from cpkv.engine import Scheduler, StepPlan
 from cpkv.engine.engine import RankExecutor
 from cpkv.engine.trace import RequestSpec, TraceError, dump_jsonl
 from cpkv.models import model_config
-from engine_checks import assert_exact
+from support.engine_checks import assert_exact
 
 X = tuple(range(1, 40))
 SHARED = [RequestSpec("a", 0, X, 1), RequestSpec("b", 3, X + (50, 51), 3), RequestSpec("c", 3, X + (60,), 2)]

@@ -21,7 +21,7 @@ from cpkv.runtime.group import MachineCapacity, RankFailure
 from cpkv.runtime.shm import mapped_segments, shm_segments
 from cpkv.tools.cli import build_parser, main
 
-from proc_helpers import children, gone, semaphores_of, sigint_held_off, spawned_ranks, wait_until
+from support.proc_helpers import children, gone, semaphores_of, sigint_held_off, spawned_ranks, wait_until
 
 CPKV = Path(sys.executable).with_name("cpkv")
 

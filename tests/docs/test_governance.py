@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOV = ROOT / "gov"
 RFC_DIRS = sorted(p for p in (GOV / "rfc").iterdir() if p.is_dir())
 CITE = re.compile(r"\[\[(RFC-\d{4}):(C-[A-Z0-9-]+)\]\]")

@@ -2,7 +2,7 @@
 indexer-key pool, every split exact against transformers, the same top-k sets
 as transformers' indexer, owner-only writes for both families.
 Ranks run as threads of one process over one shared buffer (like
-tests/test_splits.py); tests/test_dsa_runtime.py runs a process group.
+tests/runtime/test_splits.py); tests/tools/test_bench_splits.py runs a process group.
 [[RFC-0001:C-MLA-LATENT-POOL]] [[RFC-0001:C-INDEXER-POOL]]"""
 
 import math

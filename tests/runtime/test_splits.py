@@ -2,7 +2,7 @@
 page split, the interleave and zigzag token splits (all-gather, then owner
 writes), the owner and log-sum-exp decode splits. Ranks run as threads of one
 process over one shared buffer; the process group runs the same code
-(tests/test_runtime.py).
+(tests/engine/test_engine_group.py).
 [[RFC-0001:C-PLANNER-SPLIT]] [[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-READ-PATH]]"""
 
 import pytest

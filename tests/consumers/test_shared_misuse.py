@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixMatch
 from cpkv.contract.layout import lane_base_from_prefix
-from test_allocator_misuse import AllocatorComponent, Component, Misuse, MisuseMachine
+from support.misuse import AllocatorComponent, Component, Misuse, MisuseMachine
 
 STEMS = [(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (2,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)]
 

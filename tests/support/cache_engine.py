@@ -1,0 +1,56 @@
+"""A toy engine over the prefix cache for tests: the 'KV' of a slot is (token, position)."""
+
+import numpy as np
+import torch
+
+from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv.consumers.prefix_cache import PrefixCache
+
+
+class Engine:
+    """A toy engine over the cache: 'KV' of a slot is (token, position)."""
+
+    def __init__(self, pages_per_lane, S, N, **kw):
+        self.S, self.N = S, N
+        self.alloc = OwnerLaneAllocator(pages_per_lane * N * S, S, N)
+        self.cache = PrefixCache(self.alloc, **kw)
+        self.kv = {}
+        self.live = {}  # id -> (tokens, slots, match)
+
+    def start(self, rid, tokens):
+        return self.run(rid, tokens, self.cache.acquire(tokens))
+
+    def run(self, rid, tokens, m):
+        """Copy, check the matched KV, allocate the rest and 'compute' it."""
+        src_pages = np.unique(m.copy_src.numpy() // self.S)
+        assert self.cache.tree.page_cached[src_pages].all(), "the copy source left the cache before the copy"
+        for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):
+            self.kv[d] = self.kv[s]  # the copy the engine makes, inside one lane
+        for j in range(m.length):
+            assert self.kv[int(m.slots[j])] == (tokens[j], j), "a cached slot holds the wrong KV"
+        try:
+            r = self.cache.allocate_extend([m.length], [len(tokens)], torch.tensor([m.last_loc]))
+        except UnsupportedPagePlan as e:  # "never": the request is longer than the cache could ever hold
+            assert e.rule == "exceeds-capacity", e
+            r = None
+        if r is None:
+            self.cache.release(m)
+            return None
+        slots = torch.cat([m.slots, r.out_cache_loc])
+        for j in range(m.length, len(tokens)):
+            self.kv[int(slots[j])] = (tokens[j], j)
+        self.live[rid] = (tuple(tokens), slots, m)
+        return m
+
+    def finish(self, rid):
+        tokens, slots, m = self.live.pop(rid)
+        self.cache.insert(tokens, slots, m)
+        return tokens, slots, m
+
+    def abort(self, rid):
+        tokens, slots, m = self.live.pop(rid)
+        self.cache.release(m, slots)
+        return tokens, slots, m
+
+    def state(self):
+        return self.cache.snapshot(), self.alloc.snapshot()
