@@ -2,6 +2,12 @@
 # Each creates .venv on first use, installs torch==2.13.0 first (a looser pin
 # pulls a multi-GB CUDA build), then cpkv with its extras.
 PYTHON ?= python3.11
+# Where pip takes torch from. Empty (the default): the configured index, where
+# torch==2.13.0 is the CUDA build on a public registry (right for a GPU machine)
+# or a local CPU wheel where one is configured. A CPU-only machine can ask for
+# the CPU build: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_PIP_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,7 +16,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_FLAGS) torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,test]'
 	touch $(STAMP)
 
