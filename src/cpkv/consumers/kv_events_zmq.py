@@ -63,7 +63,8 @@ class KVEventPublisher:
     oldest is dropped and counted in :attr:`dropped` when a new one arrives at a
     full queue: its sequence number is then missing for good), ``buffer_steps``
     encoded batches are kept for replay, and each subscriber's socket queue holds
-    at most ``hwm`` messages (ZMQ drops past that). ``data_parallel_rank`` is
+    at most ``hwm`` messages (ZMQ drops past that; a replay peer's up to one
+    whole replay). ``data_parallel_rank`` is
     stamped on every batch that has none, as vLLM's publisher does. A bind that
     fails raises ``ValueError`` and leaves no socket or thread behind.
     :meth:`close` (or leaving a ``with`` block) stops the thread and frees the
@@ -95,7 +96,8 @@ class KVEventPublisher:
             self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, hwm)
+                # a whole replay must fit the peer's queue, or the ROUTER drops its tail
+                self._replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 1)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as e:
@@ -222,6 +224,8 @@ class KVEventSubscriber:
         self._replay_endpoint = replay_endpoint
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._ready: deque[tuple[int, KVEventBatch]] = deque()
+        self.replays = 0
+        """Replay requests sent (one per gap seen, one per :meth:`catch_up`)."""
         self.lost = 0
         self.lost_ranges: list[tuple[int, int]] = []
         self._ctx = zmq.Context()
@@ -250,6 +254,7 @@ class KVEventSubscriber:
         if self._dealer is None:
             return []
         self._dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        self.replays += 1
         out, deadline = [], time.monotonic() + self.replay_timeout_s
         while True:
             left = deadline - time.monotonic()
