@@ -1,0 +1,334 @@
+"""The transport of KV events: vLLM's ZMQ wire protocol ([[RFC-0001:C-KV-EVENTS]]).
+
+* Live stream: a PUB socket sends each batch as a three-frame message
+  ``(topic, seq, payload)``: ``topic`` the UTF-8 topic (empty by default),
+  ``seq`` an 8-byte big-endian sequence number (0, 1, 2, ... per publisher),
+  ``payload`` the msgpack :class:`~cpkv.consumers.kv_events.KVEventBatch`.
+* Replay: a ROUTER socket takes a request whose last frame is an 8-byte
+  big-endian start sequence number (after the envelope a REQ or DEALER peer
+  sends: identity, empty frame) and answers with one ``(seq, payload)`` message
+  per buffered batch whose ``seq >= start``, in order, then the end marker
+  ``(-1 as 8 signed big-endian bytes, b"")``.
+
+  A REQ socket keeps only the first reply of a request (libzmq's REQ state
+  machine), so a subscriber that wants the whole replay uses a DEALER that
+  sends ``[b"", start]``, as :class:`KVEventSubscriber` does.
+
+:class:`KVEventPublisher` binds both sockets; the engine's ``publish`` only
+appends to a bounded queue (the oldest batch is dropped when it is full) and a
+background thread encodes, sends and serves replays, so neither a slow nor an
+absent subscriber ever blocks the engine. :class:`KVEventSubscriber` connects,
+hands batches out in sequence order and recovers a gap through the replay socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Iterator
+
+import msgspec
+import zmq
+
+from ..contract.inputs import int_scalar
+from .kv_events import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence frame that ends a replay (its payload frame is empty)."""
+
+
+def _positive(x, name: str) -> int:
+    v = int_scalar(x, name)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def _endpoint(x, name: str) -> str:
+    if not isinstance(x, str) or "://" not in x:
+        raise ValueError(f"{name} must be a ZMQ endpoint such as 'tcp://127.0.0.1:5557', got {x!r}")
+    return x
+
+
+class KVEventPublisher:
+    """Publishes :class:`KVEventBatch` es on ``endpoint`` (bound; ``tcp://host:*``
+    picks a free port, see :attr:`endpoint`) and serves replays on
+    ``replay_endpoint`` (bound, optional).
+
+    Memory is bounded: at most ``max_queue`` batches wait for the thread (the
+    oldest is dropped and counted in :attr:`dropped` when a new one arrives at a
+    full queue: its sequence number is then missing for good), ``buffer_steps``
+    encoded batches are kept for replay, and each subscriber's socket queue holds
+    at most ``hwm`` messages (ZMQ drops past that; a replay peer's up to one
+    whole replay). ``data_parallel_rank`` is
+    stamped on every batch that has none, as vLLM's publisher does. A bind that
+    fails raises ``ValueError`` and leaves no socket or thread behind.
+    :meth:`close` (or leaving a ``with`` block) stops the thread and frees the
+    sockets."""
+
+    TICK_S = 0.005
+    """How long the thread sleeps between looks at the replay socket when idle."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 data_parallel_rank: int | None = 0, max_queue: int = 10_000,
+                 buffer_steps: int = 10_000, hwm: int = 10_000):
+        _endpoint(endpoint, "endpoint")
+        if replay_endpoint is not None:
+            _endpoint(replay_endpoint, "replay_endpoint")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        self.data_parallel_rank = None if data_parallel_rank is None else int_scalar(
+            data_parallel_rank, "data_parallel_rank")
+        self.max_queue = _positive(max_queue, "max_queue")
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=_positive(buffer_steps, "buffer_steps"))
+        hwm = _positive(hwm, "hwm")
+        self._topic = topic.encode("utf-8")
+        self._ctx = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 200)
+            self._pub.bind(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # a whole replay must fit the peer's queue, or the ROUTER drops its tail
+                self._replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 1)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"cannot bind the KV event sockets ({endpoint}, {replay_endpoint}): {e}") from e
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        """The bound PUB address (the real port when ``endpoint`` asked for ``*``)."""
+        self.replay_endpoint = None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: deque[tuple[int, KVEventBatch]] = deque()
+        self._cond = threading.Condition()
+        self._next_seq = 0
+        self._closing = False
+        self.dropped = 0
+        """Batches dropped from a full queue (never sent, never replayable)."""
+        self.sent = 0
+        """Batches sent on the PUB socket."""
+        self._thread = threading.Thread(target=self._run, name="cpkv-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> int:
+        """Queue ``batch`` and return its sequence number; never blocks on the
+        network. Raises ``TypeError`` for anything but a :class:`KVEventBatch`
+        and ``RuntimeError`` after :meth:`close` (nothing queued then)."""
+        if not isinstance(batch, KVEventBatch):
+            raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+        if batch.data_parallel_rank is None and self.data_parallel_rank is not None:
+            batch = msgspec.structs.replace(batch, data_parallel_rank=self.data_parallel_rank)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the KV event publisher is closed")
+            seq = self._next_seq
+            self._next_seq += 1
+            if len(self._queue) >= self.max_queue:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append((seq, batch))
+            self._cond.notify()
+        return seq
+
+    def _run(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        while True:
+            with self._cond:
+                if not self._queue and not self._closing:
+                    self._cond.wait(self.TICK_S)
+                items = list(self._queue)
+                self._queue.clear()
+                stop = self._closing
+            for seq, batch in items:
+                try:
+                    payload = enc.encode(batch)
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                except Exception:  # a broken batch must not kill the stream
+                    log.exception("KV event batch %d not sent", seq)
+                    continue
+                self._buffer.append((seq, payload))
+                self.sent += 1
+            while self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            if stop and not items:
+                return
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) < 2 or len(frames[-1]) != 8:
+            log.warning("KV event replay request ignored: %d frames", len(frames))
+            return
+        start = int.from_bytes(frames[-1], "big")
+        head = frames[:-1]  # the peer's identity and the empty delimiter
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*head, END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close()
+        self._ctx.term()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued, stop the thread, close both sockets and the
+        ZMQ context (PUB lingers at most 0.2 s). Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # cannot happen: no call in the loop blocks
+            raise RuntimeError("the KV event publisher thread did not stop")
+        self._close_sockets()
+
+    def __enter__(self) -> "KVEventPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class KVEventSubscriber:
+    """Connects to a publisher and hands out ``(seq, KVEventBatch)`` in
+    sequence order, each sequence number at most once.
+
+    ``from_seq``: the first sequence number wanted (0: everything, so a late
+    subscriber replays what it missed; ``None``: start at the first live one).
+    A live message past the next expected number triggers a replay of the gap
+    on ``replay_endpoint`` (waiting at most ``replay_timeout_s``); numbers the
+    publisher no longer has are counted in :attr:`lost` and listed in
+    :attr:`lost_ranges` (half-open) and skipped: a router should resync then.
+    A payload that does not decode raises ``ValueError`` naming its seq."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 from_seq: int | None = 0, replay_timeout_s: float = 1.0):
+        _endpoint(endpoint, "endpoint")
+        if replay_endpoint is not None:
+            _endpoint(replay_endpoint, "replay_endpoint")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        self.next_seq = None if from_seq is None else int_scalar(from_seq, "from_seq")
+        if self.next_seq is not None and self.next_seq < 0:
+            raise ValueError(f"from_seq must be >= 0, got {self.next_seq}")
+        self.replay_timeout_s = float(replay_timeout_s)
+        self._replay_endpoint = replay_endpoint
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._ready: deque[tuple[int, KVEventBatch]] = deque()
+        self.replays = 0
+        """Replay requests sent (one per gap seen, one per :meth:`catch_up`)."""
+        self.lost = 0
+        self.lost_ranges: list[tuple[int, int]] = []
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        self._sub.connect(endpoint)
+        self._dealer = self._new_dealer()
+
+    def _new_dealer(self):
+        if self._replay_endpoint is None:
+            return None
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(self._replay_endpoint)
+        return d
+
+    def _decode(self, seq: int, payload: bytes) -> KVEventBatch:
+        try:
+            return self._decoder.decode(payload)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"KV event batch {seq} does not decode: {e}") from e
+
+    def _replayed(self, start: int) -> list[tuple[int, bytes]]:
+        """Everything the publisher still buffers from ``start`` on ([] on timeout)."""
+        if self._dealer is None:
+            return []
+        self._dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        self.replays += 1
+        out, deadline = [], time.monotonic() + self.replay_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._dealer.poll(max(1, int(left * 1000))):
+                self._dealer.close()  # a late answer must not reach the next request
+                self._dealer = self._new_dealer()
+                return out
+            frames = self._dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                return out
+            out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
+
+    def _take(self, items, stop: int | None) -> None:
+        """Queue replayed ``items`` in [next_seq, stop); count the holes as lost."""
+        for seq, payload in items:
+            if seq < self.next_seq or (stop is not None and seq >= stop):
+                continue
+            self._lose(seq)
+            self._ready.append((seq, self._decode(seq, payload)))
+            self.next_seq = seq + 1
+        if stop is not None:
+            self._lose(stop)
+
+    def _lose(self, upto: int) -> None:
+        if upto > self.next_seq:
+            self.lost += upto - self.next_seq
+            self.lost_ranges.append((self.next_seq, upto))
+            self.next_seq = upto
+
+    def catch_up(self) -> int:
+        """Replay now everything the publisher buffers from :attr:`next_seq` on
+        (a late subscriber's first call); returns how many batches it queued."""
+        before = len(self._ready)
+        self._take(self._replayed(self.next_seq or 0), None)
+        return len(self._ready) - before
+
+    def recv(self, timeout_s: float = 1.0) -> tuple[int, KVEventBatch] | None:
+        """The next ``(seq, batch)`` in order, or ``None`` if none came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sub.poll(max(1, int(left * 1000))):
+                return None
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning("KV event message ignored: %d frames", len(frames))
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if self.next_seq is None:
+                self.next_seq = seq
+            if seq < self.next_seq:
+                continue  # already handed out (through a replay)
+            if seq > self.next_seq:
+                self._take(self._replayed(self.next_seq), seq)
+            self._ready.append((seq, self._decode(seq, frames[2])))
+            self.next_seq = seq + 1
+        return self._ready.popleft()
+
+    def batches(self, idle_timeout_s: float = 1.0) -> Iterator[tuple[int, KVEventBatch]]:
+        """Yield ``recv()`` results until none comes for ``idle_timeout_s``."""
+        while (got := self.recv(idle_timeout_s)) is not None:
+            yield got
+
+    def close(self) -> None:
+        """Close both sockets and the ZMQ context. Idempotent."""
+        if self._ctx.closed:
+            return
+        for s in (self._sub, self._dealer):
+            if s is not None:
+                s.close()
+        self._ctx.term()
+
+    def __enter__(self) -> "KVEventSubscriber":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,498 @@
+"""KV events in vLLM's format ([[RFC-0001:C-KV-EVENTS]]).
+
+The consumer here is written from vLLM's published schema (its own msgspec
+structs, as ``examples/online_serving/kv_events_subscriber.py`` copies them),
+never from cpkv's classes, and the block hash is recomputed from its documented
+definition with ``struct`` and ``hashlib``. Every socket is on 127.0.0.1 with a
+port the OS picks; every wait has a deadline of a few seconds."""
+
+import hashlib
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from cpkv.consumers import kv_events as ke  # noqa: E402
+from cpkv.consumers.kv_events_zmq import KVEventPublisher, KVEventSubscriber  # noqa: E402
+
+# a publisher thread that dies of an exception fails the test it dies in
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
+LOCAL = "tcp://127.0.0.1:*"
+S = 4
+
+
+# -- vLLM's schema, copied (array-like tagged structs, as vLLM declares them) ------------
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+VLLM = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def legacy_decoder():
+    """The older schema of vLLM's example subscriber: no lora_name, no rank."""
+
+    class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+
+    class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(Event):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+
+    class BlockRemoved(Event):
+        block_hashes: list[int]
+        medium: str | None
+
+    class AllBlocksCleared(Event):
+        pass
+
+    class LegacyBatch(Batch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    return msgspec.msgpack.Decoder(LegacyBatch)
+
+
+# -- the documented hash, recomputed -----------------------------------------------------
+def doc_hashes(tokens, page_size, key=None):
+    k = b"" if key is None else key.encode() if isinstance(key, str) else key
+    out, parent = [], 0
+    for i in range(len(tokens) // page_size):
+        page = tokens[i * page_size:(i + 1) * page_size]
+        msg = struct.pack(">I", len(k)) + k + struct.pack(">Q", parent) + struct.pack(f">{page_size}Q", *page)
+        parent = int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
+        out.append(parent)
+    return out
+
+
+# -- a router's view, rebuilt from events --------------------------------------------------
+def apply(state: dict, batch) -> None:
+    """(medium, hash) -> (parent hash, tokens of the block)."""
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+            parent = ev.parent_block_hash
+            for j, h in enumerate(ev.block_hashes):
+                state[(ev.medium, h)] = (parent, tuple(ev.token_ids[j * ev.block_size:(j + 1) * ev.block_size]))
+                parent = h
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                state.pop((ev.medium, h), None)
+        else:
+            assert isinstance(ev, AllBlocksCleared)
+            state.clear()
+
+
+def model(state: dict, op) -> None:
+    """What the blocks should be after ``op``, from the documented hash alone."""
+    kind, chain, first, n, medium = op
+    if kind == "clear":
+        state.clear()
+        return
+    hs = doc_hashes(chain, S)
+    for i in range(first, first + n):
+        if kind == "store":
+            state[(medium, hs[i])] = (hs[i - 1] if i else None, tuple(chain[i * S:(i + 1) * S]))
+        else:
+            state.pop((medium, hs[i]), None)
+
+
+def run_op(sink, op) -> None:
+    kind, chain, first, n, medium = op
+    if kind == "clear":
+        sink.cleared()
+    else:
+        getattr(sink, "stored" if kind == "store" else "removed")(chain, first, n, medium=medium)
+
+
+class Collect:
+    """A publisher that keeps what it is handed, encoded as the wire carries it."""
+
+    def __init__(self):
+        self.payloads = []
+
+    def publish(self, batch):
+        self.payloads.append(msgspec.msgpack.encode(batch))
+
+
+def deadline_loop(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        yield
+    raise AssertionError(f"not done within {seconds} s")
+
+
+# -- the hash ----------------------------------------------------------------------------
+@given(st.lists(st.integers(0, 2**40), max_size=40), st.integers(1, 8),
+       st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5)))
+def test_block_hashes_follow_the_documented_definition(tokens, page_size, key):
+    got = ke.block_hashes(tokens, page_size, key)
+    assert got == doc_hashes(tokens, page_size, key)
+    assert len(got) == len(tokens) // page_size and all(0 <= h < 2**63 for h in got)
+    # a block's hash names its whole prefix: a shorter chain shares the head
+    assert ke.block_hashes(tokens[: len(tokens) // 2], page_size, key) == got[: len(tokens) // 2 // page_size]
+
+
+def test_block_hash_pinned_value():
+    """One value written down from the definition, so that a change of the definition shows."""
+    msg = struct.pack(">I", 2) + b"m1" + struct.pack(">Q", 0) + struct.pack(">4Q", 1, 2, 3, 4)
+    want = int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
+    assert ke.block_hashes([1, 2, 3, 4, 5], 4, "m1") == [want]
+    assert ke.block_hashes([1, 2, 3, 4], 4) != [want]  # the key is hashed in
+
+
+@pytest.mark.parametrize("call, err", [
+    (lambda: ke.block_hashes([1, 2], 0), ValueError),
+    (lambda: ke.block_hashes([1, 2], 2.0), TypeError),
+    (lambda: ke.block_hashes([1, -2], 2), ValueError),
+    (lambda: ke.block_hashes([1.0, 2.0], 2), TypeError),
+    (lambda: ke.block_hashes([1, 2], 2, key=3), TypeError),
+])
+def test_block_hashes_refuses_bad_input(call, err):
+    with pytest.raises(err):
+        call()
+
+
+# -- the schema, without a network -----------------------------------------------------------
+ops = st.lists(st.tuples(
+    st.sampled_from(["store", "store", "remove", "clear"]),
+    st.lists(st.integers(0, 3), min_size=S, max_size=5 * S),
+    st.integers(0, 4), st.integers(0, 4),
+    st.sampled_from([ke.MEDIUM_DEVICE, ke.MEDIUM_HOST]),
+).map(lambda o: (o[0], o[1], min(o[2], len(o[1]) // S), min(o[3], len(o[1]) // S - min(o[2], len(o[1]) // S)), o[4])),
+    max_size=12)
+
+
+@given(ops, st.booleans())
+def test_vllm_consumer_rebuilds_the_blocks(script, auto_flush):
+    """Any script of stored/removed/cleared calls, decoded with vLLM's schema,
+    leaves a router with exactly the blocks the documented hash predicts."""
+    pub = Collect()
+    sink = ke.KVEventSink(pub, S, auto_flush=auto_flush)
+    want, got = {}, {}
+    for op in script:
+        run_op(sink, op)
+        model(want, op)
+    sink.flush()
+    assert sink.pending == [] and sink.flush() == 0
+    for p in pub.payloads:
+        apply(got, VLLM.decode(p))
+        legacy_decoder().decode(p)  # an older subscriber reads it too
+    assert got == want
+
+
+def test_sink_refuses_bad_calls_and_queues_nothing():
+    sink = ke.KVEventSink(Collect(), S)
+    chain = list(range(10))  # two full pages and a partial one
+    for bad, err in [
+        (lambda: sink.stored(chain, 2, 1), ValueError),       # page 2 is partial
+        (lambda: sink.stored(chain, -1, 1), ValueError),
+        (lambda: sink.removed(chain, 0, 3), ValueError),
+        (lambda: sink.stored(chain, 0, 1, medium=""), TypeError),
+        (lambda: sink.stored(chain, 0, 1, medium=None), TypeError),
+        (lambda: sink.stored([0.5] * 8, 0, 1), TypeError),
+        (lambda: sink.stored(chain, 0, 1, key=1.5), TypeError),
+    ]:
+        with pytest.raises(err):
+            bad()
+    assert sink.pending == []
+    with pytest.raises(TypeError):
+        ke.KVEventSink(object(), S)
+    with pytest.raises(ValueError):
+        ke.KVEventSink(Collect(), 0)
+    assert sink.stored(chain, 2) == [] and sink.pending == []  # no full page named: no event
+
+
+# -- the wire ------------------------------------------------------------------------------
+def replay_raw(endpoint, start, timeout_s=2.0):
+    """vLLM's replay protocol from scratch: a DEALER (a REQ keeps only the first reply)."""
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.connect(endpoint)
+    d.send_multipart([b"", start.to_bytes(8, "big")])
+    out = {}
+    try:
+        for _ in deadline_loop(timeout_s):
+            if d.poll(100):
+                empty, seq, payload = d.recv_multipart()
+                assert empty == b""
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    assert payload == b""
+                    return out
+                out[int.from_bytes(seq, "big")] = payload
+    finally:
+        d.close(0)
+        ctx.term()
+
+
+SCRIPT = [
+    ("store", list(range(12)), 0, 3, ke.MEDIUM_DEVICE),
+    ("store", list(range(8)) + [7, 7, 7, 7, 1], 2, 1, ke.MEDIUM_DEVICE),  # a branch off the first chain
+    ("store", list(range(12)), 1, 2, ke.MEDIUM_HOST),                     # backed up to the host
+    ("remove", list(range(12)), 1, 2, ke.MEDIUM_DEVICE),                  # then evicted from the device
+    ("clear", None, 0, 0, None),
+    ("store", [5] * 9, 0, 2, ke.MEDIUM_HOST),
+    ("store", list(range(12)), 0, 1, ke.MEDIUM_DEVICE),
+]
+
+
+def test_vllm_subscriber_over_zmq_rebuilds_the_blocks():
+    """cpkv's payloads on the wire, read by a subscriber written from vLLM's
+    schema: frames (topic, 8-byte seq, payload), seq 0.. in order, replay to the
+    end marker, and the rebuilt blocks are exactly the script's."""
+    with KVEventPublisher(LOCAL, LOCAL, topic="kv") as pub:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub.endpoint)
+        sink = ke.KVEventSink(pub, S, auto_flush=True)
+        want = {}
+        for op in SCRIPT:
+            run_op(sink, op)
+            model(want, op)
+        live = {}
+        try:
+            for _ in deadline_loop(3):
+                if len(live) == len(SCRIPT) or not sub.poll(300):
+                    break
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv" and len(seq) == 8
+                live[int.from_bytes(seq, "big")] = payload
+        finally:
+            sub.close(0)
+            ctx.term()
+        replayed = replay_raw(pub.replay_endpoint, 0)
+    assert sorted(replayed) == list(range(len(SCRIPT)))  # the whole stream, in order, then the end
+    assert all(replayed[s] == p for s, p in live.items())  # live and replay carry the same bytes
+    got = {}
+    for s in sorted(replayed):
+        batch = VLLM.decode(replayed[s])
+        assert batch.data_parallel_rank == 0
+        apply(got, batch)
+    assert got == want
+    assert {m for m, _ in got} == {ke.MEDIUM_HOST, ke.MEDIUM_DEVICE}
+
+
+def batch_of(i):
+    return ke.KVEventBatch(ts=float(i), events=[ke.AllBlocksCleared()])
+
+
+def test_late_subscriber_recovers_the_gap_through_replay():
+    with KVEventPublisher(LOCAL, LOCAL) as pub:
+        for i in range(5):
+            pub.publish(batch_of(i))
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, from_seq=0) as sub:
+            got = []
+            for _ in deadline_loop(3):  # a live batch at a time until the subscriber hears one
+                pub.publish(batch_of(len(got) + 100))
+                if (r := sub.recv(0.05)) is not None:
+                    got.append(r)
+                    break
+            got += list(sub.batches(0.3))
+            assert [s for s, _ in got] == list(range(len(got)))
+            assert [b.ts for _, b in got[:5]] == [0.0, 1.0, 2.0, 3.0, 4.0]
+            assert sub.lost == 0 and sub.replays >= 1
+
+
+def test_catch_up_then_live_hands_each_seq_out_once():
+    """A batch both replayed by catch_up and heard live is handed out once."""
+    with KVEventPublisher(LOCAL, LOCAL) as pub:
+        pub.publish(batch_of(0))
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            time.sleep(0.3)  # the SUB is connected: what follows is also heard live
+            for i in range(1, 6):
+                pub.publish(batch_of(i))
+            for _ in deadline_loop(3):
+                if pub.sent == 6:
+                    break
+                time.sleep(0.01)
+            assert sub.catch_up() == 6
+            got = list(sub.batches(0.3))
+            pub.publish(batch_of(6))
+            got += list(sub.batches(0.3))
+            assert [s for s, _ in got] == list(range(7)) and [b.ts for _, b in got] == list(map(float, range(7)))
+            assert sub.lost == 0
+
+
+def test_dropped_message_is_recovered_through_replay():
+    """A proxy between publisher and subscriber drops every seq = 3 mod 7 on the
+    live stream; the subscriber still hands out every batch, in order, once."""
+    with KVEventPublisher(LOCAL, LOCAL) as pub:
+        ctx = zmq.Context()
+        up, down = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
+        up.setsockopt(zmq.SUBSCRIBE, b"")
+        up.connect(pub.endpoint)
+        down.bind("tcp://127.0.0.1:*")
+        dropped, stop = [], threading.Event()
+
+        def proxy():
+            while not stop.is_set():
+                if up.poll(20):
+                    frames = up.recv_multipart()
+                    seq = int.from_bytes(frames[1], "big")
+                    if seq % 7 == 3:
+                        dropped.append(seq)
+                    else:
+                        down.send_multipart(frames)
+
+        t = threading.Thread(target=proxy)
+        t.start()
+        try:
+            with KVEventSubscriber(down.getsockopt_string(zmq.LAST_ENDPOINT), pub.replay_endpoint) as sub:
+                got = []
+                for _ in deadline_loop(4):
+                    pub.publish(batch_of(0))
+                    got += [r for r in iter(lambda: sub.recv(0.02), None)]
+                    if got and got[-1][0] >= 30:
+                        break
+                assert [s for s, _ in got] == list(range(len(got)))
+                assert sub.lost == 0
+                live_from = got[0][0]
+                assert any(d > live_from for d in dropped)  # a gap was on the live stream
+        finally:
+            stop.set()
+            t.join(2)
+            up.close(0)
+            down.close(0)
+            ctx.term()
+
+
+class StalledPublisher(KVEventPublisher):
+    """The sending thread waits for ``go``: every publish meets a busy thread."""
+
+    def __init__(self, *a, **kw):
+        self.go = threading.Event()
+        super().__init__(*a, **kw)
+
+    def _run(self):
+        self.go.wait(5)
+        super()._run()
+
+
+def test_slow_or_stalled_side_never_blocks_the_engine_and_memory_stays_bounded():
+    n, q = 10_000, 100
+    with StalledPublisher(LOCAL, LOCAL, max_queue=q, buffer_steps=q) as pub:
+        ctx = zmq.Context()
+        deaf = ctx.socket(zmq.SUB)  # a subscriber that never reads
+        deaf.setsockopt(zmq.SUBSCRIBE, b"")
+        deaf.connect(pub.endpoint)
+        batch = ke.KVEventBatch(ts=0.0, events=[ke.BlockStored(
+            block_hashes=[1], parent_block_hash=None, token_ids=list(range(S)), block_size=S,
+            lora_id=None, medium=ke.MEDIUM_DEVICE, lora_name=None)])
+        t0 = time.perf_counter()
+        for i in range(n):
+            assert pub.publish(batch) == i
+            assert len(pub._queue) <= q
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 2.0, elapsed
+        assert pub.dropped == n - q
+        pub.go.set()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            for _ in deadline_loop(3):
+                if pub.sent == q:
+                    break
+                time.sleep(0.01)
+            assert sub.catch_up() == q  # what survived: the newest q, in order
+            got = list(sub.batches(0.1))
+            assert [s for s, _ in got] == list(range(n - q, n))
+            assert sub.lost == n - q and sub.lost_ranges == [(0, n - q)]
+        # a deaf subscriber does not block the running thread either
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pub.publish(batch)
+        assert time.perf_counter() - t0 < 2.0
+        for _ in deadline_loop(3):
+            if pub.sent + pub.dropped == 2 * n:
+                break
+            time.sleep(0.01)
+        assert len(pub._buffer) <= q
+        deaf.close(0)
+        ctx.term()
+
+
+def test_close_leaves_no_thread_and_frees_the_ports():
+    before = set(threading.enumerate())
+    pub = KVEventPublisher(LOCAL, LOCAL)
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    pub.publish(batch_of(0))
+    sub.catch_up()
+    ends = pub.endpoint, pub.replay_endpoint
+    sub.close()
+    pub.close()
+    pub.close()
+    sub.close()  # idempotent
+    assert set(threading.enumerate()) == before
+    with pytest.raises(RuntimeError):
+        pub.publish(batch_of(1))
+    again = KVEventPublisher(*ends)  # the same ports bind again: the sockets are gone
+    assert (again.endpoint, again.replay_endpoint) == ends
+    again.close()
+    assert set(threading.enumerate()) == before
+
+
+def test_publisher_refuses_bad_arguments_and_leaks_nothing():
+    before = set(threading.enumerate())
+    with KVEventPublisher(LOCAL) as pub:
+        with pytest.raises(ValueError):
+            KVEventPublisher(pub.endpoint)  # port taken
+        with pytest.raises(TypeError):
+            pub.publish([])
+        assert pub.replay_endpoint is None
+    for bad, err in [(lambda: KVEventPublisher("localhost:1"), ValueError),
+                     (lambda: KVEventPublisher(LOCAL, "nope"), ValueError),
+                     (lambda: KVEventPublisher(LOCAL, max_queue=0), ValueError),
+                     (lambda: KVEventPublisher(LOCAL, topic=1), TypeError)]:
+        with pytest.raises(err):
+            bad()
+    with pytest.raises(ValueError):
+        KVEventSubscriber("nope")
+    with pytest.raises(ValueError):
+        KVEventSubscriber(LOCAL.replace("*", "1"), from_seq=-1)
+    assert set(threading.enumerate()) == before
