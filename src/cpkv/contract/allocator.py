@@ -37,13 +37,14 @@ import torch
 from . import plan
 from .allocation import ExtendAllocation
 from .batch import Batch, BatchPlanner, _device_tensor
-from .errors import UnsupportedPagePlan
+from .errors import InvalidFree, UnsupportedPagePlan
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
 from .inputs import check_int_tensor, int_scalar, int_vector, usable_device
+from .kv_row import RowPlacement, check_row_offsets, new_pages, row_lane_base, segments_to_slots
 from .layout import SharedKVLayout, lane_of_position
-from .rules import AllocationRules
+from .rules import AllocationRules, pages_of
 
-__all__ = ["AllocatorState", "ExtendAllocation", "OwnerLaneAllocator"]
+__all__ = ["AllocatorState", "ExtendAllocation", "OwnerLaneAllocator", "RowPlacement"]
 
 
 class OwnerLaneAllocator:
@@ -55,12 +56,14 @@ class OwnerLaneAllocator:
     ``"lane0"`` (a baseline). ``layout``, if given, must agree with
     ``page_size`` and ``cp_size`` and hold every page. Results are torch
     tensors on ``device``, which must be usable here (``ValueError``
-    otherwise). Inputs are 1-D int32/int64 tensors (any device), arrays or
+    otherwise). ``need_sort`` (SGLang's flag): keep every lane's free list
+    sorted, so the lowest free page of a lane is handed out next; off, a
+    lane hands out its most recently freed page first. Inputs are 1-D int32/int64 tensors (any device), arrays or
     lists of ints; anything else is refused (``TypeError``/``ValueError``).
     """
 
     def __init__(self, size: int, page_size: int, cp_size: int, device: str | torch.device = "cpu", *,
-                 base_policy: str = "least_full", layout: SharedKVLayout | None = None):
+                 base_policy: str = "least_full", layout: SharedKVLayout | None = None, need_sort: bool = False):
         size, page_size, cp_size = (int_scalar(v, n) for v, n in ((size, "size"), (page_size, "page_size"),
                                                                    (cp_size, "cp_size")))
         if page_size < 1 or cp_size < 1:
@@ -79,8 +82,8 @@ class OwnerLaneAllocator:
             )
         self.device = usable_device(device)
         self.size, self.page_size, self.cp_size, self.num_pages = size, page_size, cp_size, num_pages
-        self.base_policy, self.layout = base_policy, layout
-        self._lists = LaneFreeLists(num_pages, cp_size)
+        self.base_policy, self.layout, self.need_sort = base_policy, layout, bool(need_sort)
+        self._lists = LaneFreeLists(num_pages, cp_size, self.need_sort)
         self._rules = AllocationRules(self._lists, page_size, layout.padding_value, base_policy)
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
@@ -131,6 +134,21 @@ class OwnerLaneAllocator:
         """How many slots of each page are written (0 for a free page)."""
         return self._lists.fill[int_vector(pages, "pages")].copy()
 
+    def slot_generations(self, slots) -> np.ndarray:
+        """The allocation stamp of the page of each slot ``[n]`` (int64; 0 for
+        a free page or padding). Every allocation call stamps the pages it
+        hands out with a number no call got before, so a request that keeps
+        ``slot_generations([last_loc])`` next to its ``last_loc`` and passes
+        it as ``last_loc_gen`` is refused (``stale-last-loc``) once that page
+        was freed, even after another request refilled it to the same mark.
+        Raises ``IndexError`` for a slot outside the usable pages."""
+        s = int_vector(slots, "slots")
+        pad = s == self.layout.padding_value
+        p = pages_of(np.where(pad, self.page_size, s), self.page_size)
+        if p.size and (p.min() < 1 or p.max() > self.num_pages):
+            raise IndexError(f"slots must lie on pages 1..{self.num_pages} (or be padding)")
+        return np.where(pad, 0, self._lists.gen[p])
+
     # -- SGLang's state surface ---------------------------------------------------------
     def clear(self) -> None:
         """Every page back on its lane's free list, lowest page on top; an open
@@ -160,8 +178,12 @@ class OwnerLaneAllocator:
 
     def free_group_begin(self) -> None:
         """Open a free group (SGLang): later frees are checked when made but
-        done together at :meth:`free_group_end`. Raises ``RuntimeError`` if one
-        is open already."""
+        done together at :meth:`free_group_end`, which frees the union of
+        their pages. A page named by several calls of the group (two slot
+        ranges that share a page) is freed once; a page that was free before
+        the group is still a ``double-free``, raised by the call that names
+        it, and that call adds nothing to the group. Raises ``RuntimeError``
+        if a group is open already."""
         if self._lists.pending is not None:
             raise RuntimeError("a free group is open already")
         self._lists.pending = self._lists.page_bitmap()
@@ -217,7 +239,8 @@ class OwnerLaneAllocator:
         Padding is ignored. Raises :class:`~cpkv.contract.errors.InvalidFree`
         and frees nothing if a slot is outside the usable pages
         (``free-out-of-range``) or a page is not allocated (``double-free``).
-        Inside a free group the pages stay allocated until its end. No sort:
+        Inside a free group the pages stay allocated until its end, and a page
+        an earlier call of the group named already is not a double free. No sort:
         pages come from the slots at stride ``S`` when they are in page runs.
         """
         pages = self._rules.pages_to_free(slots)
@@ -237,8 +260,149 @@ class OwnerLaneAllocator:
         else:
             self._lists.put(pages)
 
+    def free_segment(self, free_index, *, start_pos: int) -> None:
+        """SGLang's ``free_segment``: free ``free_index [n]``, the slots of
+        positions ``start_pos .. start_pos + n - 1`` of one request's row,
+        releasing each page it touches (the last one whole, even if the
+        segment ends mid-page), as :meth:`free` does. Refused with
+        :class:`InvalidFree` ``unaligned-segment`` when ``start_pos`` is not
+        on a page boundary or a slot does not sit at its position's page
+        offset (SGLang asserts the first); otherwise as :meth:`free`. Lanes
+        change nothing here: a page is freed to its own lane."""
+        s = int_vector(free_index, "free_index")
+        start = int_scalar(start_pos, "start_pos")
+        if start < 0 or start % self.page_size:
+            raise InvalidFree("unaligned-segment", f"start_pos {start} is not on a page boundary (page_size "
+                              f"{self.page_size})")
+        check_row_offsets(s, start, self.page_size)
+        self.free(s)
+
+    def free_segments(self, segments) -> None:
+        """SGLang's ``free_segments``: free ascending ``(free_index, start_pos)``
+        segments of one request's row in one call. A segment that starts
+        inside the page the previous segment ends on does not free that page
+        again (its head up to the page boundary is skipped); any other
+        segment must start on a page boundary. Checked whole before anything
+        is freed (see :func:`~cpkv.contract.kv_row.segments_to_slots` for the
+        ``InvalidFree`` rules), then freed as :meth:`free` frees."""
+        self.free(segments_to_slots(segments, self.page_size))
+
+    def alloc(self, need_size: int, *, first_lane: int | None = None) -> torch.Tensor | None:
+        """SGLang's paged ``alloc``: ``need_size / S`` whole pages as their slots,
+        int64 ``[need_size]`` on ``device``, page after page, each page's
+        slots in order; ``None`` (nothing changed, ``last_deficit`` set) when a
+        lane is short.
+
+        Under owner lanes the pages form one chain: page j lies in lane
+        ``(first_lane + j) % N``, ``first_lane`` by default the lane a fresh
+        chain gets (:meth:`lane_for_new_chain`: the lane with the most free
+        pages under ``least_full``). To place pages that continue a request
+        at page position q, pass ``first_lane = (b + q) % N``. The pages are
+        whole (fill S) and their chain position is not recorded, so the only
+        continuation is from a page's last slot (SGLang's HiCache loads whole
+        pages this way). Raises ``UnsupportedPagePlan`` ``unaligned-need``
+        (``need_size`` negative or not a multiple of S; SGLang asserts it in
+        debug mode only), ``owner-out-of-range`` and ``exceeds-capacity``
+        (a lane has fewer pages than the chain needs from it)."""
+        need, S, N = int_scalar(need_size, "need_size"), self.page_size, self.cp_size
+        if need < 0 or need % S:
+            raise UnsupportedPagePlan("unaligned-need", f"need_size {need} is not a non-negative multiple of {S}")
+        first = self.lane_for_new_chain(0) if first_lane is None else int_scalar(first_lane, "first_lane")
+        if not 0 <= first < N:
+            raise UnsupportedPagePlan("owner-out-of-range", f"first_lane {first} not in [0, {N})")
+        owners = lane_of_position(first, np.arange(need // S), N)
+        if (np.bincount(owners, minlength=N) > self.lane_pages).any():
+            raise UnsupportedPagePlan("exceeds-capacity", f"{need // S} pages from lane {first} on: some lane "
+                                      "holds fewer pages than the chain needs from it; it can never fit")
+        pages = self.alloc_pages_with_owners(owners)
+        return None if pages is None else (pages[:, None] * S + torch.arange(S, device=pages.device)).reshape(-1)
+
+    def get_num_new_pages(self, seq_lens, page_size: int | None = None, prefix_lens=None, decode: bool = False) -> int:
+        """SGLang's ``get_num_new_pages``: how many pages an extend (``seq_lens``,
+        ``prefix_lens``, both ``[bs]``) or a decode (``decode=True``: the
+        prefix is ``seq_lens - 1``) adds, ``sum(ceil(seq/S) - ceil(prefix/S))``.
+        ``page_size``, if given, must be this allocator's (SGLang passes it).
+        Under owner lanes the total fitting ``sum(lane_free_pages())`` does
+        not mean the batch fits: each lane must supply its share, which
+        ``allocate_extend`` checks (``last_deficit``). Raises ``ValueError``
+        for a decode with ``prefix_lens``, an extend without them or another
+        page size, ``UnsupportedPagePlan`` as an extend would for lengths no
+        allocation takes (``empty-decode`` for ``seq_lens < 1`` in a decode)."""
+        if page_size is not None and int_scalar(page_size, "page_size") != self.page_size:
+            raise ValueError(f"page_size {page_size} is not this allocator's {self.page_size}")
+        seq = int_vector(seq_lens, "seq_lens")
+        if decode:
+            if prefix_lens is not None:
+                raise ValueError("decode=True takes no prefix_lens: a decode's prefix is seq_lens - 1")
+            if seq.size and seq.min() < 1:
+                r = int((seq < 1).nonzero()[0][0])
+                raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
+            return new_pages(seq, seq - 1, self.page_size)
+        if prefix_lens is None:
+            raise ValueError("prefix_lens is needed unless decode=True")
+        return new_pages(seq, int_vector(prefix_lens, "prefix_lens"), self.page_size)
+
+    # -- SGLang's retraction copies -----------------------------------------------------------
+    def get_cpu_copy(self, indices, mamba_indices=None) -> RowPlacement:
+        """SGLang's ``get_cpu_copy`` at allocator level: where the row
+        ``indices [n]`` (a request's slots for positions ``0 .. n-1``, as
+        SGLang's retraction passes ``req_to_token[req, :seqlen - 1]``) lies:
+        its lane base and length, a :class:`RowPlacement`.
+
+        SGLang's allocator hands this call to its KV cache, which copies the
+        row's KV data to the host. cpkv's allocator holds no KV data: on each
+        rank the pool copies the slots that rank owns
+        (``SharedKVPool.read_owned_all_layers(indices)``). Those copies load
+        back without any communication only if the new row puts every
+        position on the same lane, i.e. keeps the lane base, which
+        :meth:`load_cpu_copy` checks. Refuses ``NotImplementedError`` for
+        ``mamba_indices`` (cpkv keeps no Mamba state), ``UnsupportedPagePlan``
+        ``last-loc-not-allocated`` for a slot on a free page and
+        ``not-one-chain`` for a row that is not one owner-lane chain from
+        position 0. Changes nothing. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+        return RowPlacement(self._row_base(indices, mamba_indices), int(int_vector(indices, "indices").size),
+                            self.page_size, self.cp_size)
+
+    def load_cpu_copy(self, kv_cache_cpu: RowPlacement, indices, mamba_indices=None) -> None:
+        """SGLang's ``load_cpu_copy`` at allocator level: check that the new
+        row ``indices [n]`` can take back what :meth:`get_cpu_copy` recorded:
+        same length and same lane base, so each rank writes its own copy into
+        its own pages (``SharedKVPool.write_all_layers(indices, ...)``).
+        Allocate such a row with ``alloc_pages_with_owners((b + arange(P)) %
+        N, fill=[S, ..., S, tail])``. Refuses ``TypeError`` for something that
+        is not a :class:`RowPlacement`, ``ValueError`` for one of another page
+        or CP size, ``UnsupportedPagePlan`` ``mismatched-lengths``,
+        ``lane-base-changed`` and the refusals of :meth:`get_cpu_copy`.
+        Changes nothing."""
+        if not isinstance(kv_cache_cpu, RowPlacement):
+            raise TypeError(f"load_cpu_copy takes what get_cpu_copy returned, got {type(kv_cache_cpu).__name__}")
+        if (kv_cache_cpu.page_size, kv_cache_cpu.cp_size) != (self.page_size, self.cp_size):
+            raise ValueError(f"copy of a row with page_size, cp_size = {kv_cache_cpu.page_size}, "
+                             f"{kv_cache_cpu.cp_size}; this allocator has {self.page_size}, {self.cp_size}")
+        n = int(int_vector(indices, "indices").size)
+        if n != kv_cache_cpu.length:
+            raise UnsupportedPagePlan("mismatched-lengths", f"the copy holds {kv_cache_cpu.length} positions, "
+                                      f"indices {n}")
+        base = self._row_base(indices, mamba_indices)
+        if n and base != kv_cache_cpu.lane_base:
+            raise UnsupportedPagePlan("lane-base-changed", f"the row was copied from lane base "
+                                      f"{kv_cache_cpu.lane_base}, the new one has {base}: each rank's copy "
+                                      "would land on another rank's pages")
+
+    def _row_base(self, indices, mamba_indices) -> int:
+        if mamba_indices is not None:
+            raise NotImplementedError("cpkv keeps no Mamba state: mamba_indices must be None")
+        s = int_vector(indices, "indices")
+        if s.size:
+            p = pages_of(s, self.page_size)
+            if p.min() < 1 or p.max() > self.num_pages:
+                raise UnsupportedPagePlan("slot-out-of-range", f"a slot is not on a usable page (1..{self.num_pages})")
+            if (off := (self._lists.fill[p] == 0)).any():
+                raise UnsupportedPagePlan("last-loc-not-allocated", f"slot {s[off][0]} lies on free page {p[off][0]}")
+        return row_lane_base(s, self.page_size, self.cp_size)
+
     # -- extend / decode ----------------------------------------------------------------------
-    def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None):
+    def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None, *, last_loc_gen=None):
         """Allocate the new slots of a batch on owner lanes, with the batch plan.
 
         ``prefix_lens_cpu``, ``seq_lens_cpu``, ``last_loc`` ``[bs]``
@@ -248,8 +412,22 @@ class OwnerLaneAllocator:
         :class:`UnsupportedPagePlan` for a plan the owner-lane path cannot
         honour or a request that can never fit (``exceeds-capacity``), before
         anything changes.
+
+        What a ``last_loc`` is checked against: its page offset ends the
+        prefix, it is its page's last written slot (the fill mark), and,
+        when the page was taken by an extend or decode (which record each
+        page's chain position), its page is at chain position
+        ``(prefix - 1) // S`` (``inconsistent-last-loc``; at page size 1 this
+        is the only check that sees a ``prefix_lens`` off by some tokens).
+        ``last_loc_gen [bs]`` (optional; ignored where there is no prefix) is
+        what :meth:`slot_generations` said of each ``last_loc`` when the
+        request got it; a page freed and handed out again since has another
+        stamp (``stale-last-loc``). Without it, a ``last_loc`` kept from a
+        request whose page was freed and refilled by another request to the
+        same mark and chain position cannot be told from the new owner's.
         """
         prefix, seq, last = self._lengths(prefix_lens_cpu, seq_lens_cpu, last_loc)
+        gen = self._gens(last_loc_gen, seq.size)
         has, last_page = self._rules.check_extend(prefix, seq, last)
         self._rules.check_capacity(prefix, seq, has, last_page)
         total = int((seq - prefix).sum())
@@ -257,25 +435,67 @@ class OwnerLaneAllocator:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page))
+        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page), prefix, last, gen)
 
-    def allocate_decode(self, seq_lens_cpu, last_loc) -> ExtendAllocation | None:
+    def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> ExtendAllocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
         the previous token's slot, padding for none): the same result, state
         and refusals as :meth:`allocate_extend` with ``prefix_lens = seq_lens -
         1``, on a fast path. The new slot is ``last_loc + 1`` unless
         ``last_loc`` ends its page; then the request takes one page from lane
         ``(owner(last_loc) + 1) % N``. A fresh request (no ``last_loc``) takes
-        a lane by the lane-base rule."""
+        a lane by the lane-base rule. ``seq_lens`` that miss the new token
+        name the previous token's position for it: refused
+        (``inconsistent-last-loc``) wherever the page of ``last_loc`` has a
+        recorded chain position, as at page size 1 after an extend or decode;
+        ``last_loc_gen`` as in :meth:`allocate_extend`."""
         seq, last = int_vector(seq_lens_cpu, "seq_lens"), int_vector(last_loc, "last_loc")
-        return self._commit(self._planner.decode(seq, last))
+        gen = self._gens(last_loc_gen, seq.size)
+        batch = self._planner.decode(seq, last)
+        return self._commit(batch, seq - 1, last, gen)
 
-    def _commit(self, batch: Batch | np.ndarray) -> ExtendAllocation | None:
-        """Apply a planned batch (nothing here can fail), or record a refusal."""
+    def _gens(self, last_loc_gen, bs: int) -> np.ndarray | None:
+        if last_loc_gen is None:
+            return None
+        gen = int_vector(last_loc_gen, "last_loc_gen")
+        if gen.size != bs:
+            raise UnsupportedPagePlan("mismatched-lengths", f"{bs} requests but {gen.size} last_loc_gen")
+        return gen
+
+    def _check_chain(self, prefix: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> None:
+        """Refuse a ``last_loc`` (already checked by the rules: on an allocated
+        page, at the prefix's offset, the page's last written slot) whose page
+        has another recorded chain position than ``(prefix - 1) // S``, or,
+        with ``gen``, another stamp."""
+        has = prefix > 0
+        if not has.any():
+            return
+        S = self.page_size
+        page = pages_of(np.where(has, last, S), S)
+        pos = self._lists.pos[page]
+        bad = has & (pos >= 0) & (pos != (prefix - 1) // S)
+        if bad.any():
+            r = int(bad.nonzero()[0][0])
+            raise UnsupportedPagePlan(
+                "inconsistent-last-loc",
+                f"last_loc {last[r]} lies on the page at chain position {pos[r]}, but a prefix of {prefix[r]} "
+                f"tokens ends on page position {(prefix[r] - 1) // S} (do seq_lens include the new token?)", r)
+        if gen is not None and (stale := has & (self._lists.gen[page] != gen)).any():
+            r = int(stale.nonzero()[0][0])
+            raise UnsupportedPagePlan(
+                "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
+                f"got it (stamp {self._lists.gen[page[r]]}, the request holds {gen[r]})", r)
+
+    def _commit(self, batch: Batch | np.ndarray, prefix: np.ndarray, last: np.ndarray,
+                gen: np.ndarray | None) -> ExtendAllocation | None:
+        """Check the chain positions and stamps of the ``last_loc`` of a planned
+        batch, then apply it (nothing after the check can fail), or record a
+        refusal."""
+        self._check_chain(prefix, last, gen)
         if isinstance(batch, np.ndarray):
             self.last_deficit = batch
             return None
-        self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill)
+        self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill, batch.new_positions)
         if batch.grown is not None:
             self._lists.write(batch.grown, batch.grown_fill)
         alloc = ExtendAllocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
@@ -295,23 +515,33 @@ class OwnerLaneAllocator:
 
     # -- SGLang's call shapes -------------------------------------------------------------------
     def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
-                     seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int):
+                     seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
+                     num_new_pages: int | None = None, *, last_loc_gen=None):
         """SGLang's paged ``alloc_extend``: ``out_cache_loc [extend_num_tokens]``
         or ``None`` when a lane is short (state unchanged). The device copies
         are checked for kind and length, never read; the full plan is
-        ``last_allocation``."""
+        ``last_allocation``. ``num_new_pages`` (SGLang's precomputed
+        :meth:`get_num_new_pages`), if given, must match the lengths (rule
+        ``num-new-pages``). ``last_loc_gen``: see :meth:`allocate_extend`."""
         self._device_copies(prefix_lens, prefix_lens_cpu, "prefix_lens")
         self._device_copies(seq_lens, seq_lens_cpu, "seq_lens")
+        if num_new_pages is not None:
+            want = self.get_num_new_pages(seq_lens_cpu, prefix_lens=prefix_lens_cpu)
+            if int_scalar(num_new_pages, "num_new_pages") != want:
+                raise UnsupportedPagePlan("num-new-pages", f"num_new_pages={num_new_pages} but the lengths add {want}")
         alloc = self.allocate_extend(prefix_lens_cpu, seq_lens_cpu, last_loc, int_scalar(extend_num_tokens,
-                                                                                          "extend_num_tokens"))
+                                                                                          "extend_num_tokens"),
+                                     last_loc_gen=last_loc_gen)
         return None if alloc is None else alloc.out_cache_loc
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor):
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, *,
+                     last_loc_gen=None):
         """SGLang's paged ``alloc_decode``: ``seq_lens`` include the new token,
         ``last_loc`` is the previous token's slot (-1 for none). Returns
-        ``out_cache_loc [bs]`` or ``None`` (state unchanged)."""
+        ``out_cache_loc [bs]`` or ``None`` (state unchanged). Refusals and
+        ``last_loc_gen``: see :meth:`allocate_decode`."""
         self._device_copies(seq_lens, seq_lens_cpu, "seq_lens")
-        alloc = self.allocate_decode(seq_lens_cpu, last_loc)
+        alloc = self.allocate_decode(seq_lens_cpu, last_loc, last_loc_gen=last_loc_gen)
         return None if alloc is None else alloc.out_cache_loc
 
     @staticmethod

@@ -60,6 +60,7 @@ class Batch:
     ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
     ``new_fill`` (an array, or one value for all); ``grown`` are allocated
     partial pages the batch writes further, their new marks ``grown_fill``;
+    ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
     plan fields of :class:`~cpkv.contract.allocation.ExtendAllocation`.
     """
@@ -71,6 +72,7 @@ class Batch:
     grown: np.ndarray | None
     grown_fill: np.ndarray | None
     host_plan: Callable[[], dict[str, np.ndarray]]
+    new_positions: np.ndarray
 
 
 class BatchPlanner:
@@ -140,12 +142,14 @@ class BatchPlanner:
             else:
                 out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
 
+        positions = (first_new - starts).repeat(n_new) + iota[: new_pages.size]
+
         def host_plan():
             return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
-                    "new_page_positions": (first_new - starts).repeat(n_new) + iota[: new_pages.size]}
+                    "new_page_positions": positions}
 
-        return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan)
+        return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions)
 
     def decode(self, seq: np.ndarray, last: np.ndarray) -> Batch | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
@@ -184,6 +188,7 @@ class BatchPlanner:
         slots = last + 1
         slots[idx] = new_pages * S
         grown = last_page[~needs]
+        positions = prefix[idx] // S
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
             b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
@@ -191,7 +196,8 @@ class BatchPlanner:
                 "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
                 "extend_start_loc": np.arange(prefix.size), "lane_base": b,
                 "new_page_start": _excl_cumsum(needs.astype(np.int64)), "new_pages": new_pages,
-                "new_page_owners": lanes, "new_page_positions": prefix[idx] // S,
+                "new_page_owners": lanes, "new_page_positions": positions,
             }
 
-        return Batch(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan)
+        return Batch(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan,
+                     positions)

@@ -25,8 +25,11 @@ class UnsupportedPagePlan(ValueError):
 
 class InvalidFree(ValueError):
     """A free the allocator refuses: a slot or page outside the usable pages
-    (``rule == "free-out-of-range"``) or a page that is not allocated, or is
-    already freed in the open free group (``"double-free"``). Nothing is freed."""
+    (``rule == "free-out-of-range"``), a page that is not allocated
+    (``"double-free"``; a page freed earlier in an open free group is still
+    allocated, and the group frees it once), or a segment that does not sit
+    on its pages (``"unaligned-segment"``, ``"overlapping-segments"``).
+    Nothing is freed."""
 
     def __init__(self, rule: str, message: str):
         self.rule = rule

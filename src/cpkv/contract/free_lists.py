@@ -7,8 +7,19 @@ belongs to lane ``p % N``. State:
 * ``fill[p]``: how many slots of page p are written (handed out), ``0`` when
   the page is free. A page is allocated iff ``fill[p] > 0``; a chain may only
   continue from the last written slot of its page, ``p*S + fill[p] - 1``;
+* ``gen[p]``: the stamp of the allocation that handed page p out (0 when
+  free). Stamps come from one counter, ``epoch``, that only grows: every
+  allocation call takes the next one, and neither a free, a restore nor
+  ``clear`` hands a stamp out twice, so a ``(page, stamp)`` pair kept from a
+  dead allocation never matches a live one;
+* ``pos[p]``: the request-local page position q of page p in its chain when
+  the allocation knew it (extend, decode), ``-1`` when it did not (pages
+  taken by owner or by ``alloc``) or the page is free;
 * ``pending``: pages freed inside an open free group, still allocated until
-  the group ends.
+  the group ends (a page freed by several calls of one group is one free);
+* ``need_sort``: when set, every lane's free list is kept sorted, the lowest
+  page handed out next; otherwise a freed page is handed out before the
+  older free pages of its lane (a stack).
 
 Invariants (checked by the tests after every call): every usable page is on
 exactly one free list, its own lane's, or has ``fill > 0``, never both; per
@@ -53,13 +64,15 @@ class AllocatorState:
     free: np.ndarray
     stack: np.ndarray
     fill: np.ndarray
+    gen: np.ndarray
+    pos: np.ndarray
 
 
 class LaneFreeLists:
     """Per-lane free lists of pages, fill marks, and the free-group buffer."""
 
-    def __init__(self, num_pages: int, cp_size: int):
-        self.num_pages, self.cp_size = num_pages, cp_size
+    def __init__(self, num_pages: int, cp_size: int, need_sort: bool = False):
+        self.num_pages, self.cp_size, self.need_sort = num_pages, cp_size, bool(need_sort)
         self.lane_pages = np.bincount(np.arange(1, num_pages + 1) % cp_size, minlength=cp_size)
         self.cap = int(self.lane_pages.max())
         # every lane's pages, next one to hand out last; clear() copies it in place
@@ -71,6 +84,9 @@ class LaneFreeLists:
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
         self.free = self.lane_pages.copy()
         self.fill = np.zeros(num_pages + 1, dtype=np.int32)  # a page holds at most S < 2**31 slots
+        self.gen = np.zeros(num_pages + 1, dtype=np.int64)
+        self.pos = np.full(num_pages + 1, -1, dtype=np.int64)
+        self.epoch = 1  # the next allocation's stamp; never reset, never restored
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
 
     def clear(self) -> None:
@@ -79,6 +95,8 @@ class LaneFreeLists:
         self.stack[...] = self._initial
         self.free[...] = self.lane_pages
         self.fill[...] = 0
+        self.gen[...] = 0
+        self.pos[...] = -1
         self.pending = None
 
     # -- questions --------------------------------------------------------------
@@ -132,34 +150,59 @@ class LaneFreeLists:
 
     def snapshot(self) -> tuple:
         """The whole state as a hashable value: free pages per lane in order,
-        fill marks, pages pending in a free group (None when none is open)."""
+        fill marks, pages pending in a free group (None when none is open),
+        chain positions. Allocation stamps are left out: they name
+        allocations, and two allocators on the same calls with a restore
+        between them stamp differently (a restore never rewinds ``epoch``)."""
         lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
         pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
-        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, self.pos.tobytes()
 
     # -- changes ----------------------------------------------------------------
-    def take(self, pages: np.ndarray, counts: np.ndarray, fill: np.ndarray) -> None:
-        """Hand out ``pages`` (from :meth:`peek`, ``counts`` per lane) with fill marks ``fill``."""
+    def take(self, pages: np.ndarray, counts: np.ndarray, fill, positions=None) -> int:
+        """Hand out ``pages`` (from :meth:`peek`, ``counts`` per lane) with fill
+        marks ``fill`` and chain positions ``positions`` (None: unknown), all
+        under one new stamp, which it returns."""
         self.free -= counts
         self.fill[pages] = fill
+        self.pos[pages] = -1 if positions is None else positions
+        stamp, self.epoch = self.epoch, self.epoch + 1
+        self.gen[pages] = stamp
+        return stamp
 
     def write(self, pages: np.ndarray, fill: np.ndarray) -> None:
         """Set the fill marks of allocated ``pages`` (a chain wrote more of them)."""
         self.fill[pages] = fill
 
     def put(self, pages: np.ndarray) -> None:
-        """Return distinct allocated ``pages`` to their lanes, in the order given
-        (the last one of a lane is handed out next)."""
+        """Return distinct allocated ``pages`` to their lanes: in the order given
+        (the last one of a lane is handed out next), or, with ``need_sort``,
+        each touched lane's list sorted again, its lowest page handed out next."""
         lanes = pages % self.cp_size
         counts = np.bincount(lanes, minlength=self.cp_size)
         self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
         self.free += counts
-        self.fill[pages] = 0
+        self.fill[pages], self.gen[pages], self.pos[pages] = 0, 0, -1
+        if self.need_sort:
+            self._sort_lanes(counts.nonzero()[0])
+
+    def _sort_lanes(self, lanes: np.ndarray) -> None:
+        """Sort the free lists of ``lanes`` so the lowest page is on top (one
+        row sort per lane, ``O(cap log cap)``; pages are >= 1, so the ``0``
+        fill past a list's end sorts below every page)."""
+        rows = self.stack[lanes]
+        rows[np.arange(self.cap)[None, :] >= self.free[lanes][:, None]] = 0
+        rows.sort(axis=1)  # ascending, the zeros first: reversed, the list is at the bottom, lowest on top
+        self.stack[lanes] = rows[:, ::-1]
 
     def copy_out(self, size: int, page_size: int) -> AllocatorState:
         """A copy of the state (the free-group buffer is not part of it)."""
-        return AllocatorState(size, page_size, self.cp_size, self.free.copy(), self.stack.copy(), self.fill.copy())
+        return AllocatorState(size, page_size, self.cp_size, self.free.copy(), self.stack.copy(), self.fill.copy(),
+                              self.gen.copy(), self.pos.copy())
 
     def copy_in(self, state: AllocatorState) -> None:
-        """Put a copy of ``state`` back (the caller checked it fits)."""
+        """Put a copy of ``state`` back (the caller checked it fits). ``epoch``
+        keeps counting: an allocation undone by the restore keeps its stamp
+        dead, since no later allocation gets it again."""
         self.free[...], self.stack[...], self.fill[...] = state.free, state.stack, state.fill
+        self.gen[...], self.pos[...] = state.gen, state.pos

@@ -175,8 +175,8 @@ class AllocationRules:
     def pages_to_free(self, slots) -> np.ndarray | None:
         """The distinct pages holding ``slots`` (padding ignored), or None when
         there are none. Raises :class:`InvalidFree` for a slot outside the
-        usable pages or a page that is not allocated (or already freed in the
-        open free group); ``TypeError``/``ValueError`` for a wrong input kind.
+        usable pages or a page that is not allocated (one freed earlier in the
+        open free group is still allocated); ``TypeError``/``ValueError`` for a wrong input kind.
 
         No sort: when every run of ``S`` consecutive entries is one whole page
         in order (a request's slots) the pages are read at stride ``S``, after
@@ -236,11 +236,10 @@ class AllocationRules:
         return self._scratch[pages] == idx
 
     def check_freeable(self, pages: np.ndarray) -> None:
-        """Every page in ``pages`` (distinct, usable) is allocated and not
-        already freed in the open free group; :class:`InvalidFree` otherwise."""
+        """Every page in ``pages`` (distinct, usable) is allocated;
+        :class:`InvalidFree` otherwise. A page already freed in the open free
+        group is still allocated and passes: the group frees the union of its
+        calls, as SGLang's does."""
         free = self.lists.fill[pages] == 0
         if free.any():
             raise InvalidFree("double-free", f"page {int(pages[free][0])} is not allocated (double free?)")
-        pending = self.lists.pending
-        if pending is not None and (twice := pending[pages]).any():
-            raise InvalidFree("double-free", f"page {int(pages[twice][0])} is already freed in this free group")
