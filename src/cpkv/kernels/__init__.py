@@ -190,7 +190,8 @@ def merge_lse(outs: torch.Tensor, lses: torch.Tensor, *, backend: str = "auto") 
     if lses.dtype != torch.float32:
         raise TypeError(f"lses must be float32, got {lses.dtype}")
     if tuple(lses.shape) != tuple(outs.shape[:3]):
-        raise ValueError(f"lses of shape {tuple(lses.shape)} for outs {tuple(outs.shape)}: expected {tuple(outs.shape[:3])}")
+        raise ValueError(f"lses of shape {tuple(lses.shape)} for outs {tuple(outs.shape)}: "
+                         f"expected {tuple(outs.shape[:3])}")
     dev = check_same_device(outs=outs, lses=lses)
     return _impl(backend, dev).merge_lse(outs, lses)
 
@@ -219,7 +220,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k_view: torch.Tensor, t
     check_view("k_view", k_view, layout)
     check_dim("k_view", k_view.shape[1], q.shape[2], "key dim (q's Di)")
     if tuple(weights.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"weights of shape {tuple(weights.shape)} for q {tuple(q.shape)}: expected {tuple(q.shape[:2])}")
+        raise ValueError(f"weights of shape {tuple(weights.shape)} for q {tuple(q.shape)}: "
+                         f"expected {tuple(q.shape[:2])}")
     _check_table(table, q_req, q_pos, q, layout, check)
     return _impl(backend, dev).index_scores(q, weights, k_view, table, q_req, q_pos, layout, scale)
 

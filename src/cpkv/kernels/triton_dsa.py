@@ -109,7 +109,7 @@ def sparse_mla_attention(q, latent_view, slots, layout, scaling, value_dims, onl
     if T == 0 or slots.shape[1] == 0:
         return out, lse
     q, slots = q.contiguous(), slots.contiguous()
-    BLOCK_H = block(min(H, 64))
+    BLOCK_H = block(min(H, 16))  # heads per program: a [16, r] fp32 accumulator at r = 512
     _sparse_mla_kernel[(T, triton.cdiv(H, BLOCK_H))](
         q, latent_view, slots, out, lse, q.stride(0), q.stride(1), latent_view.stride(0), slots.stride(0),
         out.stride(0), out.stride(1), H, slots.shape[1], value_dims, Dl - value_dims,
