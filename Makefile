@@ -17,7 +17,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_FLAGS) torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,events,kernels,test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
