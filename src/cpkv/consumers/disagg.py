@@ -37,7 +37,6 @@ ranks).
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -265,7 +264,7 @@ def plan_transfer(src: SharedKVLayout, dst: SharedKVLayout, src_slots, dst_slots
 
 # -- messages -------------------------------------------------------------------------------
 def _family_nbytes(f: Family, n: int) -> int:
-    return len(f.layers) * n * math.prod(f.shape) * torch.empty((), dtype=f.dtype).element_size()
+    return n * f.slot_bytes()  # stored bytes: a formatted family's rows [[RFC-0001:C-KV-FORMAT]]
 
 
 def _aligned(nbytes: int) -> int:
@@ -284,7 +283,7 @@ def payload_nbytes(families: Sequence[Family], n: int) -> int:
 
 
 def pack_message(families: Sequence[Family], values: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """One ``uint8`` message from ``values[name] [len(layers), n, *shape]``, families in order."""
+    """One ``uint8`` message from stored rows ``values[name] [len(layers), n, *row_shape]``, families in order."""
     parts = []
     for f in families:
         raw = values[f.name].contiguous().view(-1).view(torch.uint8)
@@ -298,7 +297,7 @@ def pack_message(families: Sequence[Family], values: Mapping[str, torch.Tensor])
 
 
 def unpack_message(families: Sequence[Family], buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    """Views ``{name: [len(layers), n, *shape]}`` into a message of ``n`` slots
+    """Views ``{name: [len(layers), n, *row_shape]}`` (stored rows) into a message of ``n`` slots
     (no copy). Raises :class:`ContractViolation` when its size is not the
     size ``n`` slots of these families make."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != message_nbytes(families, n):
@@ -307,7 +306,7 @@ def unpack_message(families: Sequence[Family], buf: torch.Tensor, n: int) -> dic
     out, o = {}, 0
     for f in families:
         nb = _family_nbytes(f, n)
-        out[f.name] = buf[o : o + nb].view(f.dtype).view(len(f.layers), n, *f.shape)
+        out[f.name] = buf[o : o + nb].view(f.dtype).view(len(f.layers), n, *f.row_shape)
         o += _aligned(nb)
     return out
 

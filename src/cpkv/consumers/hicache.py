@@ -118,7 +118,10 @@ class HostPool:
     """The host tier's data for one rank: a buffer per family, the same memory on every rank.
 
     ``buffers[name]`` has shape ``[len(family.layers), (host_pages + 1) *
-    page_size, *family.shape]`` (host page 0 unused, like device page 0).
+    page_size, *family.row_shape]`` of ``family.dtype`` (host page 0 unused,
+    like device page 0): the device pool's stored rows, so a formatted
+    (e.g. FP8) family is backed up and loaded as its bytes, never re-encoded
+    ([[RFC-0001:C-KV-FORMAT]]).
     """
 
     def __init__(self, families: Sequence[Family], buffers: Mapping[str, torch.Tensor], io_rank: int = 0):
@@ -134,7 +137,7 @@ class HostPool:
         """Zeroed host buffers; ``make(tag, shape, dtype)`` allocates (default ``torch.zeros``)."""
         make = make or (lambda tag, shape, dtype: torch.zeros(shape, dtype=dtype))
         slots = (host_pages + 1) * page_size
-        return {f.name: make(f"host_{f.name}", (len(f.layers), slots, *f.shape), f.dtype) for f in families}
+        return {f.name: make(f"host_{f.name}", (len(f.layers), slots, *f.row_shape), f.dtype) for f in families}
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page over every family and layer."""

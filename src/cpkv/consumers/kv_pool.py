@@ -8,6 +8,13 @@ layer that keeps the family. Each rank writes only into its own segment
 ([[RFC-0001:C-DIRECT-WRITE]]) and reads the whole buffer through the rank-major
 view after a fence that separates a layer's writes from its reads
 ([[RFC-0001:C-READ-PATH]]). Slot arithmetic is :class:`SharedKVLayout`'s.
+
+A family with a :class:`~cpkv.consumers.kv_format.KVFormat` (FP8, or a plain
+dtype as raw bytes) stores ``uint8`` rows of ``format.bytes_per_slot``: a write
+encodes, :meth:`SharedKVPool.gather` decodes to float32, and every copy
+(:meth:`~SharedKVPool.copy_slots`, the ``*_all_layers`` calls a host tier and
+a transfer move data through) moves the stored rows as they are
+([[RFC-0001:C-KV-FORMAT]]).
 """
 
 from __future__ import annotations
@@ -21,21 +28,27 @@ import torch
 from ..contract.allocator import ExtendAllocation
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
+from .kv_format import KVFormat
 
 
 @dataclass(frozen=True)
 class Family:
     """One per-slot cache of a model.
 
-    Every layer in ``layers`` keeps ``shape`` values of ``dtype`` per slot; a
-    layer not in ``layers`` keeps none (GLM-5's layers that reuse another
-    layer's indexer top-k keep no indexer keys).
+    Every layer in ``layers`` keeps ``shape`` values per slot; a layer not in
+    ``layers`` keeps none (GLM-5's layers that reuse another layer's indexer
+    top-k keep no indexer keys). Without a ``format`` the values are stored in
+    ``dtype`` (default float32). With one, ``format.shape`` must be ``shape``
+    and each slot is stored as ``format.bytes_per_slot`` raw bytes: ``dtype``
+    is then ``torch.uint8`` (left out, or given as such; any other raises
+    ``ValueError``). [[RFC-0001:C-KV-FORMAT]]
     """
 
     name: str
     shape: tuple[int, ...]
     layers: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
+    format: KVFormat | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -44,20 +57,38 @@ class Family:
             raise ValueError(f"family {self.name}: shape {self.shape} must be positive ints")
         if len(set(self.layers)) != len(self.layers) or any(x < 0 for x in self.layers):
             raise ValueError(f"family {self.name}: layers {self.layers} must be distinct and >= 0")
+        if self.format is None:
+            object.__setattr__(self, "dtype", torch.float32 if self.dtype is None else self.dtype)
+            return
+        if not isinstance(self.format, KVFormat) or tuple(self.format.shape) != tuple(self.shape):
+            raise ValueError(f"family {self.name}: format {self.format} must be a KVFormat of shape {self.shape}")
+        if self.dtype not in (None, torch.uint8):
+            raise ValueError(f"family {self.name}: a formatted family stores uint8 rows, not {self.dtype}")
+        object.__setattr__(self, "dtype", torch.uint8)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """What one slot of one layer is stored as: ``(format.bytes_per_slot,)``
+        with a format, else ``shape``."""
+        return self.shape if self.format is None else (self.format.bytes_per_slot,)
 
     def buffer_shape(self, layout: SharedKVLayout) -> tuple[int, ...]:
-        """``[len(layers), cp_size * slots_per_rank, *shape]``: the group's buffer, rank-major."""
-        return (len(self.layers), layout.cp_size * layout.slots_per_rank, *self.shape)
+        """``[len(layers), cp_size * slots_per_rank, *row_shape]``: the group's buffer, rank-major."""
+        return (len(self.layers), layout.cp_size * layout.slots_per_rank, *self.row_shape)
 
     def slot_bytes(self) -> int:
         """Bytes of one slot over all its layers."""
-        return len(self.layers) * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return len(self.layers) * math.prod(self.row_shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def kv_families(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[Family, ...]:
-    """The K and V families of a GQA model: ``[kv_heads, head_dim]`` per slot on every layer."""
+def kv_families(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype | None = None,
+                format: KVFormat | None = None) -> tuple[Family, ...]:
+    """The K and V families of a GQA model: ``[kv_heads, head_dim]`` per slot on
+    every layer, in ``dtype`` (default float32) or, both, in ``format`` (e.g.
+    :func:`~cpkv.consumers.kv_format.gqa_fp8`)."""
     layers = tuple(range(num_layers))
-    return (Family("k", (kv_heads, head_dim), layers, dtype), Family("v", (kv_heads, head_dim), layers, dtype))
+    return (Family("k", (kv_heads, head_dim), layers, dtype, format),
+            Family("v", (kv_heads, head_dim), layers, dtype, format))
 
 
 def allocate_buffers(layout: SharedKVLayout, families: Sequence[Family],
@@ -71,7 +102,8 @@ def allocate_buffers(layout: SharedKVLayout, families: Sequence[Family],
 class SharedKVPool:
     """One rank's handle on the group's shared KV buffers, one per :class:`Family`.
 
-    ``buffers[name]`` has shape ``family.buffer_shape(layout)``; it is the same
+    ``buffers[name]`` has shape ``family.buffer_shape(layout)`` and dtype
+    ``family.dtype`` (``uint8`` rows for a formatted family); it is the same
     memory in every rank. ``fence`` is called between a layer's writes and its
     reads (a barrier on the CP group; a no-op for a single rank).
     """
@@ -104,8 +136,8 @@ class SharedKVPool:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page over every family and layer."""
-        return self.layout.slots_per_page * sum(f.slot_bytes() for f in self.families.values())
+        """Bytes of one page over every family and layer, measured from the buffers."""
+        return self.layout.slots_per_page * sum(b.element_size() * b[:, 0].numel() for b in self.buffers.values())
 
     def bytes_held(self) -> int:
         """Bytes this rank holds: pages of its segment it has written and not released."""
@@ -148,12 +180,21 @@ class SharedKVPool:
             )
         return loc[valid], local_page[valid], valid
 
+    def _stored(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Values ``[..., *shape]`` as family ``name`` stores them: cast to its
+        dtype, or encoded by its format (raises ``ValueError`` on bad values)."""
+        f = self.families[name]
+        return x.to(f.dtype) if f.format is None else f.format.encode(x)
+
     def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
         """Write ``values[name] [T, *shape]`` of logical ``slots [T]`` into this
-        rank's own segment of each named family, at model ``layer``.
+        rank's own segment of each named family, at model ``layer``; a
+        formatted family stores ``format.encode(values)``.
 
         Padding slots are skipped. A slot this rank does not own raises
-        :class:`ContractViolation` and nothing is written. [[RFC-0001:C-DIRECT-WRITE]]
+        :class:`ContractViolation`, values a format refuses raise
+        ``ValueError``, and nothing is written. [[RFC-0001:C-DIRECT-WRITE]]
+        [[RFC-0001:C-KV-FORMAT]]
         """
         rows = {n: self.row(n, layer) for n in values}
         for n, x in values.items():
@@ -161,15 +202,15 @@ class SharedKVPool:
             if tuple(x.shape) != (slots.numel(), *f.shape):
                 raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {slots.numel()} slots of {f.shape}")
         loc, local_page, keep = self._owned_local(slots)
-        for n, x in values.items():
-            src = x if keep is None else x[keep]
-            self._own[n][rows[n]].index_copy_(0, loc, src.to(self.families[n].dtype))
+        stored = {n: self._stored(n, x if keep is None else x[keep]) for n, x in values.items()}
+        for n, x in stored.items():
+            self._own[n][rows[n]].index_copy_(0, loc, x)
         self._written[local_page.cpu()] = True
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """Copy every family, every layer, from logical ``src`` to ``dst`` slots
         where this rank owns ``dst``: read the source through the shared view,
-        write this rank's segment. Returns the slots this rank copied. The
+        write this rank's segment, the stored rows as they are. Returns the slots this rank copied. The
         caller fences before anyone reads ``dst``. [[RFC-0001:C-DIRECT-WRITE]]"""
         if src.shape != dst.shape:
             raise ValueError(f"copy of {src.numel()} source slots to {dst.numel()} destinations")
@@ -182,15 +223,21 @@ class SharedKVPool:
         return int(mine.sum())
 
     def write_all_layers(self, slots: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
-        """Write ``values[name] [len(layers), T, *shape]`` (every layer of each
-        family at once) of logical ``slots [T]`` into this rank's own segment,
-        refusing, before any write, a slot another rank owns. A host-tier load
-        writes through here. [[RFC-0001:C-DIRECT-WRITE]]"""
+        """Write stored rows ``values[name] [len(layers), T, *row_shape]`` (every
+        layer of each family at once, as :meth:`read_all_layers` returns them:
+        ``uint8`` rows of a formatted family, written as they are) of logical
+        ``slots [T]`` into this rank's own segment, refusing, before any write,
+        a slot another rank owns (:class:`ContractViolation`) or rows of
+        another shape or, for a formatted family, dtype (``ValueError``). A
+        host-tier load and a transfer write through here.
+        [[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-KV-FORMAT]]"""
         for n, x in values.items():
             f = self.families[n]
-            if tuple(x.shape) != (len(f.layers), slots.numel(), *f.shape):
-                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {slots.numel()} slots of "
-                                 f"{len(f.layers)} layers x {f.shape}")
+            if tuple(x.shape) != (len(f.layers), slots.numel(), *f.row_shape):
+                raise ValueError(f"{n}: rows of shape {tuple(x.shape)} for {slots.numel()} slots of "
+                                 f"{len(f.layers)} layers x {f.row_shape}")
+            if f.format is not None and x.dtype != torch.uint8:
+                raise ValueError(f"{n}: stored rows of format {f.format} are uint8, not {x.dtype}")
         loc, local_page, keep = self._owned_local(slots)
         for n, x in values.items():
             self._own[n].index_copy_(1, loc, (x if keep is None else x[:, keep]).to(self.families[n].dtype))
@@ -198,7 +245,7 @@ class SharedKVPool:
 
     def read_owned_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every family, every layer, at logical ``slots [T]`` read from this
-        rank's OWN segment only: ``{name: [len(layers), T', *shape]}`` with
+        rank's OWN segment only, as stored: ``{name: [len(layers), T', *row_shape]}`` with
         padding skipped (``T'`` the non-padding slots). A slot another rank
         owns raises :class:`ContractViolation` before anything is read. A
         disaggregation source sends through here: only the owner of a page
@@ -208,7 +255,8 @@ class SharedKVPool:
 
     def read_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every family, every layer, at logical ``slots [T]`` (no padding),
-        read through the shared view: ``{name: [len(layers), T, *shape]}``.
+        read through the shared view, as stored: ``{name: [len(layers), T,
+        *row_shape]}`` (raw ``uint8`` rows of a formatted family).
         [[RFC-0001:C-READ-PATH]]"""
         read = self.layout.translate_read_slots(slots)
         return {n: b.index_select(1, read) for n, b in self.buffers.items()}
@@ -229,11 +277,15 @@ class SharedKVPool:
     def gather(self, layer: int, index: torch.Tensor, *names: str) -> tuple[torch.Tensor, ...]:
         """Values at rank-major ``index`` (no padding) of each named family
         (default: every family the layer keeps, in pool order), each shaped
-        ``[*index.shape, *family.shape]``."""
+        ``[*index.shape, *family.shape]``; a formatted family's rows decoded
+        to float32. [[RFC-0001:C-READ-PATH]] [[RFC-0001:C-KV-FORMAT]]"""
         names = names or tuple(n for n in self.families if layer in self._row[n])
         flat = index.reshape(-1)
-        return tuple(self.buffers[n][self.row(n, layer)].index_select(0, flat).view(*index.shape, *self.families[n].shape)
-                     for n in names)
+        out = []
+        for n in names:
+            f, rows = self.families[n], self.buffers[n][self.row(n, layer)].index_select(0, flat)
+            out.append((rows if f.format is None else f.format.decode(rows)).view(*index.shape, *f.shape))
+        return tuple(out)
 
     def check(self, alloc: ExtendAllocation) -> None:
         """Validate an allocation result against this pool's layout before use."""

@@ -77,6 +77,12 @@ class ModelAdapter(ABC):
     def families(self, dtype: torch.dtype = torch.float32) -> tuple[Family, ...]:
         """The per-slot caches this model keeps, over the same logical slots."""
 
+    def fp8_families(self) -> tuple[Family, ...]:
+        """The same caches in the model's FP8 cache formats (uint8 rows the pool
+        encodes on write and decodes on read); raises ``NotImplementedError``
+        for an adapter without one. [[RFC-0001:C-KV-FORMAT]]"""
+        raise NotImplementedError(f"{type(self).__name__} has no FP8 cache format")
+
     @abstractmethod
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> hidden states ``[T, hidden]``."""

@@ -24,19 +24,18 @@ attention over the selected positions is then split by owner.
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from ..consumers.kv_format import indexer_key_fp8, mla_latent_fp8
 from ..consumers.kv_pool import Family
 from .attention import absorb_query, absorbed_output, index_scores
 from .base import ModelAdapter
 
 KINDS = ("deepseek-v3.2", "glm-5")
 _MODEL_TYPES = {"deepseek_v32": "deepseek-v3.2", "glm_moe_dsa": "glm-5"}
-FP8_TILE = 128  # values per fp32 scale in DeepSeek's FP8 cache formats
 
 
 def glm_indexer_types(num_layers: int, index_topk_freq: int = 1, index_skip_topk_offset: int = 2) -> tuple[str, ...]:
@@ -72,15 +71,17 @@ class DsaCacheShape:
                 Family("index_k", (self.index_head_dim,), self.index_layers, dtype))
 
     def fp8_families(self) -> tuple[Family, Family]:
-        """The same families in DeepSeek's FP8 cache formats, as packed byte rows
-        (``uint8``; a byte count, not a kernel): a latent is ``kv_lora_rank``
-        fp8 values, one fp32 scale per 128 of them and ``rope_dim`` bf16 values
-        (656 bytes at 512 + 64); an indexer key is ``index_head_dim`` fp8 values
-        and one fp32 scale per 128 (132 bytes at 128)."""
-        latent = self.kv_lora_rank + 4 * math.ceil(self.kv_lora_rank / FP8_TILE) + 2 * self.rope_dim
-        index = self.index_head_dim + 4 * math.ceil(self.index_head_dim / FP8_TILE)
-        return (Family("latent", (latent,), tuple(range(self.num_layers)), torch.uint8),
-                Family("index_k", (index,), self.index_layers, torch.uint8))
+        """The same families in DeepSeek's FP8 cache formats, stored as packed
+        byte rows (:mod:`cpkv.consumers.kv_format`): a latent is
+        ``kv_lora_rank`` fp8 values, one fp32 scale per 128 of them and
+        ``rope_dim`` bf16 values (656 bytes at 512 + 64); an indexer key is
+        ``index_head_dim`` fp8 values and one fp32 scale per 128 (132 bytes at
+        128). A pool of these families encodes on write and decodes to float32
+        on read. [[RFC-0001:C-KV-FORMAT]]"""
+        return (Family("latent", (self.kv_lora_rank + self.rope_dim,), tuple(range(self.num_layers)),
+                       format=mla_latent_fp8(self.kv_lora_rank, self.rope_dim)),
+                Family("index_k", (self.index_head_dim,), self.index_layers,
+                       format=indexer_key_fp8(self.index_head_dim)))
 
 
 def real_shape(kind: str, index_topk_freq: int = 1, index_skip_topk_offset: int = 2) -> DsaCacheShape:
@@ -158,6 +159,10 @@ class DsaAdapter(ModelAdapter):
     def families(self, dtype=torch.float32):
         """``latent`` on every layer, ``index_k`` on the layers with their own indexer."""
         return self.shape.families(dtype)
+
+    def fp8_families(self):
+        """The same families in DeepSeek's FP8 cache formats (:meth:`DsaCacheShape.fp8_families`)."""
+        return self.shape.fp8_families()
 
     def embed(self, ids):
         """Token embeddings."""

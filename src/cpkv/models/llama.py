@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..consumers.kv_format import gqa_fp8
 from ..consumers.kv_pool import kv_families
 from .base import ModelAdapter
 
@@ -30,6 +31,12 @@ class LlamaAdapter(ModelAdapter):
     def families(self, dtype=torch.float32):
         """K and V, ``[kv_heads, head_dim]`` per slot on every layer."""
         return kv_families(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+    def fp8_families(self):
+        """K and V in FP8 with a float32 scale per token and head
+        (:func:`~cpkv.consumers.kv_format.gqa_fp8`). [[RFC-0001:C-KV-FORMAT]]"""
+        return kv_families(self.num_layers, self.num_kv_heads, self.head_dim,
+                           format=gqa_fp8(self.num_kv_heads, self.head_dim))
 
     def embed(self, ids):
         """Token embeddings."""
