@@ -351,14 +351,16 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
     from ..consumers.hicache import HostPool
     from ..consumers.kv_pool import SharedKVPool, allocate_buffers
     from ..contract.layout import SharedKVLayout
-    from ..engine.engine import EngineConfig, run_engine_threads
+    from ..engine.config import EngineConfig
+    from ..engine.engine import run_engine_threads
     from ..models import LlamaAdapter, TinyLlama
     from ..runtime.runner import CPRunner
 
     torch.set_num_threads(1)
     model = TinyLlama(max_positions=8192)
     adapter = LlamaAdapter(model.build())
-    cfg = EngineConfig(cp_size=1, page_size=16, device_pages=4096, requests=requests, scale=scale, chunk=4096,
+    cfg = EngineConfig(cp_size=1, page_size=16, device_pages=4096, host_pages=0, requests=requests, scale=scale,
+                       chunk=4096,
                        max_running=64, model=model)
     report = run_engine_threads(cfg, adapter)  # warm-up, and the requests' resolved prompts
     seqs = report["sequences"]
