@@ -15,7 +15,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def cmd_simulate(args) -> int:
     """``cpkv simulate``: each workload through the scheduler without a model, policies side by side."""
-    from .bench import format_rows
+    from .table import format_rows
     from .simulate import SIM_WORKLOADS as WORKLOADS, compare, plot
 
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
@@ -57,7 +57,8 @@ def validate_simulate(args, parser) -> None:
 
 def cmd_bench(args) -> int:
     """``cpkv bench``: one table per benchmark asked for (``all``: alloc, kv and engine)."""
-    from .bench import bench_alloc, bench_engine, bench_kv, format_rows
+    from .bench import bench_alloc, bench_engine, bench_kv
+    from .table import format_rows
 
     tables = {
         "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
@@ -79,7 +80,8 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_splits(args) -> int:
     """``cpkv bench splits``: prefill and decode splits on one process group, one table per model."""
-    from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, format_rows, splits_title
+    from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, splits_title
+    from .table import format_rows
 
     models = list(SPLIT_MODELS) if args.model == "all" else [args.model]
     sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
@@ -102,7 +104,7 @@ def cmd_bench_splits(args) -> int:
 def cmd_bytes(args) -> int:
     """``cpkv bytes``: the DSA models' KV bytes per token per rank, replicated vs shared."""
     from ..models.dsa import real_shape
-    from .bench import format_rows
+    from .table import format_rows
     from .kvbytes import kv_bytes_rows
 
     try:
