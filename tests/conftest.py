@@ -1,7 +1,8 @@
-"""Shared test settings: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared test settings (hypothesis profiles sized for a 2-core CI machine) and fixtures."""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -9,3 +10,12 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("CPKV_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """The tiny seeded Llama (:class:`cpkv.models.TinyLlama` defaults) behind its
+    adapter, built once per test process and shared by the engine tests."""
+    from cpkv.models import LlamaAdapter, TinyLlama
+
+    return LlamaAdapter(TinyLlama().build())

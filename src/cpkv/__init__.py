@@ -2,45 +2,72 @@
 
 The package is layered, arrows pointing one way: the contract
 (:mod:`cpkv.contract`: layout, plans, allocator, errors), its consumers
-(:mod:`cpkv.consumers`: KV pool, prefix cache, transfer), the models
-(:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`) and the tools
-(:mod:`cpkv.tools`: the ``cpkv`` command, benchmarks, simulator).
+(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the models
+(:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
+(:mod:`cpkv.engine`) and the tools (:mod:`cpkv.tools`: the ``cpkv`` command,
+benchmarks, simulator).
 
-Public entry points, one per workstream:
+Public entry points:
 
-* :class:`SharedKVLayout` - index arithmetic of the shared cache (layout)
-* :mod:`cpkv.contract.plan` - request-local owner plans and per-rank token splits (W1)
-* :class:`OwnerLaneAllocator` - owner-lane allocation (W2)
-* :class:`SharedKVPool` - direct write, fence and read of the shared cache (W3, W4)
-* :class:`PrefixCache` - radix prefix cache with lane-aware eviction (W5)
-* :func:`plan_transfer` - prefill -> decode KV transfer between CP groups of any sizes and page sizes (W7);
-  :mod:`cpkv.disagg` adds the two-group driver
+* :class:`SharedKVLayout` - index arithmetic of the shared cache
+* :mod:`cpkv.contract.plan` - request-local owner plans and per-rank token splits
+* :class:`OwnerLaneAllocator` - owner-lane allocation
+* :class:`SharedKVPool` - direct write, fence and read of the shared cache
+* :class:`PrefixCache` - radix prefix cache with lane-aware eviction
+* :func:`plan_transfer` - prefill -> decode KV transfer between CP groups of any sizes and page sizes;
+  :mod:`cpkv.engine.disagg` runs the two groups (:func:`run_disagg`, :class:`DisaggConfig`)
+* :func:`run_engine` - a serving trace on a CP group (:class:`EngineConfig`)
 * :func:`cpkv.runtime.launch` - an N-process CP group
+
+Every public error class is importable from here: the contract's refusals
+(:class:`UnsupportedPagePlan`, :class:`InvalidFree`, :class:`ContractViolation`),
+the prefix cache's (:class:`PrefixCacheMisuse`), a trace file's
+(:class:`TraceError`), a group this machine cannot hold
+(:class:`GroupTooLarge`), a failed rank (:class:`RankFailure`) and a failed
+disaggregated run (:class:`DisaggFailure`, :class:`TransferAborted`).
 """
 
-from .consumers.disagg import TransferPlan, plan_transfer
 from .consumers.kv_pool import SharedKVPool
 from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
+from .consumers.transfer import TransferPlan, plan_transfer
 from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
-from .contract.errors import ContractViolation, UnsupportedPagePlan
+from .contract.errors import ContractViolation, InvalidFree, UnsupportedPagePlan
 from .contract.layout import SharedKVLayout
 from .contract.plan import RankSplit, split_interleave, split_page
+from .engine.config import DisaggConfig, EngineConfig, RunConfig
+from .engine.disagg import DisaggFailure, TransferAborted, format_disagg, run_disagg
+from .engine.engine import run_engine
+from .engine.trace import TraceError
+from .runtime.group import RankFailure
+from .runtime.sizing import GroupTooLarge
 
 __all__ = [
     "ContractViolation",
+    "DisaggConfig",
+    "DisaggFailure",
+    "EngineConfig",
     "ExtendAllocation",
+    "GroupTooLarge",
+    "InvalidFree",
     "OwnerLaneAllocator",
     "PrefixCache",
     "PrefixCacheMisuse",
     "PrefixHit",
     "PrefixMatch",
+    "RankFailure",
     "RankSplit",
+    "RunConfig",
     "SharedKVLayout",
     "SharedKVPool",
+    "TraceError",
+    "TransferAborted",
     "TransferPlan",
     "UnsupportedPagePlan",
+    "format_disagg",
+    "plan_transfer",
+    "run_disagg",
+    "run_engine",
     "split_interleave",
     "split_page",
-    "plan_transfer",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout, UnsupportedPagePlan
-from cpkv.consumers.disagg import (message_nbytes, pack_message, plan_transfer, receive_transfer, send_transfer,
+from cpkv.consumers.transfer import (message_nbytes, pack_message, plan_transfer, receive_transfer, send_transfer,
                                    slot_pairs, unpack_message)
 from cpkv.consumers.kv_pool import Family, SharedKVPool, allocate_buffers
 from cpkv.contract.layout import page_of

@@ -12,7 +12,7 @@ import torch
 from cpkv.consumers.hicache import HostTier
 from cpkv.consumers.prefix_cache import PrefixCache
 from cpkv.contract.allocator import OwnerLaneAllocator
-from cpkv.disagg import DisaggConfig, DisaggControl, run_disagg_threads
+from cpkv.engine.disagg import DisaggConfig, DisaggControl, run_disagg_threads
 from cpkv.engine import Scheduler, StepPlan
 from cpkv.engine.engine import RankExecutor
 from cpkv.engine.trace import RequestSpec, TraceError, dump_jsonl
@@ -63,7 +63,7 @@ def test_control_state_under_pressure(admission, prefill_pages):
     (the request goes back to the prefill group, prompt = everything it has),
     both prefix caches hit; every request finishes and every page comes back."""
     cfg = DisaggConfig(prefill_size=2, decode_size=3, page_size=16, decode_page=8, device_pages=prefill_pages,
-                       decode_pages=9, requests=8, scale=0.08, chunk=64, admission=admission)
+                       decode_pages=9, host_pages=0, requests=8, scale=0.08, chunk=64, admission=admission)
     ctl, _ = simulate(cfg)
     D, P = ctl.decode.stats, ctl.prefill.stats
     assert D.finished == len(ctl.decode.requests) and D.preemptions > 0 and D.evicted_pages > 0
@@ -77,7 +77,7 @@ def test_control_state_under_pressure(admission, prefill_pages):
 
 def test_two_control_replicas_agree_to_the_byte():
     cfg = DisaggConfig(prefill_size=3, decode_size=2, page_size=4, decode_page=16, device_pages=60, decode_pages=16,
-                       requests=5, scale=0.08)
+                       host_pages=0, requests=5, scale=0.08, chunk=256)
     a, _ = simulate(cfg)
     b, _ = simulate(cfg)
     assert a.digest == b.digest and a.transfers == b.transfers > 0
@@ -88,15 +88,9 @@ def test_requests_sharing_cached_source_pages_each_receive_them():
     """b and c both continue a's prompt, cached on the prefill side only (a
     finishes with its first token): one transfer sends those source pages to
     both."""
-    ctl, doubled = simulate(DisaggConfig(prefill_size=2, decode_size=2, page_size=16, device_pages=10), SHARED)
+    ctl, doubled = simulate(DisaggConfig(prefill_size=2, decode_size=2, page_size=16, device_pages=10,
+                                         host_pages=0, chunk=256), SHARED)
     assert doubled == 32 and ctl.prefill.stats.hit_tokens > 0
-
-
-@pytest.fixture(scope="module")
-def llama():
-    from cpkv.models import LlamaAdapter, TinyLlama
-
-    return LlamaAdapter(TinyLlama().build())
 
 
 def exact(r):
@@ -107,7 +101,7 @@ def exact(r):
 
 def test_decode_preemption_and_prefill_host_tier_stay_exact(llama):
     r = run_disagg_threads(DisaggConfig(prefill_size=2, decode_size=2, page_size=16, decode_page=8, device_pages=10,
-                                        decode_pages=10, requests=3, scale=0.06, chunk=40, admission="none",
+                                        decode_pages=10, host_pages=0, requests=3, scale=0.06, chunk=40, admission="none",
                                         check=True), llama)
     exact(r)
     assert r["preemptions"]["decode"] > 0 and r["prefill_requests"] > r["requests"]
@@ -120,8 +114,8 @@ def test_decode_preemption_and_prefill_host_tier_stay_exact(llama):
 def test_shared_source_pages_run_exact(llama, tmp_path):
     path = tmp_path / "shared.jsonl"
     dump_jsonl(SHARED, str(path))
-    r = run_disagg_threads(DisaggConfig(prefill_size=3, decode_size=2, page_size=16, device_pages=10,
-                                        workload=str(path), check=True), llama)
+    r = run_disagg_threads(DisaggConfig(prefill_size=3, decode_size=2, page_size=16, device_pages=10, host_pages=0,
+                                        chunk=256, workload=str(path), check=True), llama)
     exact(r)
     assert r["prefill_hit_rate"] > 0
 
@@ -134,7 +128,7 @@ def test_dsa_latent_and_indexer_pools_move_together(kind):
     from cpkv.models import DsaAdapter
 
     cfg = DisaggConfig(prefill_size=2, decode_size=3, page_size=16, decode_page=4, device_pages=6, decode_pages=20,
-                       requests=3, scale=0.06, chunk=40, model=model_config(kind), check=True)
+                       host_pages=0, requests=3, scale=0.06, chunk=40, model=model_config(kind), check=True)
     fams = DsaAdapter(cfg.model.build()).families()
     assert {f.name for f in fams} == {"latent", "index_k"} and len(fams[1].layers) < len(fams[0].layers)
     r = run_disagg_threads(cfg)
@@ -178,7 +172,7 @@ def test_hooks_refuse_misuse_and_change_nothing():
 
 
 def test_configurations_that_cannot_run_are_refused_before_any_rank_starts():
-    from cpkv.disagg import run_disagg, run_disagg_sweep
+    from cpkv.engine.disagg import run_disagg, run_disagg_sweep
 
     for bad, match in [(dict(prefill_size=0), "prefill_size"), (dict(decode_page=0), "decode_page"),
                        (dict(kill_rank=4), "kill_rank 4"), (dict(transfer_timeout=0), "transfer_timeout")]:
@@ -193,7 +187,7 @@ def test_configurations_that_cannot_run_are_refused_before_any_rank_starts():
 
 
 def test_the_cli_helpers_build_the_run_from_the_engine_config():
-    from cpkv.disagg import format_disagg, parse_disagg
+    from cpkv.engine.disagg import format_disagg, parse_disagg
     from cpkv.engine import EngineConfig
 
     assert parse_disagg("4:2") == (4, 2) and parse_disagg(" 1:8 ") == (1, 8)
@@ -204,8 +198,8 @@ def test_the_cli_helpers_build_the_run_from_the_engine_config():
     d = DisaggConfig.from_engine(e, 3, 2, decode_page=16)
     assert (d.prefill_size, d.decode_size, d.page_size, d.d_page, d.d_pages) == (3, 2, 8, 16, 10)
     assert (d.host_pages, d.chunk, d.workload, d.check, d.model) == (16, 32, "longdoc", True, e.model)
-    cfg = DisaggConfig(prefill_size=2, decode_size=1, page_size=16, decode_page=8, device_pages=8, requests=2,
-                       scale=0.05, chunk=40)
+    cfg = DisaggConfig(prefill_size=2, decode_size=1, page_size=16, decode_page=8, device_pages=8, host_pages=0,
+                       requests=2, scale=0.05, chunk=40)
     ctl, _ = simulate(cfg)
     from cpkv.engine.disagg import disagg_report
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cpkv.disagg import DisaggConfig, DisaggFailure, run_disagg, run_disagg_sweep
+from cpkv.engine.disagg import DisaggConfig, DisaggFailure, run_disagg, run_disagg_sweep
 from cpkv.runtime import shm_segments
 
 pytestmark = pytest.mark.multiproc
@@ -26,7 +26,7 @@ SWEEP = [  # M, N, prefill page, decode page: one launch of 6 processes runs all
 def test_four_group_pairs_in_one_world_match_transformers():
     mine = os.getpid()
     cfgs = [DisaggConfig(prefill_size=M, decode_size=N, page_size=Sp, decode_page=Sd, device_pages=12 * 16 // Sp,
-                         decode_pages=12 * 16 // Sd, requests=3, scale=0.06, chunk=40, check=True)
+                         decode_pages=12 * 16 // Sd, host_pages=0, requests=3, scale=0.06, chunk=40, check=True)
             for M, N, Sp, Sd in SWEEP]
     reports = run_disagg_sweep(cfgs)
     for (M, N, Sp, Sd), r in zip(SWEEP, reports):
@@ -51,8 +51,8 @@ def test_a_group_lost_mid_transfer_is_reported_by_the_other(victim, tmp_path, mo
     monkeypatch.setenv("CPKV_FAULT_MARKER", str(marker))
     M, N, kill = (2, 1, 2) if victim == "decode" else (1, 2, 0)
     with pytest.raises(DisaggFailure) as e:
-        run_disagg(DisaggConfig(prefill_size=M, decode_size=N, page_size=16, device_pages=12, requests=3, scale=0.05,
-                                chunk=40, kill_rank=kill, fail_transfer=1, timeout=120))
+        run_disagg(DisaggConfig(prefill_size=M, decode_size=N, page_size=16, device_pages=12, host_pages=0, requests=3,
+                                scale=0.05, chunk=40, kill_rank=kill, fail_transfer=1, timeout=120))
     fault = float(marker.read_text())
     assert time.time() - fault < 30  # from the fault to the caller's error
     assert e.value.rank == kill

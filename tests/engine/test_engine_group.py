@@ -52,7 +52,7 @@ def test_a_rank_killed_mid_trace_ends_the_group_and_leaves_nothing(tmp_path, mon
     monkeypatch.setenv("CPKV_FAULT_MARKER", str(marker))
     with pytest.raises(RankFailure) as e:
         run_engine(EngineConfig(cp_size=2, page_size=16, device_pages=8, host_pages=16, requests=3, scale=0.05,
-                                fail_step=4, timeout=120, kill_rank=1))
+                                chunk=256, fail_step=4, timeout=120, kill_rank=1))
     assert time.time() - float(marker.read_text()) < 30  # from the fault to the launcher's report
     assert e.value.rank == 1
     assert not shm_segments(os.getpid())

@@ -16,8 +16,9 @@ import pytest
 
 import cpkv.engine.engine
 import cpkv.runtime
-import cpkv.runtime.group as group_mod
-from cpkv.runtime.group import MachineCapacity, RankFailure
+import cpkv.runtime.sizing as sizing_mod
+from cpkv.runtime.group import RankFailure
+from cpkv.runtime.sizing import MachineCapacity
 from cpkv.runtime.shm import mapped_segments, shm_segments
 from cpkv.tools.cli import build_parser, main
 
@@ -139,7 +140,7 @@ def test_a_group_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch
             (8, ["run", "--cp", "64"], "64 ranks need about 18.8 GiB of memory (64 x 300.4 MiB"),
             (8, ["run", "--cp", "4", "--device-pages", "2000000"], "4 ranks need about 62.2 GiB of memory (4 x 300.4 MiB + 61.0 GiB shared)"),
             (8, ["run", "--cp", "8", "--timeout", "10"], "8 ranks need at least 20 s to start")):
-        monkeypatch.setattr(group_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
+        monkeypatch.setattr(sizing_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

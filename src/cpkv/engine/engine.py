@@ -11,26 +11,23 @@ its greedy tokens.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
-from ..runtime.progress import progress_bar
 
 from ..consumers.hicache import HostPool, HostTier
-from ..consumers.kv_pool import SharedKVPool, allocate_buffers
-from ..consumers.prefix_cache import PrefixCache
-from ..contract.allocator import OwnerLaneAllocator
-from ..contract.layout import SharedKVLayout
-from ..models import TinyDsa, TinyLlama, build_adapter
-from ..runtime.comm import Comm, DistComm, LocalComm
+from ..consumers.kv_pool import SharedKVPool
+from ..models import build_adapter
+from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, launch
+from ..runtime.progress import progress_bar
 from ..runtime.runner import CPRunner
+from .config import EngineConfig
+from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Batch, Scheduler, StepPlan
-from .trace import WORKLOADS, RequestSpec, load_jsonl
+from .trace import RequestSpec
 
 
 class RankExecutor:
@@ -91,48 +88,12 @@ class RankExecutor:
         return tokens.tolist()
 
 
-@dataclass
-class EngineConfig:
-    """One engine run: the model, the CP group, the caches, the trace."""
-
-    cp_size: int = 4
-    page_size: int = 16
-    device_pages: int = 64  # pages per rank (per lane)
-    host_pages: int = 0  # pages of the host tier (0: none)
-    chunk: int = 256
-    max_running: int = 16
-    admission: str = "lanes"
-    prefill_split: str = "page"
-    decode_split: str = "owner"
-    workload: str = "multiturn"  # a built-in workload, or a JSONL path
-    requests: int = 8  # built-in workloads: sessions / questions / documents
-    scale: float = 0.1  # built-in workloads: lengths times this
-    seed: int = 0
-    model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
-    check: bool = False
-    check_plans: bool = False  # debug: one collective per batch compares every rank's allocation
-    timeout: float = 300.0
-    progress: bool = False
-    fail_rank: int | None = None  # fault injection: this rank raises at step ``fail_step``
-    kill_rank: int | None = None  # fault injection: this rank is killed at step ``fail_step``
-    fail_step: int = 3
-
-    def trace(self) -> list[RequestSpec]:
-        """The requests of this run."""
-        vocab = self.model.vocab
-        if self.workload in WORKLOADS:
-            return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
-        return load_jsonl(self.workload, vocab=vocab)
-
-
 def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
-    """The scheduler every rank builds (same inputs, same state)."""
-    N, S = cfg.cp_size, cfg.page_size
-    layout = SharedKVLayout(N, S, cfg.device_pages)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
-    host = HostTier(cfg.host_pages, S) if cfg.host_pages else None
-    return Scheduler(specs, PrefixCache(alloc), chunk=cfg.chunk, max_running=cfg.max_running,
-                     admission=cfg.admission, host=host)
+    """The scheduler every rank builds (same inputs, same state); ``TraceError``
+    for a trace whose requests could never fit the cache."""
+    host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
+    return Scheduler(specs, build_cache(cfg.cp_size, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
+                     max_running=cfg.max_running, admission=cfg.admission, host=host)
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
@@ -140,26 +101,20 @@ def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model))
 
 
-def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
+def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
     shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     layout = sched.alloc.layout
-    fams = adapter.families()
-    pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, shared), fence=comm.barrier)
-    host = None
-    if cfg.host_pages:
-        host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
-    max_len = sched.max_len + 1
-    runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
-    ex = RankExecutor(runner, host, check=cfg.check)
+    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages)
+    pool, runner = parts.pool, parts.runner
+    ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
     while not sched.done:
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
-            _inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
+            inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
         if sched.complete(plan, ex.run(plan)):
             bar.set_postfix_str(f"{sched.stats.finished}/{len(specs)} requests finished", refresh=False)
@@ -179,18 +134,6 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     if comm.rank != 0:
         return None
     return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
-
-
-def _inject_fault(rank: int, step: int, kill: bool) -> None:
-    """Fault injection for tests: raise, or die by SIGKILL. With the environment
-    variable ``CPKV_FAULT_MARKER`` set, first write the time to that file, so a
-    test can time the group's reaction from the fault itself."""
-    if os.environ.get("CPKV_FAULT_MARKER"):
-        with open(os.environ["CPKV_FAULT_MARKER"], "w") as f:
-            f.write(repr(time.time()))
-    if kill:
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
@@ -257,19 +200,8 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
 def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
     """The engine with its ranks as threads of this process (tests; one shared
     model and one set of buffers, collectives through threads)."""
-    import threading
-
-    from ..runtime.comm import run_threads
-
     adapter = adapter or build_adapter(cfg.model)
-    made, lock = {}, threading.Lock()
-
-    def shared(tag, shape, dtype):
-        with lock:
-            if tag not in made:
-                made[tag] = torch.zeros(shape, dtype=dtype)
-            return made[tag]
-
+    shared = thread_buffers()
     return run_threads(cfg.cp_size, lambda comm: engine_rank(shared, comm, cfg, adapter), timeout=cfg.timeout)[0]
 
 

@@ -1,7 +1,7 @@
 """The CP group at run time: processes, shared memory, collectives, one rank's forward.
 
-* :mod:`~cpkv.runtime.group` - process lifetime: :func:`launch`, :class:`RankFailure`,
-  sizing a group before it starts (:func:`check_capacity`)
+* :mod:`~cpkv.runtime.group` - process lifetime: :func:`launch`, :class:`RankFailure`
+* :mod:`~cpkv.runtime.sizing` - sizing a group before it starts: :func:`check_capacity`
 * :mod:`~cpkv.runtime.shm` - shared-memory segment lifetime
 * :mod:`~cpkv.runtime.comm` - the collectives a rank uses (process group or threads)
 * :mod:`~cpkv.runtime.batch` - one rank's share of a batch under each split: :class:`ForwardBatch`
@@ -10,10 +10,10 @@
 
 from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
 from .comm import Comm, DistComm, LocalComm, run_threads
-from .group import (GroupFootprint, GroupTooLarge, RankContext, RankFailure, check_capacity, group_footprint, launch,
-                    machine_capacity)
+from .group import RankContext, RankFailure, launch
 from .runner import CPRunner
 from .shm import shm_segments
+from .sizing import GroupFootprint, GroupTooLarge, check_capacity, group_footprint, machine_capacity
 
 __all__ = ["CPRunner", "Comm", "DECODE_SPLITS", "DistComm", "ForwardBatch", "GroupFootprint", "GroupTooLarge",
            "LocalComm", "PREFILL_SPLITS", "RankContext", "RankFailure", "check_capacity", "group_footprint",

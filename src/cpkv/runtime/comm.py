@@ -133,6 +133,13 @@ class ThreadComm(Comm):
         """``threading.Barrier`` of the group (raises ``BrokenBarrierError`` if a rank failed)."""
         self._rv.barrier.wait()
 
+    def abort(self) -> None:
+        """Break the group's barrier, so that every rank of the group waiting in
+        a collective, or entering one later, raises ``threading.BrokenBarrierError``
+        (how a failing thread rank releases its peers instead of leaving them to
+        time out). Cannot be undone: the group is finished."""
+        self._rv.barrier.abort()
+
     def _exchange(self, value) -> list:
         rv = self._rv
         rv.barrier.wait()  # the previous exchange has been read by everyone
@@ -173,7 +180,7 @@ def run_threads(n: int, target: Callable[[Comm], Any], timeout: float = 120.0) -
             results[r] = target(comms[r])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors[r] = e
-            comms[r]._rv.barrier.abort()
+            comms[r].abort()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     for t in threads:

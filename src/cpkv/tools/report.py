@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .bench import format_rows
+from .table import format_rows
 
 
 def format_engine(r: dict) -> str:

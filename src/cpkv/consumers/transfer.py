@@ -1,4 +1,5 @@
-"""W7: prefill -> decode disaggregation between CP groups of different sizes and page sizes.
+"""The prefill -> decode KV transfer between CP groups of different sizes and page sizes
+(prefill/decode disaggregation: one group computes a request's prompt, another decodes it).
 
 A request prefilled by a group of ``M`` ranks (page size ``S_p``) continues
 decoding in a group of ``N`` ranks (page size ``S_d``). The decode group

@@ -1,0 +1,96 @@
+"""One rank's parts, built the same way by the engine and by the disaggregation driver.
+
+* :func:`build_cache` - the prefix cache over a fresh owner-lane allocator of one group;
+* :func:`build_rank` - a rank's shared KV pool, host pool and runner;
+* :func:`thread_buffers` - the ``shared(tag, shape, dtype)`` of ranks that are threads
+  of one process (tests): one zeroed tensor per tag, made once;
+* :func:`inject_fault` - the fault a test asks a rank for (raise, or die by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..consumers.hicache import HostPool
+from ..consumers.kv_pool import SharedKVPool, allocate_buffers
+from ..consumers.prefix_cache import PrefixCache
+from ..contract.allocator import OwnerLaneAllocator
+from ..contract.layout import SharedKVLayout
+from ..runtime.comm import Comm
+from ..runtime.runner import CPRunner
+from .config import RunConfig
+
+#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group.
+SharedBuffers = Callable[[str, tuple, torch.dtype], torch.Tensor]
+
+
+def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCache:
+    """The prefix cache over a fresh :class:`OwnerLaneAllocator` of a group of
+    ``cp_size`` ranks with ``pages_per_rank`` pages of ``page_size`` tokens each
+    (page 0 reserved); every rank of the group builds the same one."""
+    layout = SharedKVLayout(cp_size, page_size, pages_per_rank)
+    return PrefixCache(OwnerLaneAllocator((layout.num_pages - 1) * page_size, page_size, cp_size, layout=layout))
+
+
+@dataclass
+class RankParts:
+    """A rank's KV pool (its segment of the group's shared cache), its host pool
+    (``None`` without a host tier) and its runner."""
+
+    pool: SharedKVPool
+    host: HostPool | None
+    runner: CPRunner
+
+
+def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
+               host_pages: int) -> RankParts:
+    """Build rank ``group.rank``'s parts over ``layout``: the pool over the
+    group's shared buffers (fenced by ``group.barrier``), a host pool of
+    ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
+    requests of up to ``max_len`` tokens with ``cfg``'s splits."""
+    fams = adapter.families()
+    pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
+    host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, shared)) if host_pages else None
+    runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
+    return RankParts(pool, host, runner)
+
+
+def thread_buffers() -> SharedBuffers:
+    """A ``shared(tag, shape, dtype)`` for ranks that are threads of one
+    process: the first call for a tag makes a zeroed tensor, every later call
+    (any thread) returns that tensor."""
+    made: dict[str, torch.Tensor] = {}
+    lock = threading.Lock()
+
+    def shared(tag: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        with lock:
+            if tag not in made:
+                made[tag] = torch.zeros(shape, dtype=dtype)
+            return made[tag]
+
+    return shared
+
+
+#: With this environment variable set, :func:`inject_fault` first writes the time to that file.
+FAULT_MARKER_ENV = "CPKV_FAULT_MARKER"
+
+
+def inject_fault(rank: int, step: int, kill: bool) -> None:
+    """Fault injection for tests: raise ``RuntimeError`` naming ``rank`` and
+    ``step``, or (``kill``) die by SIGKILL. With the environment variable
+    ``CPKV_FAULT_MARKER`` set, first write the time to that file, so a test can
+    time the group's reaction from the fault itself. Never returns."""
+    if os.environ.get(FAULT_MARKER_ENV):
+        with open(os.environ[FAULT_MARKER_ENV], "w") as f:
+            f.write(repr(time.time()))
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step}")

@@ -1,0 +1,24 @@
+"""Benchmarks: every figure is a median ratio against a baseline measured in the
+same run (the machine is noisy; timed tests are not used). One module per benchmark:
+
+* :mod:`~cpkv.tools.bench.alloc` - the allocator against the per-block baseline
+  (:mod:`~cpkv.tools.bench.baseline`), cp 1 and a floor;
+* :mod:`~cpkv.tools.bench.kv` - the shared KV pool's write and read paths;
+* :mod:`~cpkv.tools.bench.serving` - the engine against ``transformers``' ``generate()``;
+* :mod:`~cpkv.tools.bench.splits` - prefill and decode splits on a process group;
+* :mod:`~cpkv.tools.bench.timing` - interleaved rounds and their medians.
+
+Their rows print through the one table formatter, :func:`cpkv.tools.table.format_rows`.
+"""
+
+from .alloc import bench_alloc
+from .baseline import BlockListBaseline
+from .kv import bench_kv
+from .serving import bench_engine
+from .splits import (SPLIT_MODELS, SplitsSpec, bench_splits, default_split_tokens, measure_splits, splits_model,
+                     splits_title)
+from .timing import median_rounds, median_seconds
+
+__all__ = ["BlockListBaseline", "SPLIT_MODELS", "SplitsSpec", "bench_alloc", "bench_engine", "bench_kv",
+           "bench_splits", "default_split_tokens", "measure_splits", "median_rounds", "median_seconds",
+           "splits_model", "splits_title"]
