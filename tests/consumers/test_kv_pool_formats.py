@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
-from cpkv.consumers.disagg import plan_transfer, receive_transfer, send_transfer
+from cpkv.consumers.transfer import plan_transfer, receive_transfer, send_transfer
 from cpkv.consumers.hicache import HostPool
 from cpkv.consumers.kv_format import TorchFormat, gqa_fp8, indexer_key_fp8, mla_latent_fp8
 from cpkv.consumers.kv_pool import Family, SharedKVPool, allocate_buffers, kv_families
