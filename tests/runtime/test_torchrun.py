@@ -227,4 +227,7 @@ def test_two_nodes_on_loopback_form_role_groups_and_move_a_tensor_between_them(t
     assert received == {r["rank"]: True for r in by_role["prefill"]}
     assert all(r["roles"] == [x["role"] for x in res] for r in res)
     assert all(r["misuse"][2].startswith("creator ") and "does not cross nodes" in r["misuse"][2] for r in res)
-    _nothing_left(_ranks(tmp_path))
+    ranks = _ranks(tmp_path)
+    prefixes = {r["node"]: r["prefix"] for r in ranks}
+    assert all(prefixes[r["node"]] == r["prefix"] for r in ranks) and len(set(prefixes.values())) == 2
+    _nothing_left(ranks)

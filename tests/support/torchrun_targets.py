@@ -8,7 +8,8 @@ Modes:
 * ``kill VICTIM``: the node's creator leaves a name not yet unlinked (as while creating), then global rank
   VICTIM writes ``OUT/killed`` (the time) and SIGKILLs itself while its peers wait in a barrier;
 * ``hang``: loop through barriers forever (the test kills torchrun or sends Ctrl-C);
-* ``disagg``: the ``prefill`` role's ranks send a tensor to the ``decode`` role's ranks, point to point.
+* ``disagg``: every node's creator holds a name, then the ``prefill`` role's ranks send a tensor to the ``decode``
+  role's ranks, point to point.
 """
 
 import json
@@ -94,7 +95,11 @@ def disagg(ctx, out):
     """Each prefill rank i sends a [3, 5] tensor to decode rank i % D, and every decode rank receives from the
     prefill ranks assigned to it; roles' groups and nodes' shared segments are exercised on the way."""
     _mark(ctx, out)
+    if ctx.local_rank == 0:  # every node's creator holds a name at once: the nodes' names must differ
+        shm.create(ctx.prefix + "pending", 64)
+    ctx.barrier()
     seen, left = _rows(ctx)
+    left = [n for n in left if not n.endswith("pending")]  # join unlinks it at the end
     pre, dec = ctx.role_ranks("prefill"), ctx.role_ranks("decode")
     role_members = ctx.all_gather_object(ctx.role)  # whole world, then a role collective
     role_comm_size = torch.distributed.get_world_size(ctx.role_group(ctx.role))
