@@ -223,8 +223,14 @@ def test_two_nodes_on_loopback_form_role_groups_and_move_a_tensor_between_them(t
         assert all(r["node_ranks"] == ranks and r["role_size"] == len(ranks) for r in members)
         assert len({r["node"] for r in members}) == 1
     assert all(r["rows_exact"] and r["names_left"] == [] for r in res)
+    order = [r["rank"] for r in by_role["prefill"] + by_role["decode"]]  # prefill first
+    for r in res:
+        new = order.index(r["rank"])
+        assert r["reordered"]["rank"] == new
+        assert r["reordered"]["roles"] == ["prefill"] * prefill + ["decode"] * decode
+        assert r["reordered"]["rows"] == [[[i, i]] * (i + 1) for i in range(prefill + decode)]
     received = {int(src): ok for r in by_role["decode"] for src, ok in r["received"].items()}
-    assert received == {r["rank"]: True for r in by_role["prefill"]}
+    assert received == {i: True for i in range(prefill)}  # reordered prefill ranks
     assert all(r["roles"] == [x["role"] for x in res] for r in res)
     assert all(r["misuse"][2].startswith("creator ") and "does not cross nodes" in r["misuse"][2] for r in res)
     ranks = _ranks(tmp_path)

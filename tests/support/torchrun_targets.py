@@ -1,6 +1,6 @@
 """Tiny targets run under torchrun: ``python -m torch.distributed.run ... -m support.torchrun_targets MODE OUT [ARG]``
 (with ``PYTHONPATH=src:tests``). Every rank writes ``OUT/pid<rank>`` (its pid and its node's segment prefix) once
-it has joined; rank 0 writes ``OUT/result.json`` with what the target returned.
+it has joined; global rank 0 writes ``OUT/result.json``: every rank's report.
 
 Modes:
 
@@ -22,6 +22,7 @@ import torch
 
 from cpkv.runtime import shm
 from cpkv.runtime.p2p import DistP2P
+from cpkv.runtime.reorder import ReorderedComm, ReorderedP2P
 from cpkv.runtime.torchrun import join
 
 
@@ -38,6 +39,11 @@ def _rows(ctx):
     t[ctx.local_rank] = ctx.rank * 100 + torch.arange(4)
     ctx.comm.barrier()
     return t.clone(), sorted(shm.shm_names(ctx.prefix))  # unlinked once every local rank mapped it
+
+
+def _report(ctx, mine):
+    got = ctx.all_gather_object(mine)
+    return got if ctx.rank == 0 else None
 
 
 def _misuse(ctx):
@@ -61,10 +67,9 @@ def share(ctx, out):
     _mark(ctx, out)
     seen, left = _rows(ctx)
     expected = torch.tensor(ctx.node_ranks).unsqueeze(1) * 100 + torch.arange(4)
-    return ctx.all_gather_object({"rank": ctx.rank, "local_rank": ctx.local_rank, "node_ranks": list(ctx.node_ranks),
-                                  "rows": seen.tolist(), "exact": bool(torch.equal(seen, expected)),
-                                  "names_left": left, "world": ctx.world_comm.size, "cp": ctx.comm.size,
-                                  "misuse": _misuse(ctx)})
+    return _report(ctx, {"rank": ctx.rank, "local_rank": ctx.local_rank, "node_ranks": list(ctx.node_ranks),
+                         "rows": seen.tolist(), "exact": bool(torch.equal(seen, expected)), "names_left": left,
+                         "world": ctx.world_comm.size, "cp": ctx.comm.size, "misuse": _misuse(ctx)})
 
 
 def kill(ctx, out, victim):
@@ -92,8 +97,9 @@ def hang(ctx, out):
 
 
 def disagg(ctx, out):
-    """Each prefill rank i sends a [3, 5] tensor to decode rank i % D, and every decode rank receives from the
-    prefill ranks assigned to it; roles' groups and nodes' shared segments are exercised on the way."""
+    """Numbered prefill first (cpkv's disaggregation numbering), prefill rank i sends a [3, 5] tensor to decode
+    rank i % D, and every decode rank receives from the prefill ranks assigned to it; roles' groups and nodes'
+    shared segments are exercised on the way."""
     _mark(ctx, out)
     if ctx.local_rank == 0:  # every node's creator holds a name at once: the nodes' names must differ
         shm.create(ctx.prefix + "pending", 64)
@@ -103,27 +109,32 @@ def disagg(ctx, out):
     pre, dec = ctx.role_ranks("prefill"), ctx.role_ranks("decode")
     role_members = ctx.all_gather_object(ctx.role)  # whole world, then a role collective
     role_comm_size = torch.distributed.get_world_size(ctx.role_group(ctx.role))
-    p2p = DistP2P(timeout=60)
+    # cpkv's disaggregation numbering (prefill first), whatever order the rendezvous gave
+    world = ReorderedComm(ctx.world_comm, pre + dec)
+    p2p = ReorderedP2P(DistP2P(timeout=60), pre + dec)
+    P, D = len(pre), len(dec)
+    rows = world.all_gather(torch.full((world.rank + 1, 2), world.rank))
+    gathered = [r.tolist() for r in rows]
 
     def payload(src):
         return torch.arange(15, dtype=torch.float32).view(3, 5) * (src + 1) + 0.25
 
     got = {}
-    if ctx.role == "prefill":
-        i = pre.index(ctx.rank)
-        p2p.post([(dec[i % len(dec)], payload(ctx.rank))], []).wait()
+    if ctx.role == "prefill":  # prefill i sends to decode i % D, i.e. reordered rank P + i % D
+        p2p.post([(P + world.rank % D, payload(world.rank))], []).wait()
     else:
-        j = dec.index(ctx.rank)
-        srcs = [p for i, p in enumerate(pre) if i % len(dec) == j]
-        bufs = [(p, torch.empty(3, 5)) for p in srcs]
+        j = world.rank - P
+        bufs = [(i, torch.empty(3, 5)) for i in range(P) if i % D == j]
         p2p.post([], bufs).wait()
-        got = {p: bool(torch.equal(b, payload(p))) for p, b in bufs}
-    return ctx.all_gather_object({"rank": ctx.rank, "role": ctx.role, "node": ctx.node,
-                                  "node_ranks": list(ctx.node_ranks), "role_size": role_comm_size,
-                                  "rows_exact": bool(torch.equal(seen, torch.tensor(ctx.node_ranks).unsqueeze(1) * 100
-                                                                 + torch.arange(4))),
-                                  "names_left": left, "received": got, "roles": role_members,
-                                  "misuse": _misuse(ctx)})
+        got = {i: bool(torch.equal(b, payload(i))) for i, b in bufs}
+    return _report(ctx, {"rank": ctx.rank, "role": ctx.role, "node": ctx.node, "node_ranks": list(ctx.node_ranks),
+                         "role_size": role_comm_size,
+                         "rows_exact": bool(torch.equal(seen, torch.tensor(ctx.node_ranks).unsqueeze(1) * 100
+                                                        + torch.arange(4))),
+                         "names_left": left, "received": got, "roles": role_members,
+                         "reordered": {"rank": world.rank, "roles": world.all_gather_object(ctx.role),
+                                       "rows": gathered},
+                         "misuse": _misuse(ctx)})
 
 
 def main(argv):

@@ -306,8 +306,10 @@ def _make_groups(world: WorldMap, world_size: int) -> dict:
 def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cpu", role: str | None = None,
          environ: Mapping[str, str] | None = None) -> Any:
     """Run ``target(ctx, *args)`` in this rank of a world torchrun made, with
-    ``ctx`` a :class:`JoinedContext`; return the target's result on global rank
-    0 and ``None`` on every other rank.
+    ``ctx`` a :class:`JoinedContext`; return what the target returned on this
+    rank (cpkv's targets return their report on one rank and ``None`` on the
+    others: world rank 0, or for disaggregation the first prefill rank, which
+    torchrun may have numbered otherwise).
 
     Collective: every rank of the world calls it, from its main thread.
     Initialises ``torch.distributed`` from ``env://`` (gloo; ``device="cuda"``
@@ -357,7 +359,7 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
         result = target(ctx, *args)
         dist.barrier()  # every rank is done with every segment before any prefix is unlinked
         ok = True
-        return result if env.rank == 0 else None
+        return result
     finally:
         if ctx is not None:
             ctx.close()
