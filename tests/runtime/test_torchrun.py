@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from support.proc_helpers import gone, wait_until
+from support.torchrun_helpers import finish, log_tail, start_torchrun, two_nodes
 from cpkv.runtime.shm import shm_names
-from cpkv.runtime.torchrun import TORCHRUN_ENV, TorchrunEnv, join, torchrun_env, world_map
+from cpkv.runtime.torchrun import TorchrunEnv, join, torchrun_env, world_map
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
        "MASTER_PORT": "29500"}
 
@@ -117,27 +115,8 @@ def test_join_refuses_misuse_before_touching_anything():
 
 
 # -- under torchrun ----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(out: Path, launch_args: list[str], mode: str, *args: str, log: str = "torchrun", **kw):
-    out.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args, "-m", "support.torchrun_targets", mode,
-           str(out), *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"{log}.log", "w"), **kw)
-
-
-def _finish(p, out: Path, seconds: float, log: str = "torchrun") -> int:
-    try:
-        return p.wait(seconds)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        pytest.fail(f"torchrun did not end within {seconds} s:\n{(out / f'{log}.log').read_text()[-3000:]}")
+def _torchrun(out: Path, launch_args: list[str], mode: str, *args: str, **popen):
+    return start_torchrun(out, launch_args, "support.torchrun_targets", mode, str(out), *args, **popen)
 
 
 def _ranks(out: Path) -> list[dict]:
@@ -155,7 +134,7 @@ def _nothing_left(ranks: list[dict]) -> None:
 def test_one_node_of_n_ranks_shares_its_segments(tmp_path, n):
     """[[RFC-0001:C-DIRECT-WRITE]]: each rank writes its own row of the node's segment; every rank reads all rows."""
     p = _torchrun(tmp_path, ["--standalone", "--nproc-per-node", str(n)], "share")
-    assert _finish(p, tmp_path, 120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    assert finish(p, tmp_path, 120) == 0, log_tail(tmp_path)
     res = json.loads((tmp_path / "result.json").read_text())
     assert [r["rank"] for r in res] == list(range(n)) and [r["local_rank"] for r in res] == list(range(n))
     assert all(r["exact"] and r["node_ranks"] == list(range(n)) for r in res)
@@ -173,7 +152,7 @@ def test_a_killed_rank_ends_the_run_and_leaves_nothing(tmp_path, victim):
     """Rank 0 (the creator, holding a name not yet unlinked) or rank 2 is SIGKILLed while its peers wait in a
     barrier: torchrun ends within 30 s, no name of the node and no rank is left."""
     p = _torchrun(tmp_path, ["--standalone", "--nproc-per-node", "3"], "kill", str(victim))
-    assert _finish(p, tmp_path, 120) != 0
+    assert finish(p, tmp_path, 120) != 0
     ended = time.time()
     killed_at = float((tmp_path / "killed").read_text())
     assert ended - killed_at < 30
@@ -190,14 +169,14 @@ def test_a_killed_torchrun_or_ctrl_c_leaves_nothing(tmp_path, how):
     p = _torchrun(tmp_path, ["--standalone", "--nproc-per-node", "2"], "hang", start_new_session=True)
     if not wait_until(lambda: len(glob.glob(str(tmp_path / "pid*"))) == 2, 90):
         p.kill()
-        pytest.fail((tmp_path / "torchrun.log").read_text()[-3000:])
+        pytest.fail(log_tail(tmp_path))
     ranks = _ranks(tmp_path)
     assert shm_names(ranks[0]["prefix"]) == {ranks[0]["prefix"] + "pending"}
     if how == "kill torchrun":
         p.kill()
     else:
         os.killpg(p.pid, signal.SIGINT)
-    _finish(p, tmp_path, 30)
+    finish(p, tmp_path, 30)
     _nothing_left(ranks)
 
 
@@ -206,15 +185,9 @@ def test_a_killed_torchrun_or_ctrl_c_leaves_nothing(tmp_path, how):
 def test_two_nodes_on_loopback_form_role_groups_and_move_a_tensor_between_them(tmp_path, prefill, decode):
     """[[RFC-0001:C-DISAGG]]: two torchrun agents joined by the c10d rendezvous, one per role; each node shares
     its own segments, and every prefill rank's tensor reaches its decode rank intact, point to point."""
-    port = _free_port()
-    procs = []
-    for node_rank, (role, n) in enumerate([("prefill", prefill), ("decode", decode)]):
-        procs.append(_torchrun(tmp_path, ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", str(n),
-                                          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                                          "--rdzv-id", f"cpkv-test-{port}", "--role", role],
-                               "disagg", log=role))
+    procs = two_nodes(tmp_path, "support.torchrun_targets", "disagg", str(tmp_path), prefill=prefill, decode=decode)
     for p, role in zip(procs, ["prefill", "decode"]):
-        assert _finish(p, tmp_path, 180, log=role) == 0, (tmp_path / f"{role}.log").read_text()[-3000:]
+        assert finish(p, tmp_path, 180, log=role) == 0, log_tail(tmp_path, role)
     res = json.loads((tmp_path / "result.json").read_text())
     by_role = {role: [r for r in res if r["role"] == role] for role in ("prefill", "decode")}
     assert [len(by_role["prefill"]), len(by_role["decode"])] == [prefill, decode]

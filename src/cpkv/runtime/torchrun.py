@@ -318,6 +318,8 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     and on the node and role of every rank, makes every node's and role's group,
     runs the target, waits at a barrier for every rank to finish it, and tears
     the process group down. ``role`` overrides ``ROLE_NAME`` for this rank.
+    ``environ`` (default ``os.environ``) is the environment checked and read
+    for this rank's place; ``env://`` itself always reads ``os.environ``.
 
     Raises ``RuntimeError`` when this process was not started by torchrun (see
     :func:`torchrun_env`) or not from the main thread, ``ValueError`` on a bad
