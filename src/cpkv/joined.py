@@ -1,0 +1,100 @@
+"""cpkv's engine and its disaggregation in a world torchrun made (the entry ``cpkv run`` calls under torchrun).
+
+``cpkv run`` spawns its own CP group (:func:`cpkv.engine.engine.run_engine`). Started by torchrun instead (the
+environment holds :data:`~cpkv.runtime.torchrun.TORCHRUN_ENV`; :func:`~cpkv.runtime.torchrun.torchrun_env` is not
+``None``), every rank runs the command, and the command joins the world torchrun made:
+
+    torchrun --standalone --nproc-per-node 4 -m cpkv run --cp 4 --check
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --role prefill \\
+             --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN -m cpkv run --disagg 2:1 --check
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --role decode \\
+             --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN -m cpkv run --disagg 2:1 --check
+
+* :func:`run_engine_joined`: one node, its ranks the CP group (``WORLD_SIZE`` = ``LOCAL_WORLD_SIZE`` = ``cp_size``);
+* :func:`run_disagg_joined`: the prefill group on the node(s) started with ``--role prefill``, the decode group
+  on the one started with ``--role decode``; each group on one node (its cache is shared memory). The c10d
+  rendezvous ignores ``--node-rank``: the role, not the rank, says which group a node is.
+
+Each returns the run's report on the one rank that makes it (world rank 0 for the engine, the first prefill rank
+for disaggregation) and ``None`` on every other rank: print it where it is not ``None``.
+
+(This module belongs with :mod:`cpkv.engine`; it lives here until the engine package's split has landed.)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .disagg import DisaggConfig, DisaggControl, disagg_rank
+from .engine.disagg import SIDES
+from .engine.engine import EngineConfig, build_scheduler, engine_rank
+from .models import build_adapter
+from .runtime.p2p import DistP2P
+from .runtime.reorder import ReorderedComm, ReorderedP2P
+from .runtime.torchrun import TORCHRUN_ENV, JoinedContext, TorchrunEnv, join, torchrun_env
+
+
+def _env(environ: Mapping[str, str] | None) -> TorchrunEnv:
+    env = torchrun_env(environ)
+    if env is None:
+        raise RuntimeError(f"not started by torchrun: none of {', '.join(TORCHRUN_ENV)} is set")
+    return env
+
+
+def _engine_target(ctx: JoinedContext, cfg: EngineConfig) -> dict | None:
+    return engine_rank(ctx.shared, ctx.comm, cfg, build_adapter(cfg.model))
+
+
+def run_engine_joined(cfg: EngineConfig, environ: Mapping[str, str] | None = None) -> dict | None:
+    """Run this rank of the engine in a one-node world torchrun made; the report on world rank 0, ``None`` on
+    the others.
+
+    Refuses, before joining (so every rank refuses alike and nothing starts), with ``RuntimeError`` outside
+    torchrun, ``ValueError`` when the world is not one node of ``cfg.cp_size`` ranks, and whatever
+    :func:`~cpkv.engine.engine.build_scheduler` refuses of the trace. The group's KV cache lives in the node's
+    shared segments [[RFC-0001:C-DIRECT-WRITE]]; cleanup as :func:`~cpkv.runtime.torchrun.join` guarantees."""
+    env = _env(environ)
+    if env.world_size != cfg.cp_size or env.local_world_size != cfg.cp_size:
+        raise ValueError(f"the engine's CP group of {cfg.cp_size} ranks is one node: start torchrun with "
+                         f"--nnodes 1 --nproc-per-node {cfg.cp_size} (this world has WORLD_SIZE={env.world_size}, "
+                         f"LOCAL_WORLD_SIZE={env.local_world_size})")
+    cfg.model.config()
+    build_scheduler(cfg, cfg.trace())  # refuse a trace that cannot run before joining
+    return join(_engine_target, cfg, timeout=cfg.timeout, environ=environ)
+
+
+def _disagg_target(ctx: JoinedContext, cfg: DisaggConfig) -> dict | None:
+    roles = {r: len(ctx.world.roles.get(r, ())) for r in SIDES}
+    if set(ctx.world.roles) != set(SIDES) or (roles["prefill"], roles["decode"]) != (cfg.prefill_size,
+                                                                                     cfg.decode_size):
+        raise ValueError(f"--disagg {cfg.prefill_size}:{cfg.decode_size} needs {cfg.prefill_size} ranks of role "
+                         f"prefill and {cfg.decode_size} of role decode; this world has "
+                         f"{ {r: len(v) for r, v in ctx.world.roles.items()} }")
+    if ctx.node_ranks != ctx.role_ranks(ctx.role):
+        raise ValueError(f"the {ctx.role} group must be one node (its cache is shared memory): its ranks "
+                         f"{list(ctx.role_ranks(ctx.role))}, this node's {list(ctx.node_ranks)}")
+    order = ctx.role_ranks("prefill") + ctx.role_ranks("decode")  # disagg_rank numbers the world prefill first
+    return disagg_rank(ReorderedComm(ctx.world_comm, order), ctx.comm, ctx.role, ctx.shared,
+                       ReorderedP2P(DistP2P(timeout=cfg.transfer_timeout), order), cfg, build_adapter(cfg.model))
+
+
+def run_disagg_joined(cfg: DisaggConfig, environ: Mapping[str, str] | None = None) -> dict | None:
+    """Run this rank of a disaggregated run in a world torchrun made, each group one node told by its role
+    (``torchrun --role prefill|decode``); the report on the first prefill rank, ``None`` on the others.
+
+    Refuses before joining, with ``RuntimeError`` outside torchrun and ``ValueError`` on a node without a role
+    in ``("prefill", "decode")``, a world whose size is not ``M + N``, or a configuration or trace that cannot
+    run; after joining (every rank alike), with ``ValueError`` when the roles' sizes are not ``M`` and ``N``
+    or a role spans nodes. The KV moves point to point between the nodes [[RFC-0001:C-DISAGG]]."""
+    env = _env(environ)
+    if env.role not in SIDES:
+        raise ValueError(f"this node's role is {env.role!r}: start each node's torchrun with --role prefill or "
+                         f"--role decode")
+    if env.world_size != cfg.world_size:
+        raise ValueError(f"--disagg {cfg.prefill_size}:{cfg.decode_size} needs a world of {cfg.world_size} ranks; "
+                         f"this one has WORLD_SIZE={env.world_size}")
+    cfg.validate()
+    cfg.model.config()
+    DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before joining
+    return join(_disagg_target, cfg, timeout=cfg.timeout, environ=environ)
