@@ -1,4 +1,4 @@
-"""The engine and its disaggregation under torchrun (cpkv.joined): one node of N ranks, and a prefill node and a
+"""The engine and its disaggregation under torchrun (cpkv.engine.joined): one node of N ranks, and a prefill node and a
 decode node on loopback, each exact against transformers (``--check``); refusals before anything joins."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 from support.torchrun_helpers import finish, log_tail, start_torchrun, two_nodes
 from cpkv.disagg import DisaggConfig
 from cpkv.engine.engine import EngineConfig
-from cpkv.joined import run_disagg_joined, run_engine_joined
+from cpkv.engine.joined import run_disagg_joined, run_engine_joined
 
 ENV = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
        "MASTER_PORT": "29500"}

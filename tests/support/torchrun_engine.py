@@ -8,7 +8,7 @@ import sys
 
 from cpkv.disagg import DisaggConfig
 from cpkv.engine.engine import EngineConfig
-from cpkv.joined import run_disagg_joined, run_engine_joined
+from cpkv.engine.joined import run_disagg_joined, run_engine_joined
 
 
 def main(argv):

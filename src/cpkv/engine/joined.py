@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .disagg import DisaggConfig, DisaggControl, disagg_rank
-from .engine.disagg import SIDES
-from .engine.engine import EngineConfig, build_scheduler, engine_rank
-from .models import build_adapter
-from .runtime.p2p import DistP2P
-from .runtime.reorder import ReorderedComm, ReorderedP2P
-from .runtime.torchrun import TORCHRUN_ENV, JoinedContext, TorchrunEnv, join, torchrun_env
+from ..models import build_adapter
+from ..runtime.p2p import DistP2P
+from ..runtime.reorder import ReorderedComm, ReorderedP2P
+from ..runtime.torchrun import TORCHRUN_ENV, JoinedContext, TorchrunEnv, join, torchrun_env
+from .config import DisaggConfig, EngineConfig
+from .disagg.control import DisaggControl
+from .disagg.driver import SIDES, disagg_rank
+from .engine import build_scheduler, engine_rank
 
 
 def _env(environ: Mapping[str, str] | None) -> TorchrunEnv:
