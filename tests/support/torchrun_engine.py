@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from cpkv.disagg import DisaggConfig
+from cpkv import DisaggConfig
 from cpkv.engine.engine import EngineConfig
 from cpkv.engine.joined import run_disagg_joined, run_engine_joined
 
