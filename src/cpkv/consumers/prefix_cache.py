@@ -58,7 +58,8 @@ import torch
 from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
 from ..contract.errors import UnsupportedPagePlan
 from ..contract.inputs import int_vector
-from ..contract.layout import lane_base_from_prefix, lane_of_position, owner_of, page_of
+from ..contract import layout, rules
+from ..contract.layout import lane_base_from_prefix, lane_base_of_last_loc, owner_of, page_of
 
 EvictHook = Callable[[tuple, torch.Tensor], None]
 
@@ -480,12 +481,10 @@ class PrefixCache:
             lane = self.alloc.lane_for_new_chain(q0, prefer=hit.copy_lane)
             base = lane_base_from_prefix(lane, q0 * self.S + 1, self.S, self.N)
         elif hit.shared:
-            base = lane_base_from_prefix(self.tree.lane_of(hit.last_shared_loc), hit.shared, self.S, self.N)
+            base = lane_base_of_last_loc(hit.last_shared_loc, hit.shared, self.S, self.N)
         else:
             base = self.alloc.lane_for_new_chain(0)
-        # positions q0 .. stop-1 cycle through the lanes from lane_of_position(base, q0): whole turns, then the rest
-        n, first = stop - q0, int(lane_of_position(base, q0, self.N))
-        return n // self.N + ((np.arange(self.N) - first) % self.N < n % self.N).astype(np.int64)
+        return layout.chain_lane_pages(base, q0, stop - q0, self.N)
 
     def evictable_pages(self) -> np.ndarray:
         """Pages per lane [N] in unreferenced nodes (all of them can be evicted,
@@ -607,10 +606,9 @@ class PrefixCache:
         if not grows.any():
             return
         page = page_of(last, S)
-        off = last - page * S
-        grows &= (page >= 1) & (page <= self.alloc.num_pages) & (off == (prefix - 1) % S)
+        grows &= (page >= 1) & (page <= self.alloc.num_pages)
         page = np.where(grows, page, 0)
-        grows &= self.tree.page_cached[page] & (self.alloc.page_fill(page) - 1 == off)
+        grows &= self.tree.page_cached[page] & rules.continues_chain(last, prefix, self.alloc.page_fill(page), S)
         if grows.any():
             r = int(grows.nonzero()[0][0])
             raise UnsupportedPagePlan(

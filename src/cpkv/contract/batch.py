@@ -21,7 +21,7 @@ import torch
 from . import plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
-from .layout import lane_base_from_prefix, owner_of
+from .layout import lane_base_of_last_loc
 from .rules import AllocationRules
 
 
@@ -104,7 +104,7 @@ class BatchPlanner:
         else:
             first_new = -(-prefix // S)
             n_new = -(-seq // S) - first_new
-            fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+            fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
         base = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy)
         take = plan.lane_take(base, first_new, n_new, N)
         if (deficit := lists.deficit(take.lane_counts)) is not None:
@@ -173,7 +173,7 @@ class BatchPlanner:
             idx = needs.nonzero()[0]
             lanes = (last_page[idx] + 1) % N
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
-                fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+                fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
                 base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free, N,
                                               self.base_policy)
                 lanes = np.where(has[idx], lanes, base[idx])
@@ -186,7 +186,7 @@ class BatchPlanner:
         grown = last_page[~needs]
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
-            b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
+            b = lane_base_of_last_loc(last_page * S, prefix, S, N) if base is None else base  # last may change
             return {
                 "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
                 "extend_start_loc": np.arange(prefix.size), "lane_base": b,

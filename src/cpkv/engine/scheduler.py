@@ -60,7 +60,8 @@ import torch
 
 from ..consumers.prefix_cache import PrefixCache, PrefixHit, PrefixMatch
 from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
-from ..contract.layout import lane_base_from_prefix, lane_of_position, owner_of, page_of
+from ..contract import layout
+from ..contract.layout import lane_base_of_last_loc, owner_of, page_of
 from .trace import RequestSpec, TraceError, validate
 
 ADMISSION = ("lanes", "none")
@@ -197,11 +198,8 @@ def remaining_need(alloc: OwnerLaneAllocator, last_loc: int, length: int, end: i
     first, stop = -(-length // S), -(-end // S)
     if stop <= first:
         return np.zeros(N, dtype=np.int64)
-    if length:
-        base = lane_base_from_prefix(owner_of(page_of(last_loc, S), N), length, S, N)
-    else:
-        base = alloc.lane_for_new_chain(0)
-    return np.bincount(lane_of_position(base, np.arange(first, stop), N), minlength=N)
+    base = lane_base_of_last_loc(last_loc, length, S, N) if length else alloc.lane_for_new_chain(0)
+    return layout.chain_lane_pages(base, first, stop - first, N)
 
 
 class Scheduler:
@@ -265,7 +263,7 @@ class Scheduler:
 
     def _check_fits(self, rid: str, kv_tokens: int) -> None:
         pages = -(-kv_tokens // self.S)
-        per_lane = -(-pages // self.N)
+        per_lane = int(layout.chain_lane_pages(0, 0, pages, self.N).max())  # the fullest lane, whatever the base
         if per_lane > int(self.alloc.lane_pages.min()):
             raise TraceError(f"request {rid!r} needs {pages} pages ({per_lane} per lane); the cache has "
                              f"{int(self.alloc.lane_pages.min())} per lane")

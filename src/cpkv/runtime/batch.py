@@ -38,7 +38,6 @@ import torch
 from ..consumers.kv_pool import SharedKVPool
 from ..contract import plan
 from ..contract.allocator import ExtendAllocation
-from ..contract.errors import UnsupportedPagePlan
 from ..models.attention import attend, merge_partials, paged_attention, topk_positions
 from .comm import Comm
 
@@ -52,11 +51,7 @@ def split_ranks(alloc: ExtendAllocation, mode: str, cp_size: int) -> torch.Tenso
     if mode in ("page", "owner"):
         return alloc.token_owners
     if mode == "interleave":
-        E = alloc.out_cache_loc.numel()
-        if E < cp_size:
-            raise UnsupportedPagePlan("interleave-too-short",
-                                      f"interleave split needs at least {cp_size} tokens, batch has {E}")
-        return torch.arange(E, device=alloc.out_cache_loc.device) % cp_size
+        return plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
     if mode == "zigzag":
         return plan.zigzag_ranks(alloc.extend_lens, cp_size)
     if mode == "lse":
