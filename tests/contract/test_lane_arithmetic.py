@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache
+from cpkv.consumers.prefix_rules import refuse_cached_growth
 from cpkv.contract import layout, plan, rules
-from cpkv.engine.scheduler import Scheduler, remaining_need
+from cpkv.engine.scheduler import Scheduler
 from cpkv.engine.trace import RequestSpec, TraceError
 
 
@@ -32,8 +33,9 @@ def test_chain_lane_pages_counts_each_position(N, reqs):
 
 def test_every_lane_count_goes_through_one_function(monkeypatch):
     """Patch :func:`layout.chain_lane_pages` and the plan, the allocation
-    rules, the prefix cache and the scheduler (its need and its coarse
-    capacity rule) all change together. [[RFC-0001:C-OWNER-LANE]]"""
+    rules, the prefix cache (an admission's need, a running chain's need, which
+    the scheduler reserves) and the scheduler's coarse capacity rule all
+    change together. [[RFC-0001:C-OWNER-LANE]]"""
     S, N = 1, 2
     alloc = OwnerLaneAllocator(5 * S, S, N)  # lanes of 2 (lane 0) and 3 (lane 1) pages
     first = alloc.allocate_extend([0], [1], [-1])  # page 1, lane 1
@@ -42,7 +44,7 @@ def test_every_lane_count_goes_through_one_function(monkeypatch):
     base = np.array([0, 1]), np.array([0, 2]), np.array([3, 4])
     fixed = (np.array([1]), np.array([5]), np.array([True]), first.to_host("new_pages"))  # base 1: fits 3 + 2
     before = (plan.lane_take(*base, N).lane_counts.copy(), cache.lane_need(hit, 4).copy(),
-              remaining_need(alloc, int(first.out_cache_loc[0]), 1, 5).copy())
+              cache.chain_need(int(first.out_cache_loc[0]), 1, 5).copy())
     alloc._rules.check_capacity(*fixed)  # fits unpatched
     Scheduler([RequestSpec("a", 0, (1, 2, 3), 2)], PrefixCache(OwnerLaneAllocator(5 * S, S, N)))
 
@@ -50,7 +52,7 @@ def test_every_lane_count_goes_through_one_function(monkeypatch):
     monkeypatch.setattr(layout, "chain_lane_pages", lambda *a: real(*a) + 100)
     assert (plan.lane_take(*base, N).lane_counts - before[0]).tolist() == [200, 200]
     assert (cache.lane_need(hit, 4) - before[1]).tolist() == [100, 100]
-    assert (remaining_need(alloc, int(first.out_cache_loc[0]), 1, 5) - before[2]).tolist() == [100, 100]
+    assert (cache.chain_need(int(first.out_cache_loc[0]), 1, 5) - before[2]).tolist() == [100, 100]
     with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
         alloc._rules.check_capacity(*fixed)
     with pytest.raises(TraceError, match="per lane"):
@@ -82,8 +84,8 @@ def test_every_continuation_goes_through_one_rule(monkeypatch):
     assert alloc.allocate_decode([4], last + 1) is not None and calls  # check_decode
     calls.clear()
     m = cache.acquire([7, 8, 9])
-    cache._refuse_cached_growth([2], [3], torch.tensor([-1]))
-    cache._refuse_cached_growth([2], [3], torch.tensor([int(last[0]) + 2]))
+    refuse_cached_growth(cache, [2], [3], torch.tensor([-1]))
+    refuse_cached_growth(cache, [2], [3], torch.tensor([int(last[0]) + 2]))
     assert calls, "the prefix cache did not ask the continuation rule"
     cache.release(m)
     monkeypatch.setattr(rules, "continues_chain", lambda *args: np.zeros(np.shape(args[0]), dtype=bool))

@@ -92,13 +92,6 @@ def test_requests_sharing_cached_source_pages_each_receive_them():
     assert doubled == 32 and ctl.prefill.stats.hit_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def llama():
-    from cpkv.models import LlamaAdapter, TinyLlama
-
-    return LlamaAdapter(TinyLlama().build())
-
-
 def exact(r):
     assert_exact(r)
     assert r["sent_bytes_per_pair"] == r["bytes_per_pair"] == r["received_bytes_per_pair"]

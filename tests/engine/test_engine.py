@@ -10,13 +10,7 @@ one process here (fast); tests/engine/test_engine_group.py runs the process grou
 import pytest
 
 from cpkv.engine import EngineConfig, run_engine_threads
-from cpkv.models import LlamaAdapter, TinyLlama
 from support.engine_checks import assert_exact as exact
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return LlamaAdapter(TinyLlama().build())
 
 
 CASES = {

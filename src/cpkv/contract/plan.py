@@ -1,4 +1,4 @@
-"""W1 planner: request-local owner plans and the per-rank token split.
+"""The planner: request-local owner plans and the per-rank token splits (workstream W1).
 
 Everything here is a small pure function. Requests are planned one by one,
 never concatenated first: a request's lane base is a property of its own page

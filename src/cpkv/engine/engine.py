@@ -29,7 +29,8 @@ from ..models import TinyDsa, TinyLlama, build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm
 from ..runtime.group import RankContext, launch
 from ..runtime.runner import CPRunner
-from .scheduler import Batch, Scheduler, StepPlan
+from .scheduler import Scheduler
+from .step_plan import Forward, StepPlan
 from .trace import WORKLOADS, RequestSpec, load_jsonl
 
 
@@ -38,8 +39,8 @@ class RankExecutor:
 
     Order: backups (IO rank, fenced before and after), loads (each owner),
     copies (each destination owner) and arrivals (KV from another group, by
-    ``receive(plan)``, each owner writing its own segment), a fence, the
-    admitted requests' page-table rows, then the decode and prefill forwards.
+    ``receive(plan)``, each owner writing its own segment), a fence, then the
+    decode and prefill forwards, reading the scheduler's page table.
     """
 
     def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False, receive=None):
@@ -50,30 +51,27 @@ class RankExecutor:
 
     def run(self, plan: StepPlan) -> list[list[int]]:
         """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
-        pool, run = self.pool, self.runner
+        pool = self.pool
         if plan.backups:
             pool.fence()
-            for dev, host in plan.backups:
-                self.backed_up += self.host.backup(pool, dev, host)
+            for b in plan.backups:
+                self.backed_up += self.host.backup(pool, b.device, b.host)
             pool.fence()
-        for host, dev, _ in plan.loads:
-            self.loaded += self.host.load(pool, host, dev)
-        for src, dst, _ in plan.copies:
-            self.copied += pool.copy_slots(src, dst)
+        for x in plan.loads:
+            self.loaded += self.host.load(pool, x.host, x.device)
+        for c in plan.copies:
+            self.copied += pool.copy_slots(c.src, c.dst)
         if plan.arrivals:
             if self.receive is None:
                 raise ValueError(f"step {plan.step} plans KV arrivals but this executor has no receive")
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.fence()
-        for row, slots in plan.assign:
-            run.assign(row, slots)
         return [self._forward(b) for b in plan.batches()]
 
-    def _forward(self, b: Batch) -> list[int]:
+    def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
-        run.record(b.rows, a)
-        idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode)
+        idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode, table=b.table)
         last = a.extend_start_loc + a.extend_lens - 1  # each request's last new token
         where = torch.full((a.out_cache_loc.numel(),), -1, dtype=torch.int64)
         where[idx] = torch.arange(idx.numel())
@@ -145,7 +143,7 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
-    layout = sched.alloc.layout
+    layout = sched.layout
     fams = adapter.families()
     pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, shared), fence=comm.barrier)
     host = None
@@ -153,7 +151,8 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
         host = HostPool(fams, HostPool.allocate(fams, cfg.host_pages, cfg.page_size, shared))
     max_len = sched.max_len + 1
     runner = CPRunner(adapter, pool, comm=comm, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans)
+                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans,
+                      page_table=sched.table)
     ex = RankExecutor(runner, host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
     t0 = time.perf_counter()
@@ -167,7 +166,7 @@ def engine_rank(shared, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
-    held = own[sched.alloc.is_allocated(own)]
+    held = own[sched.cache.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,

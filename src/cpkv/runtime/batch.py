@@ -37,7 +37,7 @@ import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..contract import plan
-from ..contract.allocator import ExtendAllocation
+from ..contract.allocation import Allocation
 from ..models.attention import attend, merge_partials, paged_attention, topk_positions
 from .comm import Comm
 
@@ -45,7 +45,7 @@ PREFILL_SPLITS = ("page", "interleave", "zigzag")
 DECODE_SPLITS = ("owner", "lse")
 
 
-def split_ranks(alloc: ExtendAllocation, mode: str, cp_size: int) -> torch.Tensor | None:
+def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
     """Rank that computes each token of the flattened batch, or ``None`` when
     every rank computes every token (``lse``). Pure: every rank gets the same."""
     if mode in ("page", "owner"):
@@ -66,7 +66,7 @@ class ForwardBatch:
     positions ``0 .. seq_len - 1`` (padding after), the new slots included.
     """
 
-    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: ExtendAllocation, table: torch.Tensor, mode: str):
+    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str):
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
         N = self.layout.cp_size

@@ -2,7 +2,7 @@
 changing it: lane bases, the pages each lane hands out, the slots
 (``out_cache_loc``, already on the device) and the fill marks to set.
 
-:class:`BatchPlanner` answers; the allocator then commits the :class:`Batch`
+:class:`BatchPlanner` answers; the allocator then commits the :class:`PendingAllocation`
 in steps that cannot fail, so every fallible step (checks, the device copy)
 runs before a page moves ([[RFC-0001:C-FAIL-FAST]]). Nothing loops per
 request, page or token: the pages of a request cycle through consecutive
@@ -54,14 +54,15 @@ def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray,
 
 
 @dataclass
-class Batch:
-    """What one allocation will do, computed before anything changes.
+class PendingAllocation:
+    """What one allocation will do, computed before anything changes (the
+    allocator commits it, or keeps the deficit instead).
 
     ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
     ``new_fill`` (an array, or one value for all); ``grown`` are allocated
     partial pages the batch writes further, their new marks ``grown_fill``;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
-    plan fields of :class:`~cpkv.contract.allocation.ExtendAllocation`.
+    plan fields of :class:`~cpkv.contract.allocation.Allocation`.
     """
 
     out: torch.Tensor
@@ -90,9 +91,9 @@ class BatchPlanner:
             self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
         return self._iota_cache
 
-    def extend(self, prefix, seq, last, total: int, has, last_page) -> Batch | np.ndarray:
+    def extend(self, prefix, seq, last, total: int, has, last_page) -> PendingAllocation | np.ndarray:
         """An extend batch that passed :meth:`AllocationRules.check_extend` and
-        ``check_capacity`` (``total`` new tokens): the :class:`Batch`, or the
+        ``check_capacity`` (``total`` new tokens): the :class:`PendingAllocation`, or the
         per-lane deficit when some lane lacks pages."""
         S, N, lists = self.S, self.N, self.lists
         ext = seq - prefix
@@ -145,12 +146,12 @@ class BatchPlanner:
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
                     "new_page_positions": (first_new - starts).repeat(n_new) + iota[: new_pages.size]}
 
-        return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan)
+        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan)
 
-    def decode(self, seq: np.ndarray, last: np.ndarray) -> Batch | np.ndarray:
+    def decode(self, seq: np.ndarray, last: np.ndarray) -> PendingAllocation | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
         previous token's slot, padding for none), checked here: the
-        :class:`Batch`, or the per-lane deficit. Raises as an extend with
+        :class:`PendingAllocation`, or the per-lane deficit. Raises as an extend with
         ``prefix = seq - 1`` would, plus ``empty-decode`` for ``seq < 1``."""
         S, N, lists = self.S, self.N, self.lists
         if last.size != seq.size:
@@ -194,4 +195,4 @@ class BatchPlanner:
                 "new_page_owners": lanes, "new_page_positions": prefix[idx] // S,
             }
 
-        return Batch(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan)
+        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan)
