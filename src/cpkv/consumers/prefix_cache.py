@@ -150,10 +150,6 @@ class PrefixCacheQuestions:
         """Pages the cache owns."""
         return int(self.tree.cached_lanes.sum())
 
-    def hit_rate(self) -> float:
-        """Cached tokens matched / tokens acquired."""
-        return self.hit_tokens / self.acquired_tokens if self.acquired_tokens else 0.0
-
     def snapshot(self) -> tuple:
         """A copy of the whole cache state (tree shape, keys, slots, reference
         counts, LRU clocks, counters, ``last_deficit``), for tests and debugging;

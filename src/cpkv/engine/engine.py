@@ -67,7 +67,7 @@ class RankExecutor:
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.fence()
-        return [self._forward(b) for b in plan.batches()]
+        return [self._forward(b) for b in plan.forwards()]
 
     def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc

@@ -194,10 +194,10 @@ class RequestLifecycle:
     # -- completion -------------------------------------------------------------------------------
     def complete(self, plan: StepPlan, tokens: list[list[int]]) -> list[Request]:
         """Close a step: ``tokens[i]`` are the greedy tokens of the requests of
-        ``plan.batches()[i]`` (entries where ``sample`` is False are ignored).
+        ``plan.forwards()[i]`` (entries where ``sample`` is False are ignored).
         Finishes requests at ``max_new_tokens``; returns them."""
         finished = []
-        for b, toks in zip(plan.batches(), tokens):
+        for b, toks in zip(plan.forwards(), tokens):
             for r, t, s in zip(b.requests, toks, b.sample):
                 if s:
                     r.generated.append(int(t))

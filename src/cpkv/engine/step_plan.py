@@ -102,11 +102,11 @@ class StepPlan:
     decode: Forward | None = None
     prefill: Forward | None = None
 
-    def batches(self) -> list[Forward]:
+    def forwards(self) -> list[Forward]:
         """The forwards of the step, decode first."""
         return [b for b in (self.decode, self.prefill) if b is not None]
 
-    forwards = batches
+    batches = forwards  # the former name, for callers not yet moved (engine/disagg.py)
 
     def drop(self, r: "Request") -> None:
         """Forget what was planned for a request preempted or cancelled in this step."""
