@@ -30,7 +30,7 @@ disaggregated run (:class:`DisaggFailure`, :class:`TransferAborted`).
 from .consumers.kv_pool import SharedKVPool
 from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
 from .consumers.transfer import TransferPlan, plan_transfer
-from .contract.allocator import ExtendAllocation, OwnerLaneAllocator
+from .contract.allocator import Allocation, ExtendAllocation, OwnerLaneAllocator
 from .contract.errors import ContractViolation, InvalidFree, UnsupportedPagePlan
 from .contract.layout import SharedKVLayout
 from .contract.plan import RankSplit, split_interleave, split_page
@@ -43,6 +43,7 @@ from .runtime.sizing import GroupTooLarge
 
 __all__ = [
     "ContractViolation",
+    "Allocation",
     "DisaggConfig",
     "DisaggFailure",
     "EngineConfig",

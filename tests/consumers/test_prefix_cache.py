@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 
-from support.cache_engine import Engine
+from support.cache_engine import Engine, cached_sets
 
 
 def tree_nodes(cache):
@@ -241,14 +241,6 @@ def _on_path(held, node):
 
 CacheMachine.TestCase.settings = settings(settings(), max_examples=100, stateful_step_count=40)
 TestCacheMachine = CacheMachine.TestCase
-
-
-@st.composite
-def cached_sets(draw):
-    S = draw(st.sampled_from([1, 2, 4]))
-    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple), min_size=1, max_size=6))
-    query = tuple(draw(st.lists(st.integers(0, 2), min_size=1, max_size=14)))
-    return S, seqs, query
 
 
 def _lcp(a, b):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit
-from support.cache_engine import Engine
+from support.cache_engine import Engine, cached_sets
 
 S, N = 2, 2
 
@@ -230,14 +230,6 @@ def test_the_same_calls_leave_every_rank_identical():
     for e in ranks:
         e.cache.clear()
     assert len({e.alloc.snapshot() for e in ranks}) == 1
-
-
-@st.composite
-def cached_sets(draw):
-    s = draw(st.sampled_from([1, 2, 4]))
-    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple), min_size=1, max_size=6))
-    query = tuple(draw(st.lists(st.integers(0, 2), min_size=1, max_size=14)))
-    return s, seqs, query
 
 
 @given(cached_sets(), st.sampled_from([1, 3]), st.none() | st.integers(0, 14))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import cpkv.contract.batch as batch_module
+import cpkv.contract.planner as planner_module
 import cpkv.contract.allocator as allocator_module
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 
@@ -37,13 +37,13 @@ def test_a_failure_while_building_the_result_takes_no_page(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(batch_module, "_expand_runs", boom)
+    monkeypatch.setattr(planner_module, "_expand_runs", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         a.allocate_extend([0, 0], [5, 9], [NONE, NONE])
     with pytest.raises(RuntimeError, match="device lost"):  # a continuation into its partial page
         a.allocate_extend([6, 0], [11, 4], [int(r.out_cache_loc[-1]), NONE])
     assert a.snapshot() == before
-    monkeypatch.setattr(batch_module, "_device_tensor", boom)
+    monkeypatch.setattr(planner_module, "_device_tensor", boom)
     monkeypatch.setattr(allocator_module, "_device_tensor", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         a.allocate_decode([1, 1], [NONE, NONE])

@@ -1,4 +1,4 @@
-"""W1 planner: owner plans, lane bases and the per-rank token splits."""
+"""The planner: owner plans, lane bases and the per-rank token splits."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan, split_interleave
 from cpkv.contract import plan
-from cpkv.contract.plan import choose_lane_bases, owner_plan
+from cpkv.contract.plan import choose_lane_bases, lane_take
 
 
 @st.composite
@@ -81,21 +81,22 @@ def test_lane_bases_are_request_relative_and_least_full():
     N=st.sampled_from([1, 2, 3, 8]),
     reqs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 9), st.integers(0, 20)), min_size=1, max_size=10),
 )
-def test_owner_plan_matches_its_definition(N, reqs):
-    """Owners cycle from each request's base; ranks and lane counts agree with a
-    per-page count. [[RFC-0001:C-OWNER-LANE]]"""
+def test_lane_take_matches_its_definition(N, reqs):
+    """Page j of request r lies in lane ``(b + q0 + j) % N`` and is the
+    ``before[r, lane] + j // N``-th page the batch takes from that lane; lane
+    counts agree with a per-page count (the owner plan, page by page).
+    [[RFC-0001:C-OWNER-LANE]]"""
     base, first, n = (np.array(x) for x in zip(*reqs))
     base = base % N
-    op = owner_plan(base, first, n, N)
-    owners, seen = [], [0] * N
+    take = lane_take(base, first, n, N)
+    seen = [0] * N
     for r in range(len(n)):
         for j in range(n[r]):
             lane = (base[r] + first[r] + j) % N
-            owners.append(lane)
-            assert op.rank_in_lane[len(owners) - 1] == seen[lane]
+            assert (take.first_lane[r] + j) % N == lane
+            assert take.before[r, lane] + j // N == seen[lane]
             seen[lane] += 1
-    assert op.owners.tolist() == owners
-    assert op.lane_counts.tolist() == seen
+    assert take.lane_counts.tolist() == seen
 
 
 def sequential_lane_bases(fixed, has, first, n, free, N):

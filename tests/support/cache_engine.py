@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache
@@ -54,3 +55,13 @@ class Engine:
 
     def state(self):
         return self.cache.snapshot(), self.alloc.snapshot()
+
+
+@st.composite
+def cached_sets(draw):
+    """A page size, a few short token sequences to cache (tokens 0..2, so they
+    share prefixes) and a query: ``(S, seqs, query)``."""
+    S = draw(st.sampled_from([1, 2, 4]))
+    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple), min_size=1, max_size=6))
+    query = tuple(draw(st.lists(st.integers(0, 2), min_size=1, max_size=14)))
+    return S, seqs, query

@@ -121,8 +121,12 @@ class AllocatorComponent(Component):
                 assert b == self.reqs[rid]["base"], "a continuation changed its lane base"
             else:
                 self.reqs[rid] = {"slots": [], "base": b}
+            event("valid: mid-page continuation" if prefix[i] % self.S else
+                  ("valid: page-aligned continuation" if prefix[i] else "valid: fresh"))
             for t, slot in zip(range(prefix[i], seq[i]), new):
                 assert slot % self.S == t % self.S, "slot offset != position offset"
+                if t % self.S:
+                    assert slot == (self.reqs[rid]["slots"] + new)[t - 1] + 1, "a page was split"
                 assert (slot // self.S) % self.N == (b + t // self.S) % self.N, "owner-lane invariant"
             self.reqs[rid]["slots"] += new
 
@@ -172,11 +176,12 @@ class AllocatorComponent(Component):
     # -- valid calls ---------------------------------------------------------------------------
     def extend(self, data):
         active = self._active()
-        cont = data.draw(st.lists(st.sampled_from(active), unique=True, max_size=4)) if active else []
-        ids = cont + list(range(self.m["next"], self.m["next"] + data.draw(st.integers(0, 4))))
+        cont = data.draw(st.lists(st.sampled_from(active), unique=True, max_size=6)) if active else []
+        ids = cont + list(range(self.m["next"], self.m["next"] + data.draw(st.integers(0, 6))))
         self.m["next"] += len(ids) - len(cont)
         if not ids:
             return
+        ids = [ids[k] for k in data.draw(st.permutations(range(len(ids))))]  # fresh and continuing, any order
         prefix = [len(self.reqs[r]["slots"]) if r in self.reqs else 0 for r in ids]
         seq = [p + data.draw(st.integers(1, 3 * self.S)) for p in prefix]
         last = [self._last(r) if r in self.reqs else -1 for r in ids]
@@ -192,7 +197,12 @@ class AllocatorComponent(Component):
         seq = [p + 1 for p in prefix]
         last = torch.tensor([self._last(r) for r in ids])
         event("valid: decode")
-        self._allocate(ids, prefix, seq, lambda: self.a.allocate_decode(torch.tensor(seq), last))
+        if data.draw(st.booleans()):  # SGLang's call shape; the plan is last_allocation
+            call = lambda: None if self.a.alloc_decode(torch.tensor(seq), torch.tensor(seq), last) is None \
+                else self.a.last_allocation  # noqa: E731
+        else:
+            call = lambda: self.a.allocate_decode(torch.tensor(seq), last)  # noqa: E731
+        self._allocate(ids, prefix, seq, call)
 
     def finish(self, data):
         active = self._active()
@@ -426,7 +436,7 @@ class MisuseMachine(RuleBasedStateMachine):
         """The components under test; a subclass adds its own."""
         return [AllocatorComponent(cp, S, lane_pages)]
 
-    @initialize(cp=st.sampled_from([4, 2, 3, 8, 1]), S=st.sampled_from([4, 16, 2, 1]), lane_pages=st.integers(1, 10))
+    @initialize(cp=st.sampled_from([4, 2, 3, 8, 1]), S=st.sampled_from([4, 16, 2, 1, 64]), lane_pages=st.integers(1, 24))
     def setup(self, cp, S, lane_pages):
         self.parts = self.components_for(cp, S, lane_pages)
 

@@ -1,4 +1,4 @@
-"""W6: the host tier, one host KV pool for the whole CP group.
+"""The host tier, one host KV pool for the whole CP group (workstream W6).
 
 Two parts, as the allocator and the pool are two parts on the device:
 

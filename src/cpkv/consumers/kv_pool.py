@@ -1,4 +1,4 @@
-"""W3/W4: the shared KV pool of one rank: direct write, fence, read.
+"""The shared KV pool of one rank: direct write, fence, read (workstreams W3, W4).
 
 A model keeps one or more per-slot caches over the same logical slots and the
 same owner lanes: K and V for GQA; the MLA latent and the indexer keys for DSA
@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..contract.allocator import ExtendAllocation
+from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
 from .kv_format import KVFormat
@@ -163,7 +163,7 @@ class SharedKVPool:
                 raise KeyError(f"no family {name!r}; the pool has {list(self._row)}") from None
             raise KeyError(f"layer {layer} keeps no {name!r} cache") from None
 
-    # -- W3: direct write ---------------------------------------------------------
+    # -- direct write -------------------------------------------------------------
     def _owned_local(self, slots: torch.Tensor, what: str = "write") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Local slots and pages of ``slots`` and the mask of non-padding entries
         (``None`` when all are), refusing any slot another rank owns."""
@@ -265,7 +265,7 @@ class SharedKVPool:
         """Separate this layer's writes from its reads on every rank."""
         self._fence()
 
-    # -- W4: read -------------------------------------------------------------------
+    # -- read -----------------------------------------------------------------------
     def read_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Translate a page table or slot list to rank-major read indices, once
         per batch: int32 when every value fits, else int64. Padding stays.
@@ -287,6 +287,6 @@ class SharedKVPool:
             out.append((rows if f.format is None else f.format.decode(rows)).view(*index.shape, *f.shape))
         return tuple(out)
 
-    def check(self, alloc: ExtendAllocation) -> None:
+    def check(self, alloc: Allocation) -> None:
         """Validate an allocation result against this pool's layout before use."""
         alloc.validate(self.layout)

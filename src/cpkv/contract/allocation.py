@@ -1,5 +1,6 @@
-"""The result of an extend or decode allocation: ``out_cache_loc`` and the batch
-plan, the plan moved to the device only when a consumer asks for it."""
+"""The result of an extend or decode allocation (:class:`Allocation`):
+``out_cache_loc`` and the owner plan of the batch, moved to the device only
+when a consumer asks for it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ def _field(name: str, doc: str) -> property:
     return property(lambda self: self._tensor(name), doc=doc)
 
 
-class ExtendAllocation:
-    """The result of one extend (or decode) allocation plus its batch plan.
+class Allocation:
+    """The result of one allocation, extend or decode alike, with its owner plan.
 
-    Consumers (W3, W4, W6, W7) take this as given and validate it against their
+    One word for one thing: an *allocation* is what the allocator handed out
+    for one batch (a decode is an extend of one token per request, so it
+    returns the same kind). ``ExtendAllocation`` is the same class under its
+    former name, kept for compatibility. Consumers (the pool's direct write,
+    the read path, the host tier, the disaggregation transfer) take this as given and validate it against their
     layout; they never recompute owners from prefix and extend lengths
     ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]).
 
@@ -126,3 +131,6 @@ class ExtendAllocation:
             )
         if self.out_cache_loc.numel() and int(self.out_cache_loc.max()) >= layout.capacity:
             raise UnsupportedPagePlan("slot-out-of-range", f"a slot exceeds the layout capacity {layout.capacity}")
+
+
+ExtendAllocation = Allocation  # the former name; an extend and a decode return the same Allocation

@@ -1,10 +1,10 @@
-"""W2: owner-lane paged allocator, with SGLang's paged-allocator surface.
+"""The owner-lane paged allocator, with SGLang's paged-allocator surface (workstream W2).
 
 :class:`OwnerLaneAllocator` is what an engine calls. Its parts:
 :class:`~cpkv.contract.free_lists.LaneFreeLists` holds the state (one free
 list per owner lane, a fill mark per page) and is the only code that changes
 it; :class:`~cpkv.contract.rules.AllocationRules` answers whether a call may
-go ahead; :class:`~cpkv.contract.batch.BatchPlanner` plans an extend or decode
+go ahead; :class:`~cpkv.contract.planner.BatchPlanner` plans an extend or decode
 batch and builds its result without changing anything; this class checks the
 inputs, commits the plan and speaks SGLang's surface. Invariants, held after
 every call:
@@ -35,16 +35,16 @@ import numpy as np
 import torch
 
 from . import plan
-from .allocation import ExtendAllocation
-from .batch import Batch, BatchPlanner, _device_tensor
+from .allocation import Allocation, ExtendAllocation
 from .errors import InvalidFree, UnsupportedPagePlan
+from .planner import BatchPlanner, PendingAllocation, _device_tensor
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
 from .inputs import check_int_tensor, int_scalar, int_vector, usable_device
 from .kv_row import RowPlacement, check_row_offsets, new_pages, row_lane_base, segments_to_slots
 from .layout import SharedKVLayout, lane_of_position
 from .rules import AllocationRules, pages_of
 
-__all__ = ["AllocatorState", "ExtendAllocation", "OwnerLaneAllocator", "RowPlacement"]
+__all__ = ["Allocation", "AllocatorState", "ExtendAllocation", "OwnerLaneAllocator", "RowPlacement"]
 
 
 class OwnerLaneAllocator:
@@ -52,7 +52,8 @@ class OwnerLaneAllocator:
 
     ``size`` tokens make ``size // page_size`` usable pages, numbered from 1
     (SGLang's ``size`` and ``page_size``). ``base_policy`` picks lane bases for
-    requests without a prefix: ``"least_full"`` (default, DESIGN 3.2) or
+    requests without a prefix: ``"least_full"`` (default; the lane-base rule of
+    :func:`~cpkv.contract.plan.choose_lane_bases`) or
     ``"lane0"`` (a baseline). ``layout``, if given, must agree with
     ``page_size`` and ``cp_size`` and hold every page. Results are torch
     tensors on ``device``, which must be usable here (``ValueError``
@@ -87,7 +88,7 @@ class OwnerLaneAllocator:
         self._rules = AllocationRules(self._lists, page_size, layout.padding_value, base_policy)
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
-        self.last_allocation: ExtendAllocation | None = None
+        self.last_allocation: Allocation | None = None
         self._planner = BatchPlanner(self._lists, self._rules, page_size, cp_size, base_policy, self.device)
 
     # -- questions ----------------------------------------------------------------------
@@ -407,7 +408,7 @@ class OwnerLaneAllocator:
 
         ``prefix_lens_cpu``, ``seq_lens_cpu``, ``last_loc`` ``[bs]``
         (``last_loc`` the last prefix slot, padding for none). Returns an
-        :class:`ExtendAllocation`, or ``None`` when some lane lacks pages
+        :class:`Allocation`, or ``None`` when some lane lacks pages
         (``last_deficit`` says how many per lane; nothing changed). Raises
         :class:`UnsupportedPagePlan` for a plan the owner-lane path cannot
         honour or a request that can never fit (``exceeds-capacity``), before
@@ -437,7 +438,7 @@ class OwnerLaneAllocator:
             )
         return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page), prefix, last, gen)
 
-    def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> ExtendAllocation | None:
+    def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> Allocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
         the previous token's slot, padding for none): the same result, state
         and refusals as :meth:`allocate_extend` with ``prefix_lens = seq_lens -
@@ -486,8 +487,8 @@ class OwnerLaneAllocator:
                 "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
                 f"got it (stamp {self._lists.gen[page[r]]}, the request holds {gen[r]})", r)
 
-    def _commit(self, batch: Batch | np.ndarray, prefix: np.ndarray, last: np.ndarray,
-                gen: np.ndarray | None) -> ExtendAllocation | None:
+    def _commit(self, batch: PendingAllocation | np.ndarray, prefix: np.ndarray, last: np.ndarray,
+                gen: np.ndarray | None) -> Allocation | None:
         """Check the chain positions and stamps of the ``last_loc`` of a planned
         batch, then apply it (nothing after the check can fail), or record a
         refusal."""
@@ -498,7 +499,7 @@ class OwnerLaneAllocator:
         self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill, batch.new_positions)
         if batch.grown is not None:
             self._lists.write(batch.grown, batch.grown_fill)
-        alloc = ExtendAllocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
+        alloc = Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
         self.last_allocation = alloc
         return alloc
 

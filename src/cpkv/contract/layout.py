@@ -53,6 +53,31 @@ def lane_base_from_prefix(owner_of_last, prefix_len, page_size: int, cp_size: in
     return (owner_of_last - (prefix_len - 1) // page_size) % cp_size
 
 
+def lane_base_of_last_loc(last_loc, prefix_len, page_size: int, cp_size: int):
+    """Lane base of a chain that continues from ``last_loc``, the slot of its
+    ``prefix_len``-th token: :func:`lane_base_from_prefix` of the lane of
+    ``last_loc``'s page. Ints, numpy or torch. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    return lane_base_from_prefix(owner_of(page_of(last_loc, page_size), cp_size), prefix_len, page_size, cp_size)
+
+
+def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.ndarray:
+    """Pages per lane a chain takes: ``num_pages`` pages at request-local
+    positions ``first_position ..`` of a request with lane base ``lane_base``
+    cycle through the lanes from ``lane_of_position(lane_base, first_position)``,
+    so they are ``n // N`` pages of every lane plus one of each of the
+    ``n % N`` lanes from that one on. The one place cpkv counts a chain's
+    pages per lane (the plan, the allocation rules, the prefix cache and the
+    scheduler all call it). [[RFC-0001:C-OWNER-LANE]]
+
+    Vectorised over requests: ints or numpy arrays ``[bs]`` (broadcast) give
+    int64 ``[..., N]`` (``[N]`` for scalars). ``O(bs * N)``: nothing per page.
+    """
+    start = np.asarray(lane_of_position(lane_base, first_position, cp_size), dtype=np.int64)
+    n = np.asarray(num_pages, dtype=np.int64)
+    lanes = np.arange(cp_size)
+    return n[..., None] // cp_size + ((lanes - start[..., None]) % cp_size < (n % cp_size)[..., None])
+
+
 def _cast(out: torch.Tensor, output_dtype: torch.dtype | None) -> torch.Tensor:
     if output_dtype is None or output_dtype == out.dtype:
         return out

@@ -1,4 +1,4 @@
-"""W1 planner: request-local owner plans and the per-rank token split.
+"""The planner: request-local owner plans and the per-rank token splits (workstream W1).
 
 Everything here is a small pure function. Requests are planned one by one,
 never concatenated first: a request's lane base is a property of its own page
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import layout
 from .errors import UnsupportedPagePlan
 from .layout import lane_of_position
 
@@ -134,46 +135,16 @@ class LaneTake:
 
 
 def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> LaneTake:
-    """Per-lane page counts of a batch from the cyclic structure: a request of
-    n pages starting at lane s takes ``n // N`` pages of every lane plus one of
-    each of the ``n % N`` lanes from s on ([[RFC-0001:C-OWNER-LANE]])."""
-    N = cp_size
-    start = lane_of_position(lane_base, first_position, N)
-    per_req = num_pages[:, None] // N + ((np.arange(N)[None, :] - start[:, None]) % N < (num_pages % N)[:, None])
+    """Per-lane page counts of a batch: request r's chain counted by
+    :func:`cpkv.contract.layout.chain_lane_pages`, then summed in request
+    order ([[RFC-0001:C-OWNER-LANE]]). Page j of request r lies in lane
+    ``(first_lane[r] + j) % N`` and is the ``before[r, lane] + j // N``-th
+    page of that lane the batch takes."""
+    start = lane_of_position(lane_base, first_position, cp_size)
+    per_req = layout.chain_lane_pages(lane_base, first_position, num_pages, cp_size)
     before = per_req.cumsum(0)
     before -= per_req
     return LaneTake(start, before, before[-1] + per_req[-1] if per_req.size else per_req.sum(0))
-
-
-@dataclass(frozen=True)
-class OwnerPlan:
-    """Owners of the new pages of a batch, in request order then position order.
-
-    Per new page: ``owners``, request-local ``positions`` q, ``request`` index
-    and ``rank_in_lane`` (how many earlier pages of the batch share its lane).
-    ``lane_counts[l]`` is how many new pages lane l must supply.
-    """
-
-    owners: np.ndarray
-    positions: np.ndarray
-    request: np.ndarray
-    rank_in_lane: np.ndarray
-    lane_counts: np.ndarray
-
-
-def owner_plan(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.ndarray, cp_size: int) -> OwnerPlan:
-    """Owner plan of a batch: request r gets ``num_pages[r]`` pages at positions
-    ``first_position[r] + j``, owned by ``(lane_base[r] + q) % N``
-    ([[RFC-0001:C-OWNER-LANE]]). Page j of a request is the ``j // N``-th of
-    its lane in that request (see :func:`lane_take`)."""
-    N, bs = cp_size, num_pages.size
-    take = lane_take(lane_base, first_position, num_pages, N)
-    req = (np.arange(bs)).repeat(num_pages)
-    j = np.arange(req.size) - (num_pages.cumsum() - num_pages)[req]
-    q = first_position[req] + j
-    owners = lane_of_position(take.first_lane[req], j, N)
-    rank = take.before.ravel()[req * N + owners] + j // N
-    return OwnerPlan(owners, q, req, rank, take.lane_counts)
 
 
 @dataclass(frozen=True)
@@ -211,18 +182,26 @@ def split_page(
     return _split(token_owners == rank, request_of_token, positions, bs)
 
 
+def interleave_ranks(num_tokens: int, cp_size: int, device=None) -> torch.Tensor:
+    """Rank of every token of a flattened batch of ``num_tokens`` under the
+    interleaved split (SGLang DSA CP): token i goes to rank ``i % N``, int64
+    ``[num_tokens]`` on ``device``. Raises ``UnsupportedPagePlan
+    ("interleave-too-short")`` for fewer than N tokens (some rank would get
+    none). [[RFC-0001:C-PLANNER-SPLIT]]"""
+    if num_tokens < cp_size:
+        raise UnsupportedPagePlan(
+            "interleave-too-short", f"interleave split needs at least {cp_size} tokens, batch has {num_tokens}"
+        )
+    return torch.arange(num_tokens, device=device) % cp_size
+
+
 def split_interleave(
     request_of_token: torch.Tensor, positions: torch.Tensor, bs: int, rank: int, cp_size: int
 ) -> RankSplit:
-    """Interleaved split (SGLang DSA CP): token i of the flattened batch goes to
-    rank ``i % N``. Needs at least N tokens. [[RFC-0001:C-PLANNER-SPLIT]]"""
-    E = request_of_token.numel()
-    if E < cp_size:
-        raise UnsupportedPagePlan(
-            "interleave-too-short", f"interleave split needs at least {cp_size} tokens, batch has {E}"
-        )
-    i = torch.arange(E, device=request_of_token.device)
-    return _split(i % cp_size == rank, request_of_token, positions, bs)
+    """Interleaved split for ``rank``: the tokens :func:`interleave_ranks`
+    gives it. Raises as that does. [[RFC-0001:C-PLANNER-SPLIT]]"""
+    ranks = interleave_ranks(request_of_token.numel(), cp_size, request_of_token.device)
+    return _split(ranks == rank, request_of_token, positions, bs)
 
 
 def zigzag_ranks(extend_lens: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -258,11 +237,3 @@ def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
     ranks = torch.empty(n, dtype=torch.int64, device=work.device)
     ranks[order] = snake
     return ranks
-
-
-def split_zigzag(request_of_token: torch.Tensor, positions: torch.Tensor, extend_lens: torch.Tensor, bs: int,
-                 rank: int, cp_size: int) -> RankSplit:
-    """Zigzag split (SGLang's in-sequence CP split, balanced for causal
-    attention): rank r computes blocks r and 2N-1-r of every request's extend
-    (:func:`zigzag_ranks`). [[RFC-0001:C-PLANNER-SPLIT]]"""
-    return _split(zigzag_ranks(extend_lens, cp_size) == rank, request_of_token, positions, bs)

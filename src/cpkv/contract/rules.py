@@ -15,7 +15,8 @@ import numpy as np
 from .errors import InvalidFree, UnsupportedPagePlan
 from .free_lists import LaneFreeLists
 from .inputs import int_vector
-from .layout import lane_base_from_prefix, owner_of, page_of
+from . import layout
+from .layout import lane_base_of_last_loc, page_of
 
 
 def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
@@ -24,6 +25,28 @@ def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
     if page_size & (page_size - 1) == 0:
         return slots >> (page_size.bit_length() - 1)
     return page_of(slots, page_size)
+
+
+def ends_prefix(last: np.ndarray, prefix: np.ndarray, page_size: int) -> np.ndarray:
+    """Whether each ``last_loc`` sits at the page offset where a prefix of
+    ``prefix`` tokens ends, ``(prefix - 1) % S``. [[RFC-0001:C-FAIL-FAST]]"""
+    return _offset(last, page_size) == (prefix - 1) % page_size
+
+
+def continues_chain(last: np.ndarray, prefix: np.ndarray, fill: np.ndarray, page_size: int) -> np.ndarray:
+    """The continuation rule: a chain of ``prefix`` tokens may grow from
+    ``last_loc`` only where ``last_loc`` ends the prefix (:func:`ends_prefix`)
+    and is the last written slot of its page (``fill - 1``, ``fill`` its fill mark); its lane
+    base is then :func:`cpkv.contract.layout.lane_base_of_last_loc`. ``fill``
+    are the fill marks of ``last_loc``'s pages (a page range the caller has
+    checked). The one place cpkv states the rule: the allocation rules and the
+    prefix cache both call it. [[RFC-0001:C-FAIL-FAST]] [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    return ends_prefix(last, prefix, page_size) & (fill - 1 == _offset(last, page_size))
+
+
+def _offset(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """Page offset ``s % S`` (a mask when ``S`` is a power of two)."""
+    return slots & (page_size - 1) if page_size & (page_size - 1) == 0 else slots % page_size
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -60,10 +83,8 @@ class AllocationRules:
                 self.explain_extend(prefix, seq, last)
             return has, np.full(prefix.size, -1, dtype=np.int64)
         page = pages_of(last, S)
-        off = last - page * S
         usable = (page >= 1) & (page <= self.P)
-        fill = self.lists.fill[np.where(usable, page, 0)]
-        chain_ok = usable & (off == (prefix - 1) % S) & (fill - 1 == off)
+        chain_ok = usable & continues_chain(last, prefix, self.lists.fill[np.where(usable, page, 0)], S)
         bad = (prefix < 0) | (prefix > seq) | np.where(has, ~chain_ok, last != self.pad)
         cont = has & (prefix % S != 0) & (seq > prefix)
         if bad.any() or self._repeats(page[cont]):
@@ -83,10 +104,8 @@ class AllocationRules:
         page = last >> (S.bit_length() - 1)
         if int(page.min()) < 1 or int(page.max()) > self.P:
             self.explain_extend(seq - 1, seq, last)
-        off = last & (S - 1)
-        expect = (seq - 2) & (S - 1)  # the offset a prefix of seq - 1 tokens ends at
-        ends = off == S - 1
-        if ((off != expect) | (self.lists.fill[page] != off + 1)).any() or self._repeats(page[~ends]):
+        ends = last & (S - 1) == S - 1
+        if not continues_chain(last, seq - 1, self.lists.fill[page], S).all() or self._repeats(page[~ends]):
             self.explain_extend(seq - 1, seq, last)
         return page, ends
 
@@ -116,17 +135,18 @@ class AllocationRules:
                 "slot-out-of-range", f"last_loc {last[r]} is not a slot of a usable page (1..{self.P})", r
             )
         off = last - page * S
-        if (r := _first(has & (off != (prefix - 1) % S))) is not None:
+        fill = self.lists.fill[np.where(has, page, 0)]
+        broken = has & ~continues_chain(last, prefix, fill, S)  # then name which part of the rule broke
+        if (r := _first(broken & ~ends_prefix(last, prefix, S))) is not None:
             raise UnsupportedPagePlan(
                 "inconsistent-last-loc",
                 f"last_loc {last[r]} sits at page offset {off[r]}, but a prefix of "
                 f"{prefix[r]} tokens ends at offset {(prefix[r] - 1) % S}",
                 r,
             )
-        fill = self.lists.fill[np.where(has, page, 0)]
-        if (r := _first(has & (fill == 0))) is not None:
+        if (r := _first(broken & (fill == 0))) is not None:
             raise UnsupportedPagePlan("last-loc-not-allocated", f"last_loc {last[r]} lies on free page {page[r]}", r)
-        if (r := _first(has & (fill - 1 != off))) is not None:
+        if (r := _first(broken)) is not None:
             raise UnsupportedPagePlan(
                 "stale-last-loc",
                 f"last_loc {last[r]} is not the last written slot of page {page[r]} "
@@ -158,9 +178,9 @@ class AllocationRules:
         has = np.ones(seq.size, dtype=bool) if has is None else has
         big = (chain > self._fits_any).nonzero()[0]
         fixed = has[big] | (self.base_policy == "lane0")
-        base = np.where(has[big], lane_base_from_prefix(owner_of(page[big], N), prefix[big], self.S, N), 0)
+        base = np.where(has[big], lane_base_of_last_loc(page[big] * self.S, prefix[big], self.S, N), 0)
         n = chain[big]
-        need = n[:, None] // N + ((np.arange(N)[None, :] - base[:, None]) % N < (n % N)[:, None])
+        need = layout.chain_lane_pages(base, 0, n, N)
         never = np.where(fixed, (need > lane_pages).any(1), n > self.P)
         if (i := _first(never)) is not None:
             r = int(big[i])

@@ -26,7 +26,8 @@ from ..runtime.progress import progress_bar
 from ..runtime.runner import CPRunner
 from .config import EngineConfig
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
-from .scheduler import Batch, Scheduler, StepPlan
+from .scheduler import Scheduler
+from .step_plan import Forward, StepPlan
 from .trace import RequestSpec
 
 
@@ -35,8 +36,8 @@ class RankExecutor:
 
     Order: backups (IO rank, fenced before and after), loads (each owner),
     copies (each destination owner) and arrivals (KV from another group, by
-    ``receive(plan)``, each owner writing its own segment), a fence, the
-    admitted requests' page-table rows, then the decode and prefill forwards.
+    ``receive(plan)``, each owner writing its own segment), a fence, then the
+    decode and prefill forwards, reading the scheduler's page table.
     """
 
     def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False, receive=None):
@@ -47,30 +48,27 @@ class RankExecutor:
 
     def run(self, plan: StepPlan) -> list[list[int]]:
         """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
-        pool, run = self.pool, self.runner
+        pool = self.pool
         if plan.backups:
             pool.fence()
-            for dev, host in plan.backups:
-                self.backed_up += self.host.backup(pool, dev, host)
+            for b in plan.backups:
+                self.backed_up += self.host.backup(pool, b.device, b.host)
             pool.fence()
-        for host, dev, _ in plan.loads:
-            self.loaded += self.host.load(pool, host, dev)
-        for src, dst, _ in plan.copies:
-            self.copied += pool.copy_slots(src, dst)
+        for x in plan.loads:
+            self.loaded += self.host.load(pool, x.host, x.device)
+        for c in plan.copies:
+            self.copied += pool.copy_slots(c.src, c.dst)
         if plan.arrivals:
             if self.receive is None:
                 raise ValueError(f"step {plan.step} plans KV arrivals but this executor has no receive")
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.fence()
-        for row, slots in plan.assign:
-            run.assign(row, slots)
-        return [self._forward(b) for b in plan.batches()]
+        return [self._forward(b) for b in plan.forwards()]
 
-    def _forward(self, b: Batch) -> list[int]:
+    def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
-        run.record(b.rows, a)
-        idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode)
+        idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode, table=b.table)
         last = a.extend_start_loc + a.extend_lens - 1  # each request's last new token
         where = torch.full((a.out_cache_loc.numel(),), -1, dtype=torch.int64)
         where[idx] = torch.arange(idx.numel())
@@ -106,8 +104,8 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -
     shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
-    layout = sched.alloc.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages)
+    layout = sched.layout
+    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
@@ -122,7 +120,7 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
-    held = own[sched.alloc.is_allocated(own)]
+    held = own[sched.cache.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,

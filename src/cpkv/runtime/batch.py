@@ -37,8 +37,7 @@ import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..contract import plan
-from ..contract.allocator import ExtendAllocation
-from ..contract.errors import UnsupportedPagePlan
+from ..contract.allocation import Allocation
 from ..models.attention import attend, merge_partials, paged_attention, topk_positions
 from .comm import Comm
 
@@ -46,17 +45,13 @@ PREFILL_SPLITS = ("page", "interleave", "zigzag")
 DECODE_SPLITS = ("owner", "lse")
 
 
-def split_ranks(alloc: ExtendAllocation, mode: str, cp_size: int) -> torch.Tensor | None:
+def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
     """Rank that computes each token of the flattened batch, or ``None`` when
     every rank computes every token (``lse``). Pure: every rank gets the same."""
     if mode in ("page", "owner"):
         return alloc.token_owners
     if mode == "interleave":
-        E = alloc.out_cache_loc.numel()
-        if E < cp_size:
-            raise UnsupportedPagePlan("interleave-too-short",
-                                      f"interleave split needs at least {cp_size} tokens, batch has {E}")
-        return torch.arange(E, device=alloc.out_cache_loc.device) % cp_size
+        return plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
     if mode == "zigzag":
         return plan.zigzag_ranks(alloc.extend_lens, cp_size)
     if mode == "lse":
@@ -71,7 +66,7 @@ class ForwardBatch:
     positions ``0 .. seq_len - 1`` (padding after), the new slots included.
     """
 
-    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: ExtendAllocation, table: torch.Tensor, mode: str):
+    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str):
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
         N = self.layout.cp_size

@@ -1,7 +1,8 @@
 """One rank's model forward on the shared cache.
 
 Every rank of a CP group holds the same :class:`CPRunner` state (the page
-table ``req_to_token``) and runs the same calls: allocation is replicated, not
+table, one :class:`~cpkv.consumers.page_table.PageTable`: the scheduler's
+when one drives the runner) and runs the same calls: allocation is replicated, not
 communicated ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]). For each batch the runner
 builds a :class:`~cpkv.runtime.batch.ForwardBatch` (this rank's tokens under
 the chosen split) and runs the model's layers through it; only the split's own
@@ -16,7 +17,8 @@ import hashlib
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
-from ..contract.allocator import ExtendAllocation, OwnerLaneAllocator
+from ..consumers.page_table import PageTable
+from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
 from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
@@ -26,8 +28,11 @@ from .comm import Comm, LocalComm
 class CPRunner:
     """One rank's view of the CP group: the page table, the pool, the model.
 
-    ``req_to_token[row, pos]`` is the logical slot of position ``pos`` of the
-    request in ``row`` (padding past ``lens[row]``). ``prefill_split`` and
+    ``table`` is the page table the forwards read: ``page_table`` when given
+    (a scheduler's, which writes it once per allocation: the runner then
+    copies nothing), else the runner's own ``max_requests`` x ``max_len``
+    one, which :meth:`allocate` writes for callers without a scheduler
+    (``lens[row]`` then counts each row's positions). ``prefill_split`` and
     ``decode_split`` choose how batches are divided among ranks
     (:mod:`cpkv.runtime.batch`). ``check_plans`` compares every allocation
     across ranks with one collective (debugging only).
@@ -35,7 +40,7 @@ class CPRunner:
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
                  comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
-                 decode_split: str = "owner", check_plans: bool = False):
+                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None):
         if prefill_split not in PREFILL_SPLITS:
             raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {PREFILL_SPLITS}")
         if decode_split not in DECODE_SPLITS:
@@ -47,7 +52,7 @@ class CPRunner:
                              f"of {pool.layout.cp_size}")
         self.rank, self.cp_size = pool.rank, pool.layout.cp_size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
-        self.req_to_token = torch.full((max_requests, max_len), pool.layout.padding_value, dtype=torch.int64)
+        self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
         self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
         self.kv_read = 0
@@ -55,28 +60,20 @@ class CPRunner:
         self.moved_bytes = 0
 
     # -- the page table ------------------------------------------------------------------
-    def assign(self, row: int, slots: torch.Tensor) -> None:
-        """Row ``row`` holds a request whose positions ``0 .. len(slots) - 1`` are ``slots``."""
-        n = slots.numel()
-        if n > self.req_to_token.shape[1]:
-            raise ValueError(f"a request of {n} tokens exceeds the runner's {self.req_to_token.shape[1]}")
-        self.req_to_token[row] = self.pool.layout.padding_value
-        self.req_to_token[row, :n] = slots
-        self.lens[row] = n
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """The page table's slots ``[rows, width]`` (SGLang's ``req_to_token``)."""
+        return self.table.req_to_token
 
     def last_loc(self, rows: torch.Tensor) -> torch.Tensor:
         """Slot of each row's last position (-1 for an empty row)."""
         lens = self.lens[rows]
         return torch.where(lens > 0, self.req_to_token[rows, (lens - 1).clamp(min=0)], -1)
 
-    def record(self, rows: torch.Tensor, alloc: ExtendAllocation) -> None:
-        """Enter an allocated batch's new slots into the page table."""
+    def record(self, rows: torch.Tensor, alloc: Allocation) -> None:
+        """Enter an allocation this runner made (:meth:`allocate`) into its own page table."""
         self.pool.check(alloc)
-        if self.check_plans:
-            self._agree(alloc)
-        if int(alloc.seq_lens.max()) > self.req_to_token.shape[1]:
-            raise ValueError(f"a request would exceed {self.req_to_token.shape[1]} tokens")
-        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
+        self.table.write_allocation(rows, alloc)
         self.lens[rows] = alloc.seq_lens
 
     def release(self, row: int) -> torch.Tensor:
@@ -86,7 +83,7 @@ class CPRunner:
         self.lens[row] = 0
         return slots
 
-    def _agree(self, alloc: ExtendAllocation) -> None:
+    def _agree(self, alloc: Allocation) -> None:
         h = hashlib.sha256()
         for t in (alloc.out_cache_loc, alloc.lane_base, alloc.new_pages, alloc.extend_start_loc):
             h.update(t.cpu().numpy().tobytes())
@@ -95,7 +92,7 @@ class CPRunner:
             raise ContractViolation(f"ranks planned differently: {digests}")
 
     # -- allocation, for callers without a scheduler of their own --------------------------
-    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> ExtendAllocation:
+    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> Allocation:
         """Allocate a batch on this rank's allocator replica (identical on every rank) and record it."""
         r = torch.tensor(rows, dtype=torch.int64)
         prefix = self.lens[r]
@@ -109,9 +106,10 @@ class CPRunner:
         return alloc
 
     # -- the forward ------------------------------------------------------------------------
-    def forward(self, rows: list[int] | torch.Tensor, alloc: ExtendAllocation, ids: torch.Tensor,
-                decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute this rank's tokens of an allocated, recorded batch.
+    def forward(self, rows: list[int] | torch.Tensor, alloc: Allocation, ids: torch.Tensor,
+                decode: bool = False, table: PageTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute this rank's tokens of an allocated batch whose slots are in
+        the page table (``table``, default the runner's own), rows ``rows``.
 
         ``ids [E]`` are the batch's new token ids in flattened order. Returns
         ``(token_indices, logits [t, vocab])``: which entries of the flattened
@@ -119,8 +117,9 @@ class CPRunner:
         """
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
-        table = self.req_to_token[rows]
-        fb = ForwardBatch(self.pool, self.comm, alloc, table, mode)
+        if self.check_plans:
+            self._agree(alloc)
+        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode)
         ad = self.adapter
         with torch.no_grad():
             h = ad.embed(ids[fb.token_indices])

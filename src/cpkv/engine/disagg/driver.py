@@ -56,8 +56,8 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     fams = adapter.families()
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
-    parts = build_rank(cfg, adapter, mine.alloc.layout, group, shared, ctl.max_len + 1,
-                       cfg.host_pages if side == "prefill" else 0)
+    parts = build_rank(cfg, adapter, mine.layout, group, shared, ctl.max_len + 1,
+                       cfg.host_pages if side == "prefill" else 0, page_table=mine.table)
     runner = parts.runner
     link = TransferLink(cfg, world.rank, side, parts.pool, transport)
     ex = RankExecutor(runner, parts.host, check=cfg.check, receive=link.receive if side == "decode" else None)

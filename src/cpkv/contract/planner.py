@@ -2,7 +2,7 @@
 changing it: lane bases, the pages each lane hands out, the slots
 (``out_cache_loc``, already on the device) and the fill marks to set.
 
-:class:`BatchPlanner` answers; the allocator then commits the :class:`Batch`
+:class:`BatchPlanner` answers; the allocator then commits the :class:`PendingAllocation`
 in steps that cannot fail, so every fallible step (checks, the device copy)
 runs before a page moves ([[RFC-0001:C-FAIL-FAST]]). Nothing loops per
 request, page or token: the pages of a request cycle through consecutive
@@ -21,7 +21,7 @@ import torch
 from . import plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
-from .layout import lane_base_from_prefix, owner_of
+from .layout import lane_base_of_last_loc
 from .rules import AllocationRules
 
 
@@ -54,15 +54,16 @@ def _expand_runs(first: np.ndarray, n: np.ndarray, total: int, iota: np.ndarray,
 
 
 @dataclass
-class Batch:
-    """What one allocation will do, computed before anything changes.
+class PendingAllocation:
+    """What one allocation will do, computed before anything changes (the
+    allocator commits it, or keeps the deficit instead).
 
     ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
     ``new_fill`` (an array, or one value for all); ``grown`` are allocated
     partial pages the batch writes further, their new marks ``grown_fill``;
     ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
-    plan fields of :class:`~cpkv.contract.allocation.ExtendAllocation`.
+    plan fields of :class:`~cpkv.contract.allocation.Allocation`.
     """
 
     out: torch.Tensor
@@ -92,9 +93,9 @@ class BatchPlanner:
             self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
         return self._iota_cache
 
-    def extend(self, prefix, seq, last, total: int, has, last_page) -> Batch | np.ndarray:
+    def extend(self, prefix, seq, last, total: int, has, last_page) -> PendingAllocation | np.ndarray:
         """An extend batch that passed :meth:`AllocationRules.check_extend` and
-        ``check_capacity`` (``total`` new tokens): the :class:`Batch`, or the
+        ``check_capacity`` (``total`` new tokens): the :class:`PendingAllocation`, or the
         per-lane deficit when some lane lacks pages."""
         S, N, lists = self.S, self.N, self.lists
         ext = seq - prefix
@@ -106,7 +107,7 @@ class BatchPlanner:
         else:
             first_new = -(-prefix // S)
             n_new = -(-seq // S) - first_new
-            fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+            fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
         base = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy)
         take = plan.lane_take(base, first_new, n_new, N)
         if (deficit := lists.deficit(take.lane_counts)) is not None:
@@ -149,12 +150,12 @@ class BatchPlanner:
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
                     "new_page_positions": positions}
 
-        return Batch(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions)
+        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions)
 
-    def decode(self, seq: np.ndarray, last: np.ndarray) -> Batch | np.ndarray:
+    def decode(self, seq: np.ndarray, last: np.ndarray) -> PendingAllocation | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
         previous token's slot, padding for none), checked here: the
-        :class:`Batch`, or the per-lane deficit. Raises as an extend with
+        :class:`PendingAllocation`, or the per-lane deficit. Raises as an extend with
         ``prefix = seq - 1`` would, plus ``empty-decode`` for ``seq < 1``."""
         S, N, lists = self.S, self.N, self.lists
         if last.size != seq.size:
@@ -177,7 +178,7 @@ class BatchPlanner:
             idx = needs.nonzero()[0]
             lanes = (last_page[idx] + 1) % N
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
-                fixed = np.where(has, lane_base_from_prefix(owner_of(last_page, N), prefix, S, N), 0)
+                fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
                 base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free, N,
                                               self.base_policy)
                 lanes = np.where(has[idx], lanes, base[idx])
@@ -191,7 +192,7 @@ class BatchPlanner:
         positions = prefix[idx] // S
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
-            b = lane_base_from_prefix(owner_of(last_page, N), prefix, S, N) if base is None else base
+            b = lane_base_of_last_loc(last_page * S, prefix, S, N) if base is None else base  # last may change
             return {
                 "prefix_lens": prefix, "seq_lens": prefix + 1, "extend_lens": np.ones(prefix.size, dtype=np.int64),
                 "extend_start_loc": np.arange(prefix.size), "lane_base": b,
@@ -199,5 +200,5 @@ class BatchPlanner:
                 "new_page_owners": lanes, "new_page_positions": positions,
             }
 
-        return Batch(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1, host_plan,
-                     positions)
+        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1,
+                                 host_plan, positions)

@@ -1,5 +1,7 @@
-"""One misuse machine over the allocator and the prefix cache on the SAME
-allocator: requests the allocator serves directly and requests the cache
+"""The state machine of cpkv's control state: the allocator and the prefix
+cache on the SAME allocator. It is the one machine (it replaced the
+allocator's own stateful test and its allocator-only misuse machine, whose
+rules and invariants live on in :class:`support.misuse.AllocatorComponent`): requests the allocator serves directly and requests the cache
 admits (matching cached prefixes, whole pages and mid-page, continuing in
 their copy page, inserting, releasing, evicting) take pages from one set of
 free lists, interleaved with invalid calls of every kind against both.
@@ -11,7 +13,14 @@ and its requests' private pages too), checked against a plain model: which
 pages the cache owns, what each cache request holds, and the 'KV' written in
 every slot (``(token, position)``), so a cached or live slot that is handed
 out again, or a copy that read the wrong page, shows as wrong KV.
+The allocator's own invariants, after every valid call: no live slot handed
+out twice, free plus live pages equal each lane's pages, fill marks equal the
+slots handed out, every new slot in its owner lane at its position's page
+offset, pages never split, ``out_cache_loc`` in flattened request order
+(fresh and continuing requests in any order), a continuation keeps its lane
+base, and a refusal ("cannot now" or "never") leaves the state identical.
 [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]] [[RFC-0001:C-OWNER-LANE]]
+[[RFC-0001:C-FLATTENED-ORDER]] [[RFC-0001:C-REQUEST-RELATIVE]]
 """
 
 from __future__ import annotations

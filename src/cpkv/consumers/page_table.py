@@ -1,0 +1,84 @@
+"""One page table per group, as SGLang's ``ReqToTokenPool``.
+
+``req_to_token[row, pos]`` (int64, host) is the logical slot of position
+``pos`` of the request in ``row``; padding where nothing is written. A row is
+taken per request (:meth:`PageTable.take_row`), written once from each
+allocation (:meth:`PageTable.write`, :meth:`PageTable.write_allocation`) and
+given back when the request ends (:meth:`PageTable.free_row`). The scheduler
+keeps each request's row index and length; the forward reads the rows it
+computes. Nothing else holds a request's slots, so nothing copies them
+between tables. Every rank keeps the same table, as it keeps the same
+allocator ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contract.allocation import Allocation
+
+
+class PageTable:
+    """``rows`` x ``width`` slots, padding ``padding`` (negative) where unwritten.
+
+    Rows and width grow on demand (a request longer than ``width``, more live
+    requests than ``rows``); growth keeps every row's content. A free row is
+    all padding. [[RFC-0001:C-DOWNSTREAM-CONTRACT]]
+    """
+
+    def __init__(self, rows: int, width: int, padding: int = -1):
+        if rows < 1 or width < 1:
+            raise ValueError(f"rows and width must be >= 1, got {rows}, {width}")
+        if padding >= 0:
+            raise ValueError(f"padding must be negative, got {padding}")
+        self.padding = padding
+        self.req_to_token = torch.full((rows, width), padding, dtype=torch.int64)
+        self._free = list(range(rows - 1, -1, -1))  # lowest row on top
+
+    @property
+    def width(self) -> int:
+        """Positions a row holds now."""
+        return self.req_to_token.shape[1]
+
+    def take_row(self) -> int:
+        """A free row (all padding), the lowest first; the table grows when none is free."""
+        if not self._free:
+            n = self.req_to_token.shape[0]
+            self._grow(2 * n, self.width)
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        return self._free.pop()
+
+    def free_row(self, row: int) -> None:
+        """Give ``row`` back, reset to padding. Raises ``ValueError`` for a row that is free."""
+        if row in self._free or not 0 <= row < self.req_to_token.shape[0]:
+            raise ValueError(f"row {row} is not taken")
+        self.req_to_token[row] = self.padding
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Positions ``start .. start + len(slots) - 1`` of ``row`` hold ``slots [n]``."""
+        end = start + slots.numel()
+        if end > self.width:
+            self._grow(self.req_to_token.shape[0], max(end, 2 * self.width))
+        self.req_to_token[row, start:end] = slots
+
+    def write_allocation(self, rows: torch.Tensor, alloc: Allocation) -> None:
+        """Enter an allocation's new slots: request i of ``alloc`` lives in
+        ``rows[i]`` (int64 ``[bs]``); one vectorised scatter, no loop per
+        request. [[RFC-0001:C-FLATTENED-ORDER]]"""
+        if alloc.batch_size and int(alloc.seq_lens.max()) > self.width:
+            self._grow(self.req_to_token.shape[0], max(int(alloc.seq_lens.max()), 2 * self.width))
+        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
+
+    def slots(self, row: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """A view of positions ``start .. end - 1`` of ``row`` (to the row's end by default)."""
+        return self.req_to_token[row, start:end]
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The table's rows ``rows`` ``[B, width]`` (a copy), as a forward reads them."""
+        return self.req_to_token[rows]
+
+    def _grow(self, rows: int, width: int) -> None:
+        old = self.req_to_token
+        self.req_to_token = torch.full((rows, width), self.padding, dtype=torch.int64)
+        self.req_to_token[: old.shape[0], : old.shape[1]] = old

@@ -1,0 +1,110 @@
+"""What the prefix cache hands out: a :class:`PrefixHit` (what a lookup
+found), an :class:`Admission` (what admitting a request would take) and a
+:class:`PrefixMatch` (a request's held prefix, consumed once). Values only;
+the cache (:mod:`cpkv.consumers.prefix_cache`) makes them.
+[[RFC-0001:C-PREFIX-CACHE]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
+    from .radix_tree import _Node
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixHit:
+    """What :meth:`PrefixCache.lookup` found; nothing was taken.
+
+    ``length`` tokens are cached, ``shared`` of them on whole pages that a
+    request would share (a multiple of the page size), ``copy`` more
+    (``length - shared``, less than a page) on a partly matched page that
+    :meth:`PrefixCache.acquire` would copy into a private page.
+    ``last_shared_loc`` is the slot of the last shared token (-1 for none);
+    ``copy_lane`` the lane of the page the copy reads (-1 for none).
+    ``newly_pinned`` [N] counts, per lane, the cached pages that acquiring
+    would take out of :meth:`PrefixCache.evictable_pages` (matched pages that
+    nobody holds now). A hit answers for the cache that made it only
+    (:meth:`PrefixCache.lane_need` refuses another's).
+    """
+
+    length: int
+    shared: int
+    copy: int
+    last_shared_loc: int
+    copy_lane: int
+    newly_pinned: np.ndarray
+    _owner: "PrefixCache | None" = field(default=None, repr=False)
+
+    @property
+    def needs_copy(self) -> bool:
+        """Whether acquiring takes a copy page."""
+        return self.copy > 0
+
+
+@dataclass(eq=False)
+class PrefixMatch:
+    """A request's cached prefix, held from :meth:`PrefixCache.acquire` until
+    it is consumed, exactly once, by :meth:`PrefixCache.insert` or
+    :meth:`PrefixCache.release`.
+
+    ``length`` tokens are cached (``tokens``); ``slots`` [length] int64 (host)
+    hold them: ``shared`` slots on the cache's pages, then the private copy of
+    a partly matched page. ``last_loc`` is the last of them (-1 for none) and
+    fixes the request's lane base. ``copy_src`` -> ``copy_dst`` are the KV
+    copies the engine must make before the request's first forward (the owner
+    of ``copy_dst`` reads ``copy_src`` through the shared view).
+    """
+
+    length: int
+    slots: torch.Tensor
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    shared: int
+    tokens: tuple = field(default=(), repr=False)
+    node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
+    _owner: "PrefixCache | None" = field(default=None, repr=False)
+    _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
+
+    @property
+    def last_loc(self) -> int:
+        """Slot of the last cached token, -1 when nothing matched."""
+        return int(self.slots[-1]) if self.length else -1
+
+    @property
+    def consumed(self) -> bool:
+        """Whether insert or release already ended this match."""
+        return self._ended is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Admission:
+    """The answer of :meth:`PrefixCache.can_allocate`; nothing was taken.
+
+    ``tokens`` the request's sequence; ``hit`` the device match
+    :meth:`PrefixCache.allocate` would acquire (whole pages only when the host
+    tier holds more); ``host_len`` how many leading tokens the host tier holds
+    beyond it (0: none; the caller loads them); ``need`` [N] int64 the pages
+    per lane the request needs to reach ``end`` tokens once taken; ``spare``
+    [N] int64 the pages per lane the cache could give it now (free plus
+    evictable, less the cached pages its match would pin).
+    [[RFC-0001:C-PREFIX-CACHE]]
+    """
+
+    tokens: tuple
+    end: int
+    hit: PrefixHit
+    host_len: int
+    need: np.ndarray
+    spare: np.ndarray
+
+    def fits(self, reserved) -> bool:
+        """Whether ``need`` fits every lane once ``reserved`` [N] (pages kept
+        for others, a headroom) is set aside: ``need <= spare - reserved``."""
+        return not (self.need > self.spare - reserved).any()

@@ -1,0 +1,131 @@
+"""The misuse rules of the prefix cache, beside it as :mod:`cpkv.contract.rules`
+stands beside the allocator: checks that read the cache and change nothing.
+
+Every refusal raises :class:`PrefixCacheMisuse` (or, for a chain the
+allocator would take but the cache must not give, ``UnsupportedPagePlan``)
+before anything changes. [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..contract import rules
+from ..contract.errors import UnsupportedPagePlan
+from ..contract.inputs import int_vector
+from ..contract.layout import page_of
+
+from .prefix_match import PrefixMatch
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
+
+
+class PrefixCacheMisuse(ValueError):
+    """A call the prefix cache refuses; nothing changed.
+
+    ``rule`` is a short stable name of the broken rule (``match-consumed``,
+    ``foreign-match``, ``bad-tokens``, ``slots-do-not-extend-match``, ...), so
+    an engine can branch on it. [[RFC-0001:C-PREFIX-CACHE]]
+    """
+
+    def __init__(self, rule: str, message: str):
+        self.rule = rule
+        super().__init__(f"[{rule}] {message}")
+
+
+# -- input checks (pure) ---------------------------------------------------------
+def _int_vector(x, what: str, rule: str) -> np.ndarray:
+    """A flat int64 host copy of a 1-D integer list, array or tensor, or raise."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool or x.dim() != 1:
+            raise PrefixCacheMisuse(rule, f"{what} must be a 1-D integer tensor, got {x.dtype} {tuple(x.shape)}")
+        return x.detach().cpu().numpy().astype(np.int64, copy=False)
+    a = np.asarray(x)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise PrefixCacheMisuse(rule, f"{what} must be a flat sequence of ints, got dtype {a.dtype}, shape {a.shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def _as_tokens(tokens) -> tuple:
+    """Token ids as a tuple of Python ints >= 0 (the tree's keys), or raise."""
+    a = _int_vector(tokens, "tokens", "bad-tokens")
+    if a.size and a.min() < 0:
+        raise PrefixCacheMisuse("bad-tokens", f"token ids must be >= 0, got {int(a.min())}")
+    return tuple(a.tolist())
+
+
+def _as_limit(max_length, n: int) -> int:
+    """Most tokens a match may cover: ``n - 1`` by default, so at least one is computed."""
+    if max_length is None:
+        return n - 1
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 0:
+        raise PrefixCacheMisuse("bad-max-length", f"max_length must be an int >= 0 or None, got {max_length!r}")
+    return min(int(max_length), n)
+
+
+def check_end(cache: "PrefixCache", match: PrefixMatch, slots: np.ndarray, what: str) -> None:
+    """Every rule :meth:`PrefixCache.insert` and :meth:`PrefixCache.release`
+    share, checked before anything changes (reads ``cache``, changes nothing)."""
+    from .prefix_cache import PrefixMatch
+
+    if not isinstance(match, PrefixMatch):
+        raise PrefixCacheMisuse("not-a-match", f"{what} takes the PrefixMatch of acquire(), got {type(match).__name__}")
+    if match._owner is not cache:
+        raise PrefixCacheMisuse("foreign-match", f"{what}: the match was not acquired from this cache")
+    if match.consumed:
+        raise PrefixCacheMisuse("match-consumed", f"{what}: the match was already {match._ended}; a match ends once")
+    S, n, L = cache.S, slots.size, match.length
+    if n < L or not np.array_equal(slots[:L], match.slots.numpy()):
+        raise PrefixCacheMisuse("slots-do-not-extend-match",
+                                f"{what}: the first {L} slots must be the match's own slots")
+    pages = page_of(slots, S)
+    first = pages[np.arange(n) // S * S]  # the page each position's page starts on
+    if n and (pages.min() < 1 or pages.max() > cache.alloc.num_pages or (slots % S != np.arange(n) % S).any()
+              or (pages != first).any() or np.unique(first[::S]).size != first[::S].size):
+        raise PrefixCacheMisuse("not-a-page-chain", f"{what}: slot j must sit at offset j % {S} of the request's "
+                                f"own page j // {S}, every page a usable one, none twice")
+    private = np.unique(pages[match.shared :])
+    if private.size and not cache.alloc.is_allocated(private).all():
+        bad = int(private[~cache.alloc.is_allocated(private)][0])
+        raise PrefixCacheMisuse("private-page-not-allocated", f"{what}: page {bad} of the request is free")
+    if private.size and cache.tree.page_cached[private].any():
+        bad = int(private[cache.tree.page_cached[private]][0])
+        raise PrefixCacheMisuse("private-page-cached", f"{what}: page {bad} past the shared prefix is the cache's")
+
+
+def refuse_cached_growth(cache: "PrefixCache", prefix_lens, seq_lens, last_loc) -> None:
+        """Raise ``UnsupportedPagePlan("extends-cached-page")``, nothing
+        changed, if a request would grow its chain inside a partly filled page
+        that the cache holds: ``last_loc`` is the last written slot of a cached
+        page that is not full (a partial leaf, say) and the request adds tokens
+        after it. The allocator alone would accept that (the slot ends its
+        page's writes) and hand out the rest of the cache's page, so a second
+        request matching that prefix would read another request's KV. A request
+        that matched a prefix ending mid-page continues in its private copy
+        (``PrefixMatch.last_loc``), never in the page the copy read.
+        [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]
+
+        Only chains the allocator would otherwise take are checked here; a
+        malformed batch is left to the allocator's own rules."""
+        S = cache.S
+        prefix, seq = int_vector(prefix_lens, "prefix_lens"), int_vector(seq_lens, "seq_lens")
+        last = int_vector(last_loc, "last_loc")
+        if not prefix.size == seq.size == last.size:
+            return
+        grows = (prefix > 0) & (seq > prefix) & (prefix % S != 0)  # the next token lands on last_loc's page
+        if not grows.any():
+            return
+        page = page_of(last, S)
+        grows &= (page >= 1) & (page <= cache.alloc.num_pages)
+        page = np.where(grows, page, 0)
+        grows &= cache.tree.page_cached[page] & rules.continues_chain(last, prefix, cache.alloc.page_fill(page), S)
+        if grows.any():
+            r = int(grows.nonzero()[0][0])
+            raise UnsupportedPagePlan(
+                "extends-cached-page",
+                f"last_loc {last[r]} ends the written part of page {page[r]}, a partly filled page the prefix cache "
+                "holds; a request that matched it continues in its own copy (the match's last_loc)", r)

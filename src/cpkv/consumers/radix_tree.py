@@ -1,0 +1,228 @@
+"""The radix tree of the prefix cache: cached token chains and their slots,
+page granular, with per-lane counts kept exact. It answers questions and
+changes only its own shape; it never calls the allocator (the cache,
+:mod:`cpkv.consumers.prefix_cache`, does). [[RFC-0001:C-PREFIX-CACHE]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..contract.layout import owner_of, page_of
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """Length of the common prefix of two token runs (at most one page long)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple  # tokens of this edge: whole pages, or fewer than a page (partial leaf)
+    slots: torch.Tensor  # int64, host
+    parent: "_Node | None"
+    lanes: np.ndarray  # pages of this node per lane
+    pages: np.ndarray  # the node's logical pages
+    serial: int  # tie-break in LRU order: older first
+    children: dict = field(default_factory=dict)  # first page (or partial key) -> node
+    ref: int = 0  # live requests whose prefix runs through this node
+    last_access: int = 0
+
+
+@dataclass
+class _Walk:
+    """Where ``tokens`` leave the tree (a pure walk, nothing split)."""
+
+    path: list  # (node, whole pages of it matched), root downwards
+    shared: int  # tokens on those pages
+    src: "_Node | None" = None  # node holding the partly matched page
+    src_off: int = 0  # that page's offset in src.key
+    copy: int = 0  # matched tokens on it
+
+
+class RadixTree:
+    """The radix tree of cached chains, with per-lane counts kept up to date.
+
+    Holds no allocator: it answers questions (:meth:`walk`,
+    :meth:`victim`, :meth:`snapshot`, the counts) and changes only its own
+    shape (:meth:`attach`, :meth:`split`, :meth:`detach`, :meth:`pin`).
+    Derived state, exact after every call: ``cached_lanes`` [N] (pages of all
+    nodes per lane), ``evictable_lanes`` [N] (pages of unreferenced nodes per
+    lane; an unreferenced node's whole subtree is unreferenced, so all of them
+    can go, leaves first) and ``page_cached`` [num_pages + 1] (whether the tree
+    holds a page).
+    """
+
+    def __init__(self, page_size: int, cp_size: int, num_pages: int):
+        self.S, self.N = page_size, cp_size
+        self._serial = 0
+        self.now = 0  # LRU clock: advanced by every pin and every new node
+        self.root = self._node((), torch.empty(0, dtype=torch.int64), None)
+        self.root.ref = 1
+        self.leaves: dict[_Node, None] = {}  # insertion-ordered, so iteration is deterministic
+        self.cached_lanes = np.zeros(cp_size, dtype=np.int64)
+        self.evictable_lanes = np.zeros(cp_size, dtype=np.int64)
+        self.page_cached = np.zeros(num_pages + 1, dtype=bool)
+
+    def pages_of(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct pages under ``slots`` and their count per lane."""
+        pages = np.unique(page_of(slots.numpy(), self.S))
+        return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
+
+    def _node(self, key: tuple, slots: torch.Tensor, parent: _Node | None) -> _Node:
+        pages, lanes = self.pages_of(slots)
+        self._serial += 1
+        return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now)
+
+    def lane_of(self, slot) -> int:
+        """Owner lane of the page holding ``slot``."""
+        return int(owner_of(page_of(int(slot), self.S), self.N))
+
+    def tick(self) -> int:
+        """Advance the LRU clock; return the new time."""
+        self.now += 1
+        return self.now
+
+    # -- questions ------------------------------------------------------------------
+    def walk(self, tokens: tuple, limit: int) -> _Walk:
+        """How far ``tokens[:limit]`` follows the tree: whole pages, then the
+        child (or next page of the same edge) sharing the longest run of the
+        next page's tokens. Pure: nothing is split or touched."""
+        S = self.S
+        node, off, i, path = self.root, 0, 0, []
+        while i + S <= limit:
+            page = tokens[i : i + S]
+            if off < len(node.key):  # inside an edge: its next page
+                if node.key[off : off + S] != page:
+                    break
+                off += S
+                path[-1] = (node, off // S)
+            else:
+                child = node.children.get(page)
+                if child is None or len(child.key) < S:
+                    break
+                node, off = child, S
+                path.append((child, 1))
+            i += S
+        w = _Walk(path, i)
+        rest = tokens[i : min(i + S, limit)]
+        if rest:
+            cands = [(node, off)] if off < len(node.key) else [(c, 0) for c in node.children.values()]
+            for c, o in cands:
+                n = _common(c.key[o : o + S], rest)
+                if n > w.copy:
+                    w.src, w.src_off, w.copy = c, o, n
+        return w
+
+    def victim(self, short: np.ndarray) -> _Node | None:
+        """The unreferenced leaf to evict next for the lanes ``short`` [N] bool:
+        the least recently used one that frees a page in a short lane, else the
+        least recently used one whose removal exposes an unreferenced ancestor
+        that does; ``None`` when nothing evictable helps."""
+        best, best_key = None, None
+        for leaf in self.leaves:
+            if leaf.ref:
+                continue
+            helps, rank = bool(leaf.lanes[short].any()), 0
+            if not helps:
+                rank, up = 1, leaf.parent
+                while up is not self.root and up.ref == 0 and len(up.children) == 1 and not helps:
+                    helps = bool(up.lanes[short].any())
+                    up = up.parent
+            key = (rank, leaf.last_access, leaf.serial)
+            if helps and (best_key is None or key < best_key):
+                best, best_key = leaf, key
+        return best
+
+    def prefix_tokens(self, node: _Node) -> tuple:
+        """Every token from the root through the end of ``node``."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(t for k in reversed(keys) for t in k)
+
+    def prefix_slots(self, node: _Node) -> torch.Tensor:
+        """The slots of every token from the root through the end of ``node`` (a copy)."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.slots)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
+
+    def nodes(self):
+        """Every node but the root (depth first)."""
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n is not self.root:
+                yield n
+
+    def snapshot(self) -> tuple:
+        """The whole tree as nested tuples: per node key, slots, ref, LRU time,
+        serial and children in order; then the clock and the derived counts."""
+
+        def one(n: _Node) -> tuple:
+            kids = tuple((k, one(c)) for k, c in n.children.items())
+            return n.key, tuple(n.slots.tolist()), n.ref, n.last_access, n.serial, kids
+
+        return (one(self.root), self.now, self._serial, tuple(self.cached_lanes.tolist()),
+                tuple(self.evictable_lanes.tolist()), self.page_cached.tobytes())
+
+    # -- shape changes (counts kept exact) ---------------------------------------------
+    def attach(self, parent: _Node, key: tuple, slots: torch.Tensor) -> _Node:
+        """A new unreferenced node under ``parent``, used now."""
+        node = self._node(key, slots.clone(), parent)
+        node.last_access = self.tick()
+        parent.children[key[: self.S]] = node
+        self.leaves.pop(parent, None)
+        self.leaves[node] = None
+        self.cached_lanes += node.lanes
+        self.evictable_lanes += node.lanes
+        self.page_cached[node.pages] = True
+        return node
+
+    def split(self, node: _Node, pages: int) -> _Node:
+        """Cut ``node`` after ``pages`` whole pages; ``node`` keeps the lower
+        part, the returned new node the upper. Counts are unchanged."""
+        n = pages * self.S
+        upper = self._node(node.key[:n], node.slots[:n], node.parent)
+        upper.ref, upper.last_access = node.ref, node.last_access
+        node.parent.children[upper.key[: self.S]] = upper  # same dict key: keeps the children's order
+        node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
+        node.pages, node.lanes = self.pages_of(node.slots)
+        upper.children[node.key[: self.S]] = node
+        return upper
+
+    def detach(self, leaf: _Node) -> None:
+        """Take an unreferenced leaf out of the tree (its pages are the caller's to free)."""
+        assert leaf.ref == 0 and not leaf.children, "only an unreferenced leaf can leave the tree"
+        parent = leaf.parent
+        del parent.children[leaf.key[: self.S]]
+        del self.leaves[leaf]
+        if not parent.children and parent is not self.root:
+            self.leaves[parent] = None
+        self.cached_lanes -= leaf.lanes
+        self.evictable_lanes -= leaf.lanes
+        self.page_cached[leaf.pages] = False
+
+    def pin(self, node: _Node | None, delta: int) -> None:
+        """Add ``delta`` to the reference count of ``node`` and every ancestor
+        and mark them used now (``delta=0`` only marks them). Splits copy
+        counts, so walking parents is exact."""
+        t = self.tick()
+        while node is not None and node is not self.root:
+            before = node.ref
+            node.ref += delta
+            assert node.ref >= 0, "reference count below zero"
+            if before == 0 and node.ref > 0:
+                self.evictable_lanes -= node.lanes
+            elif before > 0 and node.ref == 0:
+                self.evictable_lanes += node.lanes
+            node.last_access = t
+            node = node.parent

@@ -1,0 +1,333 @@
+"""A request's life in the scheduler: arrival, follow-ups, completion, and
+the hooks that hand requests between two groups.
+
+:class:`RequestLifecycle` is the half of :class:`~cpkv.engine.scheduler.Scheduler`
+that knows requests from their arrival to their end (and their follow-up
+turns); the scheduler adds admission and batching. Every request's KV slots
+live in one :class:`~cpkv.consumers.page_table.PageTable` (a row per admitted
+request, written once from each allocation); a :class:`Request` keeps its row
+and its length (``computed``) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..consumers.page_table import PageTable
+from ..consumers.prefix_cache import PrefixCache, PrefixMatch
+from ..contract import layout
+from ..contract.layout import owner_of, page_of
+from .step_plan import StepPlan
+from .trace import RequestSpec, TraceError, validate
+
+
+@dataclass(eq=False)
+class Request:
+    """A request in the scheduler: its tokens, its page-table row and where it stands.
+
+    ``row`` is its row in ``table`` while it holds KV (-1 otherwise) and
+    ``computed`` how many positions of that row hold KV."""
+
+    spec: RequestSpec
+    index: int
+    prompt: tuple = ()
+    generated: list = field(default_factory=list)
+    due: int | None = None  # step it may start; None while its parent runs
+    admitted: int = -1  # admission serial; preemption takes the largest
+    row: int = -1  # page-table row while it holds KV
+    match: PrefixMatch | None = None
+    computed: int = 0
+    target: int = 0  # prefill until computed == target
+    preemptions: int = 0
+    finished_at: int = -1
+    host_hit: int = 0  # tokens loaded from the host tier at the last admission
+    ready: bool = False  # remote prefill: its KV waits elsewhere, ready to arrive (Scheduler.arrive)
+    table: PageTable | None = field(default=None, repr=False)
+
+    @property
+    def seq(self) -> tuple:
+        """Every token known: the prompt, then the generated tokens."""
+        return self.prompt + tuple(self.generated)
+
+    @property
+    def final_len(self) -> int:
+        """Tokens with KV when the request finishes (the last generated token has none)."""
+        return len(self.prompt) + self.spec.max_new_tokens - 1
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """Its page-table row (a view: KV slot of positions ``0 .. computed - 1``,
+        then padding), or None while it holds no row."""
+        return None if self.row < 0 else self.table.slots(self.row)
+
+    @property
+    def last_loc(self) -> int:
+        """Slot of the last position with KV, -1 for none."""
+        return int(self.table.req_to_token[self.row, self.computed - 1]) if self.computed else -1
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the request still has prompt (or recomputed) tokens to prefill."""
+        return self.computed < self.target
+
+
+@dataclass
+class Stats:
+    """What a trace did, counted by the scheduler (identical on every rank)."""
+
+    steps: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0  # device prefix-cache hits at admission
+    host_hit_tokens: int = 0  # tokens loaded from the host tier
+    arrived_tokens: int = 0  # remote prefill: tokens whose KV arrived from another group
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    chunk_continuations: int = 0  # prefill chunks continuing an earlier chunk of the same request
+    mid_page_continuations: int = 0  # ... from a slot in the middle of a page
+    copies: int = 0  # mid-page copies
+    copied_slots: int = 0
+    backup_pages: int = 0
+    load_pages: int = 0
+    preemptions: int = 0
+    refusals: int = 0
+    evicted_nodes: int = 0  # device prefix-cache evictions under memory pressure
+    evicted_pages: int = 0
+    served_tokens: int = 0  # cached prefixes matched, tokens prefilled and decoded
+    tokens_before_refusal: int | None = None
+    max_request_skew: int = 0
+    occupancy: list = field(default_factory=list)  # per step: used device pages per lane
+    host_occupancy: list = field(default_factory=list)  # per step: used host pages
+
+    def lane_gap(self, lane_pages: int) -> float:
+        """Largest gap between the fullest and the emptiest lane over the run, in % of a lane."""
+        occ = np.array(self.occupancy) if self.occupancy else np.zeros((1, 1))
+        return 100.0 * float((occ.max(1) - occ.min(1)).max()) / max(lane_pages, 1)
+
+
+class RequestLifecycle:
+    """Requests from arrival to end on one prefix ``cache``: the trace's
+    follow-ups, run-time submissions, completion, cancellation, the
+    disaggregation hand-offs and the final drain. Subclassed by
+    :class:`~cpkv.engine.scheduler.Scheduler`, which admits and batches."""
+
+    def __init__(self, specs: list[RequestSpec], cache: PrefixCache, max_running: int, remote_prefill: bool,
+                 hold_finished: bool, host, report_lanes: int | None):
+        self.remote_prefill, self.hold_finished = remote_prefill, hold_finished
+        self.held: dict[int, Request] = {}  # hold_finished: finished requests whose KV pages are kept
+        validate(specs)
+        self.cache, self.host = cache, host
+        self.S, self.N = cache.S, cache.N
+        self.report_lanes = report_lanes or self.N
+        self.requests = [Request(s, i) for i, s in enumerate(specs)]
+        self._by_id = {r.spec.id: r for r in self.requests}
+        self._children: dict[str, list[Request]] = {}
+        for r in self.requests:
+            if r.spec.after is None:
+                r.prompt, r.due = r.spec.tokens, r.spec.arrival
+            else:
+                self._children.setdefault(r.spec.after, []).append(r)
+        self._check_capacity()
+        self.waiting: list[Request] = sorted((r for r in self.requests if r.due is not None),
+                                             key=lambda x: (x.due, x.index))
+        self.running: list[Request] = []
+        self.table = PageTable(max_running, self.max_len + 1)
+        self.step = 0
+        self.stats = Stats()
+        self._plan: StepPlan | None = None
+        self._all_pages = np.arange(cache.num_pages + 1)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        """Refuse, before anything runs, a request that could never fit the cache."""
+        lengths = {}
+        self.max_len = 0  # the most KV tokens any request will hold
+        for r in self.requests:  # a follow-up's prompt: parent prompt + parent replies + own tokens
+            s = r.spec
+            base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
+            lengths[s.id] = base + len(s.tokens)
+            self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
+
+    def _check_fits(self, rid: str, kv_tokens: int) -> None:
+        pages = -(-kv_tokens // self.S)
+        per_lane = int(layout.chain_lane_pages(0, 0, pages, self.N).max())  # the fullest lane, whatever the base
+        if per_lane > int(self.cache.lane_pages.min()):
+            raise TraceError(f"request {rid!r} needs {pages} pages ({per_lane} per lane); the cache has "
+                             f"{int(self.cache.lane_pages.min())} per lane")
+        self.max_len = max(self.max_len, kv_tokens)
+
+    def submit(self, spec: RequestSpec) -> Request:
+        """Add a request while the trace runs (a router's arrival): due at
+        ``max(spec.arrival, step)``, prompt ``spec.tokens``. Returns it.
+        Raises :class:`TraceError`, nothing changed, for a spec with
+        ``after``, an id already used, a malformed spec, or a request that
+        could never fit the cache."""
+        if spec.after is not None:
+            raise TraceError(f"request {spec.id!r}: a submitted request has no 'after'; submit the whole prompt")
+        if spec.id in self._by_id:
+            raise TraceError(f"request {spec.id!r}: id {spec.id!r} is used twice")
+        validate([spec])
+        self._check_fits(spec.id, len(spec.tokens) + spec.max_new_tokens - 1)
+        r = Request(spec, len(self.requests), prompt=spec.tokens, due=max(spec.arrival, self.step))
+        self.requests.append(r)
+        self._by_id[spec.id] = r
+        self.waiting.append(r)
+        self.waiting.sort(key=lambda x: (x.due, x.index))
+        return r
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has finished."""
+        return self.stats.finished == len(self.requests)
+
+    def _due(self) -> list[Request]:
+        return [r for r in self.waiting if r.due <= self.step]
+
+    def _give_back(self, r: Request) -> None:
+        """``r`` holds KV no more: its page-table row goes back."""
+        self.table.free_row(r.row)
+        r.row = -1
+
+    # -- completion -------------------------------------------------------------------------------
+    def complete(self, plan: StepPlan, tokens: list[list[int]]) -> list[Request]:
+        """Close a step: ``tokens[i]`` are the greedy tokens of the requests of
+        ``plan.forwards()[i]`` (entries where ``sample`` is False are ignored).
+        Finishes requests at ``max_new_tokens``; returns them."""
+        finished = []
+        for b, toks in zip(plan.forwards(), tokens):
+            for r, t, s in zip(b.requests, toks, b.sample):
+                if s:
+                    r.generated.append(int(t))
+                    self.stats.generated_tokens += 1
+                    if len(r.generated) == r.spec.max_new_tokens:
+                        finished.append(r)
+            self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
+        for a in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
+            a.request.ready = False
+            self.stats.arrived_tokens += a.slots.numel()
+        for r in finished:
+            self._finish(r)
+        if self.host is not None:
+            self.host.step_done()
+        self._record()
+        self.step += 1
+        self._plan = None
+        return finished
+
+    def _finish(self, r: Request) -> None:
+        kv = r.slots[: r.computed]
+        pages = np.unique(page_of(kv.numpy(), self.S))
+        per_lane = np.bincount(owner_of(pages, self.N), minlength=self.N)
+        self.stats.max_request_skew = max(self.stats.max_request_skew, int(per_lane.max() - per_lane.min()))
+        self.running.remove(r)
+        if self.hold_finished:  # the row stays with the held KV until release_finished
+            self.held[r.index] = r
+        else:
+            self.cache.insert(r.seq[: r.computed], kv, r.match)
+            r.match = None
+            self._give_back(r)
+        r.finished_at = self.step
+        self._conclude(r)
+
+    def _conclude(self, r: Request) -> None:
+        """A request is done: count it and release its follow-ups."""
+        self.stats.finished += 1
+        for c in self._children.get(r.spec.id, ()):
+            c.prompt = r.seq + c.spec.tokens
+            c.due = max(c.spec.arrival, self.step + 1 + c.spec.delay)
+            self.waiting.append(c)
+        self.waiting.sort(key=lambda x: (x.due, x.index))
+
+    def _record(self) -> None:
+        self.stats.evicted_nodes, self.stats.evicted_pages = self.cache.evicted_nodes, self.cache.evicted_pages
+        used = np.flatnonzero(self.cache.is_allocated(self._all_pages))
+        self.stats.occupancy.append(np.bincount(owner_of(used, self.report_lanes), minlength=self.report_lanes).tolist())
+        if self.host is not None:
+            self.stats.host_occupancy.append(self.host.used_pages())
+        self.stats.steps = self.step + 1
+
+    # -- disaggregation hooks --------------------------------------------------------------------
+    def awaiting_kv(self) -> list[Request]:
+        """Remote prefill: the due requests whose KV is not ready (it must be
+        computed elsewhere, then :meth:`arrive`), in admission order."""
+        if not self.remote_prefill:
+            return []
+        return [r for r in self._due() if not r.ready]
+
+    def arrive(self, index: int, token: int) -> bool:
+        """Remote prefill: request ``index`` (waiting, not ready) has its whole
+        sequence's KV computed elsewhere, and ``token`` was sampled after it:
+        the token is appended and the request becomes ready, to be admitted
+        (its KV allocated and listed in :attr:`StepPlan.arrivals`) by a later
+        :meth:`plan`. Returns True when that token finished the request (no
+        KV needs to arrive). Raises ``ValueError``, nothing changed, for a
+        scheduler without remote prefill or a request that is not waiting for
+        its KV."""
+        if not self.remote_prefill:
+            raise ValueError("arrive() is for a remote-prefill scheduler")
+        r = self.requests[index] if 0 <= index < len(self.requests) else None
+        if r is None or r not in self.waiting or r.ready or r.due is None or r.due > self.step:
+            raise ValueError(f"request {index} is not waiting for its KV")
+        r.generated.append(int(token))
+        self.stats.generated_tokens += 1
+        if len(r.generated) == r.spec.max_new_tokens:
+            self.waiting.remove(r)
+            r.finished_at = self.step
+            self._conclude(r)
+            return True
+        r.ready = True
+        return False
+
+    def release_finished(self, index: int, cache: bool = True) -> None:
+        """Hold finished: end the hold on request ``index``'s KV pages: into
+        the prefix cache (``cache``), or back to the free lists (their KV is
+        not wanted, e.g. a transfer failed). Raises ``KeyError`` for a request
+        not held."""
+        if index not in self.held:
+            raise KeyError(f"request {index} is not held")
+        r = self.held.pop(index)
+        kv = r.slots[: r.computed]
+        if cache:
+            self.cache.insert(r.seq[: r.computed], kv, r.match)
+        else:
+            self.cache.release(r.match, kv)
+        r.match = None
+        self._give_back(r)
+
+    def cancel(self, index: int) -> None:
+        """Drop a running request without caching its KV (a client abort, or
+        KV that never arrived): its private pages go back to the free lists,
+        its row is freed, and it counts as finished with what it generated.
+        Raises ``ValueError`` for a request that is not running."""
+        r = self.requests[index] if 0 <= index < len(self.requests) else None
+        if r is None or r not in self.running:
+            raise ValueError(f"request {index} is not running")
+        if self._plan is not None:
+            self._plan.drop(r)
+        self.cache.release(r.match, r.slots[: r.computed])
+        self.running.remove(r)
+        self._give_back(r)
+        r.match, r.finished_at = None, self.step
+        self._conclude(r)
+
+    def check_drained(self) -> None:
+        """After :meth:`drain`: raise ``AssertionError`` if any device or host
+        page, or any prefix match, is still held (a leak)."""
+        held = self.cache.num_pages - sum(self.cache.lane_free_pages())
+        host = 0 if self.host is None else self.host.used_pages()
+        matches = self.cache.open_matches + (0 if self.host is None else self.host.index.open_matches)
+        if held or host or matches or self.running:
+            raise AssertionError(f"leak after the trace: {held} device pages, {host} host pages, {matches} "
+                                 f"prefix matches, {len(self.running)} requests still held")
+
+    def drain(self) -> None:
+        """After the trace: every cached page back to the free lists (no
+        backup), and every held request's pages with them."""
+        for i in list(self.held):
+            self.release_finished(i, cache=False)
+        self.cache.clear(notify=False)
+        if self.host is not None:
+            self.host.clear()

@@ -1,0 +1,88 @@
+"""One page table per group (SGLang's ReqToTokenPool), and the cache's one
+admission question and verb."""
+
+import numpy as np
+import pytest
+import torch
+
+from cpkv import OwnerLaneAllocator
+from cpkv.consumers.page_table import PageTable
+from cpkv.consumers.prefix_cache import Admission, PrefixCache, PrefixCacheMisuse
+from cpkv.engine.scheduler import Scheduler
+from cpkv.engine.trace import RequestSpec
+
+
+def test_rows_are_written_once_from_each_allocation_and_grow_on_demand():
+    """``write_allocation`` scatters an allocation's slots into the rows of its
+    requests (positions from the allocation); rows and width grow keeping the
+    content; a freed row is padding again. [[RFC-0001:C-FLATTENED-ORDER]]"""
+    alloc = OwnerLaneAllocator(64 * 4, 4, 2)
+    t = PageTable(1, 4)
+    rows = torch.tensor([t.take_row(), t.take_row()])  # the second row grows the table
+    assert rows.tolist() == [0, 1] and t.req_to_token.shape[0] == 2
+    a = alloc.allocate_extend([0, 0], [3, 6], [-1, -1])
+    t.write_allocation(rows, a)  # 6 > width 4: grows
+    assert t.slots(0, 0, 3).tolist() == a.out_cache_loc[:3].tolist()
+    assert t.slots(1, 0, 6).tolist() == a.out_cache_loc[3:].tolist()
+    assert (t.slots(0, 3) == -1).all()
+    d = alloc.allocate_decode([4, 7], torch.stack([t.req_to_token[0, 2], t.req_to_token[1, 5]]))
+    t.write_allocation(rows, d)
+    assert t.req_to_token[0, 3] == d.out_cache_loc[0] and t.req_to_token[1, 6] == d.out_cache_loc[1]
+    t.free_row(0)
+    assert (t.slots(0) == -1).all() and t.take_row() == 0
+
+
+def test_page_table_refuses_what_it_cannot_mean():
+    """A free row freed again, a row past the table, and bad sizes raise;
+    nothing changes. [[RFC-0001:C-FAIL-FAST]]"""
+    t = PageTable(2, 4)
+    r = t.take_row()
+    t.write(r, 0, torch.tensor([5, 6]))
+    before = t.req_to_token.clone()
+    for bad in (1, 7, -1):
+        with pytest.raises(ValueError, match="not taken"):
+            t.free_row(bad)
+    assert torch.equal(t.req_to_token, before)
+    for args in ((0, 4), (2, 0), (2, 4, 0)):
+        with pytest.raises(ValueError):
+            PageTable(*args)
+
+
+def test_the_scheduler_keeps_one_table_and_a_row_per_request():
+    """Every forward names its rows in the scheduler's one table, and each
+    request's slots are a view of its row there: nothing holds a second copy.
+    [[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
+    specs = [RequestSpec(f"r{i}", 0, tuple(range(i, i + 9)), 3) for i in range(3)]
+    cache = PrefixCache(OwnerLaneAllocator(64 * 4 * 2, 4, 2))
+    sched = Scheduler(specs, cache, chunk=8)
+    while not sched.done:
+        plan = sched.plan()
+        for f in plan.forwards():
+            assert f.table is sched.table
+            for r, row in zip(f.requests, f.rows.tolist()):
+                assert r.row == row and r.slots.data_ptr() == sched.table.slots(row).data_ptr()
+                assert (r.slots[: r.computed] >= 0).all() and (r.slots[r.computed :] == -1).all()
+        sched.complete(plan, [[7] * len(f.requests) for f in plan.forwards()])
+    assert (sched.table.req_to_token == -1).all()  # every row given back
+
+
+def test_admission_is_one_question_and_one_verb():
+    """``can_allocate`` answers without changing anything and equals
+    ``lane_need`` of the lookup; ``allocate`` takes exactly that match; anything
+    but an Admission is refused, nothing changed. [[RFC-0001:C-PREFIX-CACHE]]"""
+    cache = PrefixCache(OwnerLaneAllocator(16 * 2 * 2, 2, 2))
+    m = cache.acquire((1, 2, 3, 4, 5))
+    a = cache.allocate_extend([0], [5], torch.tensor([-1]))
+    cache.insert((1, 2, 3, 4, 5), a.out_cache_loc, m)
+    before = (cache.snapshot(), cache.alloc.snapshot())
+    adm = cache.can_allocate((1, 2, 3, 9, 9, 9), 8)
+    assert isinstance(adm, Admission) and (cache.snapshot(), cache.alloc.snapshot()) == before
+    hit = cache.lookup((1, 2, 3, 9, 9, 9))
+    assert adm.need.tolist() == cache.lane_need(hit, 8).tolist() and adm.host_len == 0
+    assert adm.fits(np.zeros(2, dtype=np.int64)) and not adm.fits(adm.spare)
+    with pytest.raises(PrefixCacheMisuse, match="not-an-admission"):
+        cache.allocate(hit)
+    assert (cache.snapshot(), cache.alloc.snapshot()) == before
+    got = cache.allocate(adm)
+    assert (got.length, got.shared) == (hit.length, hit.shared)
+    cache.release(got)
