@@ -230,8 +230,9 @@ def test_ctrl_c_to_the_real_command(phase, tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     assert (p.returncode, out) == (130, "")
-    said = (r"cpkv run: stopped before the first step: 0 of 1 requests finished" if phase == "starting" else
-            r"cpkv run: stopped at step \d+: 0 of 1 requests finished, \d+ tokens generated \(\d+ computed\)")
+    before = r"cpkv run: stopped before the first step: 0 of 1 requests finished"
+    at = r"cpkv run: stopped at step \d+: 0 of 1 requests finished, \d+ tokens generated \(\d+ computed\)"
+    said = before if phase == "starting" else f"(?:{at}|{before})"  # a loaded machine may not have stepped yet
     assert re.fullmatch(said + "\ncpkv run: interrupted\n", err), err
     assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
     assert not shm_segments(p.pid)
