@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/cpkv run --check
+	$(VENV)/bin/cpkv run --check --device-pages 8
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10

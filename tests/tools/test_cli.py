@@ -6,6 +6,7 @@ the same command."""
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,14 @@ BAD = [
     (["run", "--scale", "nan"], "--scale"),
     (["run", "--chunk", "0"], "--chunk"),
     (["run", "--device-pages", "0"], "--device-pages"),
+    (["run", "--kv-memory", "0"], "--kv-memory"),
+    (["run", "--kv-memory", "-64MiB"], "--kv-memory"),
+    (["run", "--kv-memory", "64XB"], "--kv-memory"),
+    (["run", "--kv-memory", "MiB"], "--kv-memory"),
+    (["run", "--kv-memory", "1.5"], "--kv-memory"),  # a fraction of a byte
+    (["run", "--kv-memory", "100"], "--kv-memory"),  # holds no page of 8 KiB
+    (["run", "--kv-memory", "1MiB", "--device-pages", "8"], "--kv-memory"),  # one or the other
+    (["run", "--disagg", "2:1", "--cp", "2"], "--disagg"),  # --disagg sets both group sizes
     (["run", "--host-pages", "-1"], "--host-pages"),
     (["run", "--max-running", "0"], "--max-running"),
     (["run", "--admission", "maybe"], "--admission"),
@@ -220,7 +229,11 @@ def test_ctrl_c_to_the_real_command(phase, tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
-    assert (p.returncode, out, err) == (130, "", "cpkv run: interrupted\n")
+    assert (p.returncode, out) == (130, "")
+    before = r"cpkv run: stopped before the first step: 0 of 1 requests finished"
+    at = r"cpkv run: stopped at step \d+: 0 of 1 requests finished, \d+ tokens generated \(\d+ computed\)"
+    said = before if phase == "starting" else f"(?:{at}|{before})"  # a loaded machine may not have stepped yet
+    assert re.fullmatch(said + "\ncpkv run: interrupted\n", err), err
     assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
     assert not shm_segments(p.pid)
     assert not list(run_tmp.glob("cpkv_*"))

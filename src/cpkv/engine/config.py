@@ -5,12 +5,18 @@ splits and the trace; its defaults are the ``cpkv run`` defaults (the command
 reads them from here), so a run built in Python and the same run from the
 command line are the same run. :class:`EngineConfig` adds one CP group's size,
 :class:`DisaggConfig` a prefill group and a decode group; each adds its own
-fault injection (tests).
+fault injection (tests), named in :data:`FAULT_HOOKS` so reports leave it out.
+
+The device cache is sized from memory unless ``device_pages`` is given:
+``kv_memory`` bytes per rank, or by default a budget from this machine's
+available memory (:func:`cpkv.runtime.sizing.default_kv_memory`), turned into
+pages per rank by :func:`cpkv.runtime.sizing.pages_for_memory` once, when the
+configuration is made; the ranks receive the resolved ``device_pages``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from ..models import TinyDsa, TinyLlama
 from .trace import WORKLOADS, RequestSpec, load_jsonl
@@ -21,7 +27,11 @@ class RunConfig:
     """One serving run: the model, the caches, the policies, the trace.
 
     ``page_size`` tokens per page; ``device_pages`` KV pages per rank (per
-    owner lane); ``host_pages`` pages of the host tier (0: none); ``chunk``
+    owner lane; lane 0 holds one fewer, page 0 being reserved): when ``None``
+    (the default) it is set at construction from ``kv_memory`` bytes per rank,
+    or, when that is ``None`` too, from this machine's available memory
+    (:meth:`memory_pages`); a given ``device_pages`` wins over ``kv_memory``.
+    ``host_pages`` pages of the host tier (0: none); ``chunk``
     prefill tokens per step, all requests together; ``max_running`` requests
     at once; ``admission`` ``"lanes"`` or ``"none"``; the prefill and decode
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
@@ -33,7 +43,8 @@ class RunConfig:
     """
 
     page_size: int = 16
-    device_pages: int = 8
+    device_pages: int | None = None
+    kv_memory: int | None = None
     host_pages: int = 96
     chunk: int = 64
     max_running: int = 16
@@ -50,6 +61,42 @@ class RunConfig:
     timeout: float = 300.0
     progress: bool = False
 
+    def __post_init__(self):
+        if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
+                                           or self.kv_memory < 1):
+            raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
+        if self.device_pages is None:
+            self.device_pages = self.memory_pages()
+
+    #: Ranks whose memory the default budget is shared by (the subclasses' groups).
+    world_size = 1
+
+    def page_bytes(self) -> int:
+        """Bytes of one device KV page on its owner, every cache family of
+        ``model`` together: ``page_size`` times the families' ``slot_bytes``."""
+        import torch
+
+        from ..models import build_adapter
+
+        with torch.device("meta"):
+            adapter = build_adapter(self.model)
+        return self.page_size * sum(f.slot_bytes() for f in adapter.families())
+
+    def memory_pages(self, capacity=None) -> int:
+        """Device pages per rank from memory: ``kv_memory`` bytes per rank, or
+        the default budget of this machine (``capacity``, default now) for
+        :attr:`world_size` ranks, through
+        :func:`~cpkv.runtime.sizing.pages_for_memory`. ``ValueError`` when
+        ``kv_memory`` holds no page; the default takes at least 8 pages (a
+        machine that cannot hold them is refused by the capacity check)."""
+        from ..runtime.sizing import default_kv_memory, pages_for_memory
+
+        page = self.page_bytes()
+        if self.kv_memory is not None:
+            return pages_for_memory(self.kv_memory, page)
+        budget = default_kv_memory(self.world_size, other_bytes=self.host_pages * page, capacity=capacity)
+        return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page), page)
+
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""
         vocab = self.model.vocab
@@ -61,6 +108,27 @@ class RunConfig:
         """This configuration's :class:`RunConfig` fields by name (what another
         driver's configuration takes over from it)."""
         return {f.name: getattr(self, f.name) for f in fields(RunConfig)}
+
+    def public(self) -> dict:
+        """The fields a report shows (``asdict``, the model as its family and
+        fields), without the test-only :data:`FAULT_HOOKS`."""
+        out = {k: v for k, v in asdict(self).items() if k not in FAULT_HOOKS}
+        return {**out, "model": {"family": type(self.model).__name__, **asdict(self.model)}}
+
+
+def field_defaults(cls) -> dict:
+    """The default of every field of the configuration class ``cls``, by name,
+    without making one (making one sizes the cache from this machine's memory):
+    ``None`` for ``device_pages``, whose default is computed."""
+    from dataclasses import MISSING
+
+    return {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+
+
+#: Fewest device pages per rank the default budget gives.
+MIN_DEFAULT_PAGES = 8
+#: The test-only fault-injection fields of the configurations (left out of reports).
+FAULT_HOOKS = ("fail_rank", "kill_rank", "fail_step", "fail_transfer")
 
 
 @dataclass
@@ -75,6 +143,11 @@ class EngineConfig(RunConfig):
     fail_rank: int | None = None
     kill_rank: int | None = None
     fail_step: int = 3
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the group."""
+        return self.cp_size
 
 
 @dataclass

@@ -12,7 +12,6 @@ its greedy tokens.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -21,8 +20,8 @@ from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_pool import SharedKVPool
 from ..models import build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
-from ..runtime.group import RankContext, launch
-from ..runtime.progress import progress_bar
+from ..runtime.group import RankContext, RankFailure, launch
+from ..runtime.progress import RunProgress, progress_bar
 from ..runtime.runner import CPRunner
 from .config import EngineConfig
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
@@ -94,14 +93,17 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
                      max_running=cfg.max_running, admission=cfg.admission, host=host)
 
 
-def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
+def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
     comm: Comm = DistComm() if ctx.distributed else LocalComm()
-    return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model))
+    return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
 
 
-def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
+def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
+                progress: RunProgress | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
+    shared buffers, ``comm`` its collectives; rank 0 keeps ``progress`` (when
+    given) up to date after every step. Idle steps (nothing runs, nothing is
+    due) are skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0."""
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     layout = sched.layout
@@ -109,14 +111,20 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
+    progress = progress if comm.rank == 0 else None
     t0 = time.perf_counter()
     while not sched.done:
+        skipped = sched.skip_idle()
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
             inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
         if sched.complete(plan, ex.run(plan)):
-            bar.set_postfix_str(f"{sched.stats.finished}/{len(specs)} requests finished", refresh=False)
-        bar.update(1)
+            bar.set_postfix_str(f"{sched.stats.finished}/{len(sched.requests)} requests finished", refresh=False)
+        bar.update(1 + skipped)
+        if progress is not None:
+            st = sched.stats
+            progress.update(step=sched.step, finished=st.finished, requests=len(sched.requests),
+                            generated_tokens=st.generated_tokens, computed_tokens=st.computed_tokens)
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
@@ -163,7 +171,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
     peak_lane = occ.max(0)
     return {
-        "config": {**asdict(cfg), "model": {"family": type(cfg.model).__name__, **asdict(cfg.model)}},
+        "config": cfg.public(),  # without the test-only fault hooks
         "requests": len(sched.requests),
         "finished": st.finished,
         "steps": st.steps,
@@ -204,8 +212,18 @@ def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
 
 
 def run_engine(cfg: EngineConfig) -> dict:
-    """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report."""
+    """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report.
+
+    A run stopped by its timeout (:class:`~cpkv.runtime.group.RankFailure`)
+    or by Ctrl-C (``KeyboardInterrupt``) raises with ``progress`` set on the
+    exception: what it finished (:meth:`RunProgress.read`, ``None`` before
+    the first step) and ``requests``, the trace's length."""
     cfg.model.config()
     specs = cfg.trace()
     build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process
-    return launch(_engine_rank, cfg.cp_size, cfg, timeout=cfg.timeout)
+    progress = RunProgress()
+    try:
+        return launch(_engine_rank, cfg.cp_size, cfg, progress, timeout=cfg.timeout)
+    except (KeyboardInterrupt, RankFailure) as e:
+        e.progress, e.requests = progress.read(), len(specs)
+        raise

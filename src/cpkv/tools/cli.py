@@ -22,7 +22,7 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_run, validate_simulate)
 from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    workload_arg)
+                    size_arg, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -90,10 +90,13 @@ def _add_bytes(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    from ..engine.config import EngineConfig
+    from types import SimpleNamespace
+
+    from ..engine.config import EngineConfig, field_defaults
     from ..engine.scheduler import ADMISSION
-    from ..engine.trace import WORKLOADS
+    from ..engine.trace import TRACE_LIMITS, WORKLOADS
     from ..models import MODELS
+    from ..runtime.sizing import KV_MEMORY_CAP, KV_MEMORY_FRACTION, format_size
     from ..runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
 
     r = sub.add_parser(
@@ -105,9 +108,12 @@ def _add_run(sub) -> None:
         "scheduler; each computes the tokens of its split and writes only its own segment. With --check, every "
         "computed logit is compared with transformers' forward of the request's full sequence and every "
         "request's tokens with its greedy decoding. With --disagg M:N, M ranks prefill and N other ranks decode, "
-        "the KV moving between the two groups point to point. A group this machine cannot hold is refused "
-        "before any process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
-    D = EngineConfig()  # the defaults, written once in cpkv.engine.config
+        "the KV moving between the two groups point to point. A group this machine cannot hold, and a trace with "
+        "a request the device cache could never hold, are refused before any process starts. The device cache is "
+        "sized from memory unless --device-pages is given. A trace file: " + TRACE_LIMITS + ". A run expected to "
+        "take over a minute says so on stderr before it starts; a run stopped by --timeout or Ctrl-C says what it "
+        "finished. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
+    D = SimpleNamespace(**field_defaults(EngineConfig))  # the defaults, written once in cpkv.engine.config
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=D.page_size, metavar="S",
                    help=f"tokens per page (default {D.page_size})")
@@ -115,15 +121,24 @@ def _add_run(sub) -> None:
                    help="model family, small random weights (default llama; deepseek-v3.2 and glm-5 are the DSA models)")
     r.add_argument("--workload", type=workload_arg, default=D.workload,
                    help=f"a built-in trace ({', '.join(WORKLOADS)}) or a JSONL file, one request a line "
-                        f"(default {D.workload})")
+                        f"(default {D.workload}; the file's format is in the description above)")
     r.add_argument("--requests", type=positive, default=D.requests,
                    help=f"built-in traces: sessions, questions or documents (default {D.requests})")
     r.add_argument("--scale", type=finite_float(0, inclusive=False), default=D.scale,
                    help=f"built-in traces: lengths times this (default {D.scale:g})")
     r.add_argument("--chunk", type=positive, default=D.chunk,
                    help=f"prefill tokens per step, all requests together (default {D.chunk})")
-    r.add_argument("--device-pages", type=positive, default=D.device_pages,
-                   help=f"device KV pages per rank (default {D.device_pages})")
+    cache = r.add_mutually_exclusive_group()
+    cache.add_argument("--kv-memory", type=size_arg, default=D.kv_memory, metavar="SIZE",
+                       help="device KV cache bytes per rank, e.g. 64MiB or 2GiB (binary units KiB MiB GiB TiB, "
+                            "decimal kB MB GB TB, or a plain number of bytes); pages per rank = SIZE // bytes per "
+                            "page. Default, as SGLang's --mem-fraction-static or vLLM's --gpu-memory-utilization: "
+                            f"{KV_MEMORY_FRACTION:g} of the memory this machine has left once the ranks have "
+                            f"started, split over the ranks, at most {format_size(KV_MEMORY_CAP)} per rank and half "
+                            "of the free shared memory")
+    cache.add_argument("--device-pages", type=positive, default=D.device_pages,
+                       help="device KV pages per rank, instead of --kv-memory (lane 0 holds one fewer: page 0 is "
+                            "reserved)")
     r.add_argument("--host-pages", type=non_negative, default=D.host_pages,
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,
@@ -145,8 +160,8 @@ def _add_run(sub) -> None:
     r.add_argument("--check-plans", action="store_true",
                    help="debug: one collective per batch checks that every rank allocated alike")
     r.add_argument("--disagg", type=disagg_arg, default=None, metavar="M:N",
-                   help="prefill on M ranks and decode on N other ranks, one world of M+N processes (--cp is "
-                        "not used): each request's KV moves from the prefill owners to the decode owners, one "
+                   help="prefill on M ranks and decode on N other ranks, one world of M+N processes (it sets both "
+                        "group sizes, so it refuses --cp): each request's KV moves from the prefill owners to the decode owners, one "
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
@@ -178,6 +193,14 @@ def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentPa
     return action.choices[cmd]
 
 
+def _what_it_finished(name: str, e: BaseException) -> None:
+    """A stopped run's line of what it finished, when the run said (``e.progress``)."""
+    if hasattr(e, "requests"):
+        from ..runtime.progress import describe_progress
+
+        print(f"{name}: {describe_progress(e.progress, e.requests)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpkv`` console command (and ``python -m cpkv``);
     returns the exit code (see the module docstring)."""
@@ -191,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "validate", None):
             args.validate(args, _subparser(parser, args.cmd))
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        _what_it_finished(name, e)
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RankFailure as e:
+        _what_it_finished(name, e)
         print(f"{name}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of ours

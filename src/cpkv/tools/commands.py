@@ -128,12 +128,15 @@ def cmd_bytes(args) -> int:
 
 
 def run_config(args):
-    """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags."""
-    from ..engine.config import EngineConfig
+    """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
+    (``--cp`` not given: the default group size). ``ValueError`` for a
+    ``--kv-memory`` that holds no page."""
+    from ..engine.config import EngineConfig, field_defaults
     from ..models import model_config
 
     return EngineConfig(
-        cp_size=args.cp, page_size=args.page, device_pages=args.device_pages, host_pages=args.host_pages,
+        cp_size=field_defaults(EngineConfig)["cp_size"] if args.cp is None else args.cp, page_size=args.page,
+        device_pages=args.device_pages, kv_memory=args.kv_memory, host_pages=args.host_pages,
         chunk=args.chunk, max_running=args.max_running, admission=args.admission,
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
@@ -156,8 +159,7 @@ def engine_footprint(cfg):
         adapter = build_adapter(cfg.model)
     model = adapter.model
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    slot = sum(f.slot_bytes() for f in adapter.families())
-    shared = slot * cfg.page_size * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
+    shared = cfg.page_bytes() * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
     specs = cfg.trace()
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
     private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
@@ -170,44 +172,92 @@ def validate_disagg(args, parser, cfg) -> None:
 
     from ..engine.config import DisaggConfig
     from ..engine.disagg import DisaggControl
-    from ..engine.trace import TraceError
+    from ..engine.trace import CacheTooSmall, TraceError
 
     if args.plot:
         parser.error("--plot draws one group's occupancy; it does not take --disagg")
     M, N = args.disagg
     d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
+    if args.device_pages is None:  # sized from memory for this world of M + N ranks
+        d = dataclasses.replace(d, device_pages=None)
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
+    except CacheTooSmall as e:
+        parser.error(f"--workload: {e}; raise --kv-memory or --device-pages")
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
     prefill = dataclasses.replace(cfg, cp_size=M)
     decode = dataclasses.replace(cfg, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
     refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
+    say_how_long(d, d.trace(), d.world_size)
     args.config = d
 
 
 def validate_run(args, parser) -> None:
     """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
     sets ``args.config`` (an engine or a disaggregated configuration)."""
-    from ..engine.trace import TraceError
+    from ..engine.trace import CacheTooSmall, TraceError
 
+    if args.disagg is not None and args.cp is not None:
+        parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
+                     f"decode ranks); it does not take --cp {args.cp}")
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
-    ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")
+    try:
+        cfg = run_config(args)
+    except ValueError as e:  # a --kv-memory that holds no page
+        parser.error(f"--kv-memory: {e}")
+    ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (cfg.cp_size, "--cp")
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
                      "than ranks cannot be interleaved")
-    cfg = run_config(args)
     if args.disagg:
         return validate_disagg(args, parser, cfg)
     try:
         from ..engine.engine import build_scheduler
 
         build_scheduler(cfg, cfg.trace())  # a trace that cannot run is refused before any process starts
+    except CacheTooSmall as e:
+        parser.error(f"--workload: {e}; {raise_the_cache(e, cfg)}")
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
     refuse_unless_fits(parser, engine_footprint(cfg), timeout=args.timeout)
+    say_how_long(cfg, cfg.trace(), cfg.cp_size)
     args.config = cfg
+
+
+def raise_the_cache(e, cfg) -> str:
+    """The flag to raise, and by how much, for the trace ``e``
+    (:class:`~cpkv.engine.trace.CacheTooSmall`) refused by ``cfg``'s device cache."""
+    from ..runtime.sizing import format_size
+
+    need = e.pages_per_rank_needed
+    now = (f"now {cfg.device_pages} pages per rank" + (f" from --kv-memory {format_size(cfg.kv_memory)}"
+                                                        if cfg.kv_memory else ""))
+    return (f"give --kv-memory {format_size(need * cfg.page_bytes())} or more, or --device-pages {need} or more "
+            f"({now}, {format_size(cfg.page_bytes())} a page)")
+
+
+#: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.
+SAY_HOW_LONG_S = 60.0
+
+
+def say_how_long(cfg, specs, world_size: int) -> float:
+    """Print on stderr how long a run expects to take, when that is over
+    :data:`SAY_HOW_LONG_S` (steps from :func:`~cpkv.engine.trace.expected_steps`,
+    seconds from :func:`~cpkv.runtime.sizing.expected_run_seconds`); returns
+    the estimate."""
+    from ..engine.trace import expected_steps
+    from ..runtime.sizing import expected_run_seconds, machine_capacity
+
+    steps = expected_steps(specs, cfg.chunk, cfg.max_running)
+    cores = machine_capacity().cores
+    secs = expected_run_seconds(world_size, steps, cores)
+    if secs > SAY_HOW_LONG_S:
+        over = f"; that is past --timeout {cfg.timeout:g} s: raise it" if secs > cfg.timeout else ""
+        print(f"cpkv run: expect about {secs / 60:.0f} min: about {steps} steps on {world_size} ranks and "
+              f"{cores} cores{over}", file=sys.stderr)
+    return secs
 
 
 def cmd_run(args) -> int:
@@ -218,6 +268,10 @@ def cmd_run(args) -> int:
         from ..engine.disagg import format_disagg, run_disagg
 
         r = run_disagg(args.config)
+        if args.json and isinstance(r.get("config"), dict):  # without the test-only fault hooks
+            from ..engine.config import FAULT_HOOKS
+
+            r = {**r, "config": {k: v for k, v in r["config"].items() if k not in FAULT_HOOKS}}
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
         return check_exit(r, args)

@@ -1,7 +1,7 @@
 """The ``cpkv`` command's flag checkers and shared flags.
 
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
-  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`) are ``type=``
+  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`) are ``type=``
   callables: a bad value is refused while parsing, by argparse itself, naming the flag;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
   (``--cp``/``--ranks``, ``--timeout``), and :func:`refuse_unless_fits` refuses,
@@ -89,8 +89,10 @@ non_negative = int_at_least(0)
 
 
 def add_group_flags(p: argparse.ArgumentParser, *, cp: int = 4, timeout: float = 300.0) -> None:
-    """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and ``--timeout``."""
-    p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=cp, metavar="N",
+    """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and
+    ``--timeout``. ``--cp`` parses to ``None`` when not given (so a rule can
+    tell it was not asked for); the command takes ``cp`` then."""
+    p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help=f"ranks in the CP group, one process each (default {cp})")
     p.add_argument("--timeout", type=finite_float(0, inclusive=False), default=timeout, metavar="SECONDS",
                    help=f"seconds before the group is stopped (default {timeout:g})")
@@ -116,6 +118,20 @@ def workload_arg(text: str) -> str:
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in workload ({', '.join(WORKLOADS)}) "
                                      "nor a file")
+
+
+def size_arg(text: str) -> int:
+    """A ``type=`` for a byte count: ``64MiB``, ``2GiB``, a plain integer
+    (:func:`cpkv.runtime.sizing.parse_size`)."""
+    from ..runtime.sizing import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+size_arg.__name__ = "size"
 
 
 def disagg_arg(text: str) -> tuple[int, int]:
