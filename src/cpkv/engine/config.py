@@ -25,7 +25,9 @@ class RunConfig:
     prefill tokens per step, all requests together; ``max_running`` requests
     at once; ``admission`` ``"lanes"`` or ``"none"``; the prefill and decode
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
-    ``workload`` a built-in trace or a JSONL path, with ``requests`` and
+    ``kv_dtype`` what the caches store (:data:`~cpkv.models.KV_DTYPES`:
+    ``"float32"``, ``"bfloat16"`` or ``"fp8"``, the model's FP8 formats;
+    pools, host tier and transfers alike); ``workload`` a built-in trace or a JSONL path, with ``requests`` and
     ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
@@ -40,6 +42,7 @@ class RunConfig:
     admission: str = "lanes"
     prefill_split: str = "page"
     decode_split: str = "owner"
+    kv_dtype: str = "float32"
     workload: str = "multiturn"
     requests: int = 8
     scale: float = 0.1

@@ -15,7 +15,8 @@ from ...runtime.group import RankContext, RankFailure, launch
 from ...runtime.p2p import DistP2P, thread_p2p
 from ...runtime.progress import progress_bar
 from ..config import DisaggConfig
-from ..engine import RankExecutor, check
+from ..check import check
+from ..engine import RankExecutor
 from ..rank import SharedBuffers, build_rank, thread_buffers
 from .control import DisaggControl
 from .figures import disagg_report
@@ -53,7 +54,7 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     M = cfg.prefill_size
-    fams = adapter.families()
+    fams = adapter.kv_families(cfg.kv_dtype)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
     parts = build_rank(cfg, adapter, mine.alloc.layout, group, shared, ctl.max_len + 1,
@@ -105,7 +106,7 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
                 continue
             for idx, by_pos in x["logits"].items():
                 merged.setdefault(ctl.origin[idx] if x["side"] == "prefill" else idx, {}).update(by_pos)
-        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged))
+        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged), fams)
     return disagg_report(cfg, ctl, ranks, seconds, checked)
 
 
