@@ -89,7 +89,10 @@ class DisaggConfig(RunConfig):
     and ``decode_pages`` the decode group's (defaults: the prefill group's
     page size and the same tokens per rank). The host tier (``host_pages``)
     belongs to the prefill group. ``transfer_timeout`` seconds bound one
-    point-to-point transfer. Fault injection (tests): world rank ``kill_rank``
+    point-to-point transfer. ``decode_kv_dtype`` is the decode group's KV
+    dtype (default ``kv_dtype``): the two groups must agree, since a transfer
+    moves stored bytes, and every rank refuses a disagreement at the start,
+    before any byte moves. Fault injection (tests): world rank ``kill_rank``
     is killed in the middle of transfer number ``fail_transfer`` (0-based).
     """
 
@@ -98,6 +101,7 @@ class DisaggConfig(RunConfig):
     decode_page: int | None = None
     decode_pages: int | None = None
     transfer_timeout: float = 60.0
+    decode_kv_dtype: str | None = None
     kill_rank: int | None = None
     fail_transfer: int = 0
 
@@ -110,6 +114,11 @@ class DisaggConfig(RunConfig):
     def d_page(self) -> int:
         """The decode group's page size."""
         return self.decode_page or self.page_size
+
+    @property
+    def d_kv_dtype(self) -> str:
+        """The decode group's KV dtype."""
+        return self.decode_kv_dtype or self.kv_dtype
 
     @property
     def d_pages(self) -> int:
@@ -126,6 +135,11 @@ class DisaggConfig(RunConfig):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+        from ..models import KV_DTYPES
+
+        for name in ("kv_dtype", "d_kv_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:

@@ -9,6 +9,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+from ...consumers.transfer import check_formats
 from ...models import build_adapter
 from ...runtime.comm import Comm, DistComm, run_threads, thread_group
 from ...runtime.group import RankContext, RankFailure, launch
@@ -54,7 +55,8 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     M = cfg.prefill_size
-    fams = adapter.kv_families(cfg.kv_dtype)
+    fams = adapter.kv_families(cfg.kv_dtype if side == "prefill" else cfg.d_kv_dtype)
+    agree(world, side, fams, cfg.prefill_size)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
     parts = build_rank(cfg, adapter, mine.alloc.layout, group, shared, ctl.max_len + 1,
@@ -108,6 +110,17 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
                 merged.setdefault(ctl.origin[idx] if x["side"] == "prefill" else idx, {}).update(by_pos)
         checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged), fams)
     return disagg_report(cfg, ctl, ranks, seconds, checked)
+
+
+def agree(world: Comm, side: str, families, prefill_size: int) -> None:
+    """Every rank of both groups, at the start: one all-gather of each rank's
+    cache families, then :func:`~cpkv.consumers.transfer.check_formats`
+    between the prefill side's (world rank 0) and the decode side's (world
+    rank ``prefill_size``). Groups that store their KV differently (another kv
+    dtype) are refused on every rank alike with ``UnsupportedPagePlan``
+    before any byte moves. [[RFC-0001:C-KV-FORMAT]]"""
+    got = world.all_gather_object((side, list(families)))
+    check_formats(got[0][1], got[prefill_size][1])
 
 
 # -- the two ways to run it -------------------------------------------------------------------
