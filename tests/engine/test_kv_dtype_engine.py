@@ -12,9 +12,10 @@ import torch
 from cpkv.consumers.transfer import check_formats
 from cpkv.contract.errors import UnsupportedPagePlan
 from cpkv.engine import EngineConfig, run_engine_threads
-from cpkv.engine.disagg import DisaggConfig, run_disagg_threads
+from cpkv.engine.disagg import DisaggConfig, format_disagg, run_disagg_threads
 from cpkv.models import build_adapter, model_config
 from cpkv.models.reference import RoundTripCache, reference_logits, round_trip
+from cpkv.tools.report import format_engine
 from support.engine_checks import assert_exact
 
 SPLITS = [("page", "owner"), ("interleave", "lse"), ("zigzag", "owner"), ("page", "lse")]
@@ -66,6 +67,9 @@ def test_bytes_per_rank_scale_with_the_format_on_the_same_trace(llama, dsa, kind
     assert runs["bfloat16"]["kv_bytes_per_token"] * 2 == f32["kv_bytes_per_token"]
     assert runs["fp8"]["kv_bytes_per_token"] < runs["bfloat16"]["kv_bytes_per_token"]
     assert f32["check"]["unquantized"]["max_abs_diff"] == f32["check"]["max_abs_diff"]
+    text = format_engine(runs["fp8"])  # the report names the kv dtype, its bytes and the divergence
+    assert f"fp8, {runs['fp8']['kv_bytes_per_token']}" in text and "vs unquantized" in text
+    assert "vs unquantized" not in format_engine(f32)
 
 
 def test_round_trip_cache_rounds_what_transformers_caches(llama, dsa):
@@ -101,7 +105,7 @@ def test_disaggregation_between_page_sizes_is_exact_under_fp8(dsa):
     assert_exact(r)
     per_slot = sum(f.slot_bytes() for f in dsa.kv_families("fp8"))
     assert r["bytes_moved"] == r["transferred_tokens"] * per_slot > 0 and r["units"] == ["slot-run"]
-    assert r["kv_dtype"] == "fp8"
+    assert r["kv_dtype"] == "fp8" and "KV in fp8" in format_disagg(r) and "unquantized" in format_disagg(r)
 
 
 def test_groups_with_different_kv_dtypes_are_refused_before_any_byte_moves(llama, monkeypatch):
