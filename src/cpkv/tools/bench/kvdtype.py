@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 MODELS = ("llama", "deepseek-v3.2", "glm-5")
-TRACES = ("multiturn", "shared_prompt", "longdoc")
+TRACES = ("multiturn", "shared-prompt", "longdoc")  # the built-in workloads
 BASES = {("float32", "bfloat16"), ("float32", "fp8"), ("bfloat16", "fp8")}  # (baseline, kv dtype) ratios shown
 
 
