@@ -74,6 +74,7 @@ BAD = [
     (["run", "--prefill-split", "ring"], "--prefill-split"),
     (["run", "--decode-split", "page"], "--decode-split"),
     (["run", "--seed", "-1"], "--seed"),
+    (["run", "--kv-dtype", "fp16"], "--kv-dtype"),
     (["run", "--check=1"], "--check"),
     (["run", "--check-plans=1"], "--check-plans"),
     (["run", "--tolerance", "-1"], "--tolerance"),
@@ -106,6 +107,8 @@ BAD = [
     (["bench", "splits", "--context", "0"], "--context"),
     (["bench", "splits", "--page", "0"], "--page"),
     (["bench", "splits", "--json=1"], "--json"),
+    (["bench", "kvdtype", "--kv-dtype", "fp8,int8"], "--kv-dtype"),
+    (["bench", "kvdtype", "--kv-dtype", "fp8,fp8"], "--kv-dtype"),
 ]
 
 
@@ -178,6 +181,23 @@ def test_ctrl_c_in_process_is_one_line_and_exit_130(monkeypatch, capsys):
 
 
 @pytest.mark.multiproc
+def test_kv_dtype_flag_reaches_the_run_config_and_the_bench():
+    """``--kv-dtype`` on ``run`` (one value, default float32) reaches the engine
+    and the disaggregated configuration; on ``bench`` it is a comma list
+    (default all three). [[RFC-0001:C-KV-FORMAT]]"""
+    p = build_parser()
+    base = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05"]
+    for extra, want in (([], "float32"), (["--kv-dtype", "fp8"], "fp8"), (["--kv-dtype", "bfloat16"], "bfloat16")):
+        a = p.parse_args(base + extra)
+        a.validate(a, p)
+        assert a.config.kv_dtype == want
+    a = p.parse_args(base + ["--kv-dtype", "fp8", "--disagg", "1:1"])
+    a.validate(a, p)
+    assert a.config.kv_dtype == a.config.d_kv_dtype == "fp8" and a.config.decode_size == 1
+    assert p.parse_args(["bench", "kvdtype"]).kv_dtype == ["float32", "bfloat16", "fp8"]
+    assert p.parse_args(["bench", "kvdtype", "--kv-dtype", "fp8,bfloat16"]).kv_dtype == ["fp8", "bfloat16"]
+
+
 def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch, tmp_path):
     png = tmp_path / "occ.png"
     argv = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05", "--device-pages", "6", "--host-pages", "24",

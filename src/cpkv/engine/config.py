@@ -35,7 +35,9 @@ class RunConfig:
     prefill tokens per step, all requests together; ``max_running`` requests
     at once; ``admission`` ``"lanes"`` or ``"none"``; the prefill and decode
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
-    ``workload`` a built-in trace or a JSONL path, with ``requests`` and
+    ``kv_dtype`` what the caches store (:data:`~cpkv.models.KV_DTYPES`:
+    ``"float32"``, ``"bfloat16"`` or ``"fp8"``, the model's FP8 formats;
+    pools, host tier and transfers alike); ``workload`` a built-in trace or a JSONL path, with ``requests`` and
     ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
@@ -51,6 +53,7 @@ class RunConfig:
     admission: str = "lanes"
     prefill_split: str = "page"
     decode_split: str = "owner"
+    kv_dtype: str = "float32"
     workload: str = "multiturn"
     requests: int = 8
     scale: float = 0.1
@@ -73,14 +76,15 @@ class RunConfig:
 
     def page_bytes(self) -> int:
         """Bytes of one device KV page on its owner, every cache family of
-        ``model`` together: ``page_size`` times the families' ``slot_bytes``."""
+        ``model`` together as stored in ``kv_dtype``: ``page_size`` times the
+        families' ``slot_bytes``."""
         import torch
 
         from ..models import build_adapter
 
         with torch.device("meta"):
             adapter = build_adapter(self.model)
-        return self.page_size * sum(f.slot_bytes() for f in adapter.families())
+        return self.page_size * sum(f.slot_bytes() for f in adapter.kv_families(self.kv_dtype))
 
     def memory_pages(self, capacity=None) -> int:
         """Device pages per rank from memory: ``kv_memory`` bytes per rank, or
@@ -159,7 +163,10 @@ class DisaggConfig(RunConfig):
     and ``decode_pages`` the decode group's (defaults: the prefill group's
     page size and the same tokens per rank). The host tier (``host_pages``)
     belongs to the prefill group. ``transfer_timeout`` seconds bound one
-    point-to-point transfer. Fault injection (tests): world rank ``kill_rank``
+    point-to-point transfer. ``decode_kv_dtype`` is the decode group's KV
+    dtype (default ``kv_dtype``): the two groups must agree, since a transfer
+    moves stored bytes, and every rank refuses a disagreement at the start,
+    before any byte moves. Fault injection (tests): world rank ``kill_rank``
     is killed in the middle of transfer number ``fail_transfer`` (0-based).
     """
 
@@ -168,6 +175,7 @@ class DisaggConfig(RunConfig):
     decode_page: int | None = None
     decode_pages: int | None = None
     transfer_timeout: float = 60.0
+    decode_kv_dtype: str | None = None
     kill_rank: int | None = None
     fail_transfer: int = 0
 
@@ -180,6 +188,11 @@ class DisaggConfig(RunConfig):
     def d_page(self) -> int:
         """The decode group's page size."""
         return self.decode_page or self.page_size
+
+    @property
+    def d_kv_dtype(self) -> str:
+        """The decode group's KV dtype."""
+        return self.decode_kv_dtype or self.kv_dtype
 
     @property
     def d_pages(self) -> int:
@@ -196,6 +209,11 @@ class DisaggConfig(RunConfig):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+        from ..models import KV_DTYPES
+
+        for name in ("kv_dtype", "d_kv_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:

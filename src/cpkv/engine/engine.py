@@ -5,8 +5,8 @@ steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
 copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
 ``check``, rank 0 keeps every computed logit and compares each finished
-request with ``transformers``' own forward of its full sequence (no cache) and
-its greedy tokens.
+request with ``transformers``' own forward of its full sequence and its greedy
+tokens (:mod:`.check`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, RankFailure, launch
 from ..runtime.progress import RunProgress, progress_bar
 from ..runtime.runner import CPRunner
+from .check import check
 from .config import EngineConfig
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Scheduler
@@ -139,29 +140,8 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
     sched.check_drained()
     if comm.rank != 0:
         return None
-    return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
-
-
-def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
-    """Every request against ``transformers``: its full forward (no cache) over
-    the request's sequence, every computed logit within tolerance, and greedy
-    decoding giving the same tokens."""
-    worst, mismatched, logits_checked = 0.0, [], 0
-    with torch.no_grad():
-        for r in sched.requests:
-            seq = torch.tensor(r.seq[:-1], dtype=torch.int64)
-            ref = model(seq[None]).logits[0]
-            got = ex.logits.get(r.index, {})
-            if got:
-                pos = torch.tensor(sorted(got))
-                ours = torch.stack([got[p] for p in pos.tolist()])
-                worst = max(worst, float((ours - ref[pos]).abs().max()))
-                logits_checked += pos.numel()
-            n = len(r.prompt)
-            if ref[n - 1 :].argmax(-1).tolist() != r.generated:
-                mismatched.append(r.spec.id)
-    return {"max_abs_diff": worst, "logits_checked": logits_checked, "requests": len(sched.requests),
-            "requests_matched": len(sched.requests) - len(mismatched), "mismatched": mismatched}
+    checked = check(adapter.model, sched, ex, list(pool.families.values())) if cfg.check else None
+    return report(cfg, sched, pool.page_bytes, moved, seconds, checked)
 
 
 def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
@@ -190,6 +170,8 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "load_bytes": st.host_hit_tokens // cfg.page_size * page_bytes,
         "preemptions": st.preemptions,
         "refusals": st.refusals,
+        "kv_dtype": cfg.kv_dtype,
+        "kv_bytes_per_token": page_bytes // cfg.page_size,
         "peak_kv_bytes_per_rank": [int(x) * page_bytes for x in peak_lane],
         "peak_replicated_kv_bytes": int(occ.sum(1).max()) * page_bytes,
         "max_lane_gap_pct": st.lane_gap(cfg.device_pages),

@@ -56,8 +56,10 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     group's shared buffers (fenced by ``group.barrier``), a host pool of
     ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
     requests of up to ``max_len`` tokens with ``cfg``'s splits, reading the
-    scheduler's ``page_table`` (the one page table of the group's requests)."""
-    fams = adapter.families()
+    scheduler's ``page_table`` (the one page table of the group's requests).
+    The caches are ``adapter.kv_families(cfg.kv_dtype)``: pool and host pool
+    store their rows. [[RFC-0001:C-KV-FORMAT]]"""
+    fams = adapter.kv_families(cfg.kv_dtype)
     pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
     host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, shared)) if host_pages else None
     runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,

@@ -21,8 +21,8 @@ import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_run, validate_simulate)
-from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    size_arg, workload_arg)
+from .flags import (add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float, non_negative,
+                    output_file, positive, size_arg, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,7 +53,7 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only)")
     b.add_argument("--repeats", type=positive, default=None,
@@ -70,6 +70,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
                    help="splits: tokens per page (default 16)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
+    add_kv_dtype_flag(b, "all")
     b.set_defaults(func=cmd_bench)
 
 
@@ -152,6 +153,7 @@ def _add_run(sub) -> None:
     r.add_argument("--decode-split", choices=DECODE_SPLITS, default=D.decode_split,
                    help="owner (the owner of the new slot computes the token; default) or lse (every rank "
                         "attends over its own pages, partials merged by log-sum-exp)")
+    add_kv_dtype_flag(r, D.kv_dtype)
     r.add_argument("--seed", type=non_negative, default=D.seed, help=f"trace and weights seed (default {D.seed})")
     r.add_argument("--check", action="store_true",
                    help="compare every logit and every request's greedy tokens with transformers")

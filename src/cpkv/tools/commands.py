@@ -70,11 +70,22 @@ def cmd_bench(args) -> int:
     }
     if args.what == "splits":
         return cmd_bench_splits(args)
+    if args.what == "kvdtype":
+        return cmd_bench_kvdtype(args)
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
             print(format_rows(bench(repeats=n), title.format(n=n)))
             print()
+    return EXIT_OK
+
+
+def cmd_bench_kvdtype(args) -> int:
+    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces."""
+    from .bench.kvdtype import bench_kvdtype, format_kvdtype
+
+    report = bench_kvdtype(args.kv_dtype, cp=args.cp)
+    print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
     return EXIT_OK
 
 
@@ -140,7 +151,7 @@ def run_config(args):
         chunk=args.chunk, max_running=args.max_running, admission=args.admission,
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
-        check=args.check, check_plans=args.check_plans, timeout=args.timeout,
+        kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
         progress=not (args.json or args.no_progress),
     )
 

@@ -3,6 +3,7 @@
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
   :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`) are ``type=``
   callables: a bad value is refused while parsing, by argparse itself, naming the flag;
+* :func:`add_kv_dtype_flag` adds ``--kv-dtype``;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
   (``--cp``/``--ranks``, ``--timeout``), and :func:`refuse_unless_fits` refuses,
   with the reason, groups this machine cannot hold
@@ -142,3 +143,19 @@ def disagg_arg(text: str) -> tuple[int, int]:
         return parse_disagg(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_kv_dtype_flag(p: argparse.ArgumentParser, default: str) -> None:
+    """``--kv-dtype``: what the KV caches store (``float32``, ``bfloat16``,
+    ``fp8``: the model's FP8 formats); ``default`` ``"all"`` (``cpkv bench``)
+    takes a comma list of them, else one value. [[RFC-0001:C-KV-FORMAT]]"""
+    from ..models import KV_DTYPES
+
+    if default == "all":
+        p.add_argument("--kv-dtype", type=comma_choices(KV_DTYPES), default=list(KV_DTYPES), metavar="LIST",
+                       help=f"kvdtype: the KV dtypes to compare, a comma list of {', '.join(KV_DTYPES)} (default all)")
+        return
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=default,
+                   help="what the KV caches store, in the pools, the host tier and transfers: float32, bfloat16, "
+                        "or fp8 (DeepSeek's formats for the DSA models: 656-byte latent, 132-byte indexer key; "
+                        f"Llama: fp8 with a float32 scale per token and head) (default {default})")

@@ -27,14 +27,20 @@ def format_engine(r: dict) -> str:
         ("host backups: pages / bytes", f"{r['backup_pages']} / {r['backup_bytes']}"),
         ("host loads: pages / bytes", f"{r['load_pages']} / {r['load_bytes']}"),
         ("preemptions / refused allocations", f"{r['preemptions']} / {r['refusals']}"),
+        ("KV dtype, bytes a token (all layers)", f"{r['kv_dtype']}, {r['kv_bytes_per_token']}"),
         ("peak KV per rank vs a replicated cache", f"{kib(max(peak))} vs {kib(rep)} "
                                                    f"({max(peak) / rep:.3f} of it)"),
         ("max lane gap", f"{r['max_lane_gap_pct']:.2f} % of a lane"),
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
     if ck is not None:
-        rows += [("max |logit - transformers|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
+        ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
+        rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
                  ("requests matching greedy decoding", f"{ck['requests_matched']} of {ck['requests']}")]
+        u = ck.get("unquantized")
+        if u and r["kv_dtype"] != "float32":
+            rows += [("vs unquantized: max |logit diff| / greedy agreement",
+                      f"{u['max_abs_diff']:.3g} / {u['greedy_agreement']} of {ck['requests']} requests")]
     width = max(len(k) for k, _ in rows)
     head = (f"CP group of {c['cp_size']} ranks, page {c['page_size']}, {c['device_pages']} device pages per rank, "
             f"{c['host_pages']} host pages; {m['family']} ({m.get('layers', '?')} layers), {c['workload']} trace, "
