@@ -14,7 +14,7 @@ from cpkv.contract.errors import UnsupportedPagePlan
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.engine.disagg import DisaggConfig, format_disagg, run_disagg_threads
 from cpkv.models import build_adapter, model_config
-from cpkv.models.reference import RoundTripCache, reference_logits, round_trip
+from cpkv.models.round_trip import RoundTripCache, reference_logits, round_trip
 from cpkv.tools.report import format_engine
 from support.engine_checks import assert_exact
 

@@ -2,7 +2,7 @@
 
 The reference is ``transformers``' forward over the request's full sequence
 with the cache stored as the run stored it: plain (no cache) for float32,
-through :class:`~cpkv.models.reference.RoundTripCache` for a formatted cache
+through :class:`~cpkv.models.round_trip.RoundTripCache` for a formatted cache
 (bf16 bytes, FP8), the same round trip where its model caches the values
 ([[RFC-0001:C-KV-FORMAT]]). Every computed logit within tolerance of it and
 greedy decoding giving the same tokens is exactness. Beside it, the divergence
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..consumers.kv_pool import Family
-from ..models.reference import reference_logits
+from ..models.round_trip import reference_logits
 
 
 def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
