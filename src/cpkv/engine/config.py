@@ -30,6 +30,13 @@ class RunConfig:
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
+
+    ``kv`` is ``"shared"`` (one owner-lane cache for the group) or
+    ``"replicated"`` (the baseline: every rank a full copy,
+    :mod:`cpkv.consumers.replicated`; its splits are :meth:`splits`).
+    ``kv_memory``, when given, is the device cache's bytes per rank and sets
+    ``device_pages`` (:func:`~cpkv.runtime.sizing.pages_for_memory`) in either
+    mode: the shared group then holds N times the pages of the replicated one.
     """
 
     page_size: int = 16
@@ -49,6 +56,45 @@ class RunConfig:
     check_plans: bool = False
     timeout: float = 300.0
     progress: bool = False
+    kv: str = "shared"
+    kv_memory: int | None = None
+
+    def __post_init__(self):
+        if self.kv not in KV_MODES:
+            raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
+        if self.kv_memory is not None:
+            from ..runtime.sizing import pages_for_memory
+
+            if isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int) or self.kv_memory < 1:
+                raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
+            self.device_pages = pages_for_memory(self.kv_memory, self.page_bytes(), replicated=self.replicated)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank keeps a full copy of the cache (``kv="replicated"``)."""
+        return self.kv == "replicated"
+
+    def splits(self) -> tuple[str, str]:
+        """The (prefill, decode) splits the ranks run: ``prefill_split`` and
+        ``decode_split`` for the shared cache; for a replicated one a token
+        split: ``prefill_split`` when it is one (``zigzag``, ``interleave``),
+        else ``zigzag``, and decode tokens dealt by context length (``balanced``)."""
+        if not self.replicated:
+            return self.prefill_split, self.decode_split
+        from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS
+
+        pre = self.prefill_split if self.prefill_split in REPLICATED_PREFILL_SPLITS else REPLICATED_PREFILL_SPLITS[0]
+        return pre, REPLICATED_DECODE_SPLITS[0]
+
+    def page_bytes(self) -> int:
+        """Bytes of one device KV page, every cache family of ``model`` together."""
+        import torch
+
+        from ..models import build_adapter
+
+        with torch.device("meta"):
+            adapter = build_adapter(self.model)
+        return self.page_size * sum(f.slot_bytes() for f in adapter.families())
 
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""
@@ -61,6 +107,10 @@ class RunConfig:
         """This configuration's :class:`RunConfig` fields by name (what another
         driver's configuration takes over from it)."""
         return {f.name: getattr(self, f.name) for f in fields(RunConfig)}
+
+
+#: The device cache's modes: one shared owner-lane cache, or a full copy on every rank (the baseline).
+KV_MODES = ("shared", "replicated")
 
 
 @dataclass
@@ -125,6 +175,8 @@ class DisaggConfig(RunConfig):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
+        if self.replicated:
+            raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:
             raise ValueError(f"kill_rank {self.kill_rank} is not a rank of a world of {self.world_size}")
         if not (self.timeout > 0 and self.transfer_timeout > 0):

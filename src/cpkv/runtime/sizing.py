@@ -182,3 +182,27 @@ def check_capacity(*groups: GroupFootprint, timeout: float, capacity: MachineCap
         raise GroupTooLarge(
             f"{what} need at least {start:.0f} s to start on {cap.cores} core{'s' if cap.cores > 1 else ''} "
             f"({rank_start_cpu_s:g} CPU seconds each), more than the timeout of {timeout:g} s")
+
+
+def pages_for_memory(kv_bytes: int, page_bytes: int, *, replicated: bool = False, cp_size: int = 1) -> int:
+    """Device KV pages one rank's ``kv_bytes`` hold, ``page_bytes`` a page of
+    every cache family together: ``kv_bytes // page_bytes``, the same for the
+    shared cache (the rank's lane) and for a ``replicated`` one (the rank's
+    full copy), so both modes compare at equal memory; the group holds
+    :func:`group_pages` of them. Raises ``ValueError`` for sizes below 1, a
+    ``cp_size`` below 1 or a budget that holds no page."""
+    for name, v in (("kv_bytes", kv_bytes), ("page_bytes", page_bytes), ("cp_size", cp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    pages = kv_bytes // page_bytes
+    if pages < 1:
+        raise ValueError(f"kv_bytes {kv_bytes} per rank hold no page of {page_bytes} bytes")
+    return pages
+
+
+def group_pages(pages_per_rank: int, *, replicated: bool = False, cp_size: int = 1) -> int:
+    """Distinct pages a CP group of ``cp_size`` ranks holds with ``pages_per_rank``
+    pages of memory each (page 0, reserved, included): ``cp_size`` times them
+    when shared (each page on its owner only), once when ``replicated`` (every
+    page on every rank)."""
+    return pages_per_rank * (1 if replicated else cp_size)

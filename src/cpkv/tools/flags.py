@@ -118,6 +118,24 @@ def workload_arg(text: str) -> str:
                                      "nor a file")
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """A ``type=`` for a size in bytes (``--kv-memory``): ``"64MiB"``, ``"1.5GiB"``,
+    ``"500MB"`` or a plain integer; an int >= 1, else ``ArgumentTypeError``."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    value = float(m.group(1)) * unit if unit else 0
+    if value < 1 or not float(value).is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes >= 1: a number with a unit "
+                                         "(KiB, MiB, GiB, TiB, kB, MB, GB, TB), e.g. 64MiB")
+    return int(value)
+
+
 def disagg_arg(text: str) -> tuple[int, int]:
     """A ``type=`` for ``--disagg``: ``M:N`` prefill and decode ranks, both >= 1."""
     from ..engine.config import parse_disagg
