@@ -5,7 +5,7 @@ buffer. The allocator is a plain paged one: an
 :class:`~cpkv.contract.allocator.OwnerLaneAllocator` of one lane over the
 whole pool (``cp_size`` 1: no owner lanes), run identically on every rank,
 under the same prefix cache and scheduler as the shared cache. A batch is
-divided by a token split (``zigzag`` or ``interleave``; decode ``balanced``): each layer's new
+divided by a token split (``zigzag``; decode ``balanced``): each layer's new
 entries are all-gathered and every rank writes every slot into its own copy;
 every read is local, so no fence separates a layer's writes from its reads.
 Per rank it holds ``pages`` pages, the same bytes as a shared cache of
@@ -29,9 +29,10 @@ from ..contract.layout import SharedKVLayout
 from .hicache import HostPool
 from .kv_pool import Family, SharedKVPool, allocate_buffers
 
-#: Splits of a replicated cache: prefill by a token split (zigzag, the default, takes a batch of any
-#: length; interleave one of at least N tokens), decode tokens dealt by context length (``balanced``).
-REPLICATED_PREFILL_SPLITS = ("zigzag", "interleave")
+#: Splits of a replicated cache: prefill by the zigzag token split (it takes a batch of any length;
+#: interleave refuses one shorter than N tokens, as a chunk after a prefix hit can be), decode tokens
+#: dealt by context length (``balanced``).
+REPLICATED_PREFILL_SPLITS = ("zigzag",)
 REPLICATED_DECODE_SPLITS = ("balanced",)
 
 

@@ -76,15 +76,14 @@ class RunConfig:
 
     def splits(self) -> tuple[str, str]:
         """The (prefill, decode) splits the ranks run: ``prefill_split`` and
-        ``decode_split`` for the shared cache; for a replicated one a token
-        split: ``prefill_split`` when it is one (``zigzag``, ``interleave``),
-        else ``zigzag``, and decode tokens dealt by context length (``balanced``)."""
+        ``decode_split`` for the shared cache; for a replicated one the token
+        splits of :mod:`cpkv.consumers.replicated` (zigzag prefill, decode
+        tokens dealt by context length), whatever the two fields say."""
         if not self.replicated:
             return self.prefill_split, self.decode_split
         from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS
 
-        pre = self.prefill_split if self.prefill_split in REPLICATED_PREFILL_SPLITS else REPLICATED_PREFILL_SPLITS[0]
-        return pre, REPLICATED_DECODE_SPLITS[0]
+        return REPLICATED_PREFILL_SPLITS[0], REPLICATED_DECODE_SPLITS[0]
 
     def page_bytes(self) -> int:
         """Bytes of one device KV page, every cache family of ``model`` together."""

@@ -37,8 +37,7 @@ class CPRunner:
     ``decode_split`` choose how batches are divided among ranks
     (:mod:`cpkv.runtime.batch`); over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
-    copy) only token splits: ``zigzag``/``interleave`` prefill,
-    ``balanced`` decode. ``check_plans`` compares every allocation across
+    copy) only token splits: ``zigzag`` prefill, ``balanced`` decode. ``check_plans`` compares every allocation across
     ranks with one collective (debugging only).
     """
 

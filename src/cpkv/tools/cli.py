@@ -21,8 +21,8 @@ import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_run, validate_simulate)
-from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    workload_arg)
+from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, parse_bytes,
+                    positive, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -107,6 +107,8 @@ def _add_run(sub) -> None:
         "request's tokens with its greedy decoding. With --disagg M:N, M ranks prefill and N other ranks decode, "
         "the KV moving between the two groups point to point. A group this machine cannot hold is refused "
         "before any process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
+    from ..engine.config import KV_MODES
+
     D = EngineConfig()  # the defaults, written once in cpkv.engine.config
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=D.page_size, metavar="S",
@@ -124,6 +126,13 @@ def _add_run(sub) -> None:
                    help=f"prefill tokens per step, all requests together (default {D.chunk})")
     r.add_argument("--device-pages", type=positive, default=D.device_pages,
                    help=f"device KV pages per rank (default {D.device_pages})")
+    r.add_argument("--kv", choices=KV_MODES, default=D.kv,
+                   help="the device cache: shared (one owner-lane cache for the group) or replicated (the "
+                        "baseline: every rank a full copy, zigzag prefill and balanced decode token splits with an "
+                        f"all-gather of the new K/V; the split flags then do not apply) (default {D.kv})")
+    r.add_argument("--kv-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="device KV bytes per rank, e.g. 64MiB; sets the pages per rank in either --kv mode, so "
+                        "a shared group holds N times the pages of a replicated one (default: --device-pages)")
     r.add_argument("--host-pages", type=non_negative, default=D.host_pages,
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,

@@ -138,7 +138,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress),
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_memory=args.kv_memory,
     )
 
 
@@ -157,10 +157,12 @@ def engine_footprint(cfg):
     model = adapter.model
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     slot = sum(f.slot_bytes() for f in adapter.families())
-    shared = slot * cfg.page_size * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
+    copy = slot * cfg.page_size * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
+    shared = slot * cfg.page_size * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
     specs = cfg.trace()
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
     private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
+    private += copy if cfg.replicated else 0
     return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
 
 
@@ -197,7 +199,12 @@ def validate_run(args, parser) -> None:
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
                      "than ranks cannot be interleaved")
-    cfg = run_config(args)
+    if args.disagg and args.kv == "replicated":
+        parser.error("--kv replicated runs one CP group; --disagg moves a shared cache's pages")
+    try:
+        cfg = run_config(args)
+    except ValueError as e:
+        parser.error(f"--kv-memory: {e}")
     if args.disagg:
         return validate_disagg(args, parser, cfg)
     try:
