@@ -53,7 +53,7 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "capacity", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only)")
     b.add_argument("--repeats", type=positive, default=None,
@@ -70,6 +70,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
                    help="splits: tokens per page (default 16)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
+    b.add_argument("--kv-memory", type=parse_bytes, default=256 * 2**10, metavar="SIZE",
+                   help="capacity: device KV bytes per rank of both modes (default 256KiB)")
     b.set_defaults(func=cmd_bench)
 
 

@@ -70,11 +70,33 @@ def cmd_bench(args) -> int:
     }
     if args.what == "splits":
         return cmd_bench_splits(args)
+    if args.what == "capacity":
+        return cmd_bench_capacity(args)
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
             print(format_rows(bench(repeats=n), title.format(n=n)))
             print()
+    return EXIT_OK
+
+
+def cmd_bench_capacity(args) -> int:
+    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
+    from ..engine.config import EngineConfig
+    from .bench.capacity import CheckFailed, bench_capacity
+    from .table import format_rows
+
+    try:
+        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory))
+    except ValueError as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckFailed as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
+                            "TinyLlama, ranks as threads; longest request by the scheduler's up-front refusal, then "
+                            "run to the end; longdoc trace; every run checked against transformers"))
     return EXIT_OK
 
 
