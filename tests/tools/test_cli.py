@@ -59,6 +59,11 @@ BAD = [
     (["run", "--scale", "nan"], "--scale"),
     (["run", "--chunk", "0"], "--chunk"),
     (["run", "--device-pages", "0"], "--device-pages"),
+    (["run", "--kv", "copied"], "--kv"),
+    (["run", "--kv-memory", "12parsecs"], "--kv-memory"),
+    (["run", "--kv-memory", "100"], "--kv-memory"),  # holds no page
+    (["run", "--kv", "replicated", "--disagg", "1:1"], "--kv"),
+    (["bench", "capacity", "--kv-memory", "0"], "--kv-memory"),
     (["run", "--host-pages", "-1"], "--host-pages"),
     (["run", "--max-running", "0"], "--max-running"),
     (["run", "--admission", "maybe"], "--admission"),
