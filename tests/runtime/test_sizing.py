@@ -93,7 +93,7 @@ def test_machine_capacity_reads_this_machine():
 # -- the device KV cache sized from memory ---------------------------------------------------------
 from hypothesis import given, strategies as st  # noqa: E402
 
-from cpkv.runtime.sizing import (KV_MEMORY_CAP, default_kv_memory, expected_run_seconds, pages_for_memory,  # noqa: E402
+from cpkv.runtime.sizing import (KV_MEMORY_CAP, default_kv_memory, expected_run_seconds, group_pages, pages_for_memory,  # noqa: E402
                                  parse_size)
 
 
@@ -119,14 +119,13 @@ def test_pages_for_memory_is_the_most_pages_the_bytes_hold(kv, page):
     assert n * page <= kv < (n + 1) * page
 
 
-def test_pages_for_memory_misuse_and_the_replicated_case_not_built():
-    for args in ((0, 8), (8, 0), (8.0, 8), (True, 1)):
+def test_pages_for_memory_misuse_and_the_group_pages_of_either_mode():
+    for args in ((0, 8), (8, 0), (8.0, 8), (True, 1), (7, 8)):
         with pytest.raises(ValueError):
             pages_for_memory(*args)
-    with pytest.raises(ValueError):
-        pages_for_memory(64, 8, copies=0)
-    with pytest.raises(NotImplementedError, match="copies=4"):
-        pages_for_memory(64, 8, copies=4)
+    n = pages_for_memory(64 * 2**10, 2**10)  # the same pages per rank in either mode (equal memory)
+    assert group_pages(n, cp_size=4) == 4 * n  # shared: each page on its owner only
+    assert group_pages(n, replicated=True, cp_size=4) == n  # replicated: every page on every rank
 
 
 def test_default_kv_memory_is_a_capped_share_of_what_the_ranks_leave():

@@ -68,6 +68,10 @@ BAD = [
     (["run", "--kv-memory", "100"], "--kv-memory"),  # holds no page of 8 KiB
     (["run", "--kv-memory", "1MiB", "--device-pages", "8"], "--kv-memory"),  # one or the other
     (["run", "--disagg", "2:1", "--cp", "2"], "--disagg"),  # --disagg sets both group sizes
+    (["run", "--kv", "copied"], "--kv"),
+    (["run", "--kv-memory", "12parsecs"], "--kv-memory"),
+    (["run", "--kv", "replicated", "--disagg", "1:1"], "--kv"),
+    (["bench", "capacity", "--kv-memory", "0"], "--kv-memory"),
     (["run", "--host-pages", "-1"], "--host-pages"),
     (["run", "--max-running", "0"], "--max-running"),
     (["run", "--admission", "maybe"], "--admission"),

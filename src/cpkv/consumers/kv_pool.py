@@ -265,6 +265,11 @@ class SharedKVPool:
         """Separate this layer's writes from its reads on every rank."""
         self._fence()
 
+    def tier_fence(self) -> None:
+        """Separate moves between tiers and copies (backups, loads, mid-page
+        copies) from what reads them, on every rank: :meth:`fence` here."""
+        self._fence()
+
     # -- read -----------------------------------------------------------------------
     def read_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Translate a page table or slot list to rank-major read indices, once

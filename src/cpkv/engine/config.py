@@ -42,6 +42,14 @@ class RunConfig:
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
+
+    ``kv`` is ``"shared"`` (one owner-lane cache for the group) or
+    ``"replicated"`` (the baseline: every rank a full copy,
+    :mod:`cpkv.consumers.replicated`; its splits are :meth:`splits`).
+    ``kv_memory`` bytes per rank give the same ``device_pages`` in either mode
+    (:func:`~cpkv.runtime.sizing.pages_for_memory`): the shared group then
+    holds N times the pages of the replicated one
+    (:func:`~cpkv.runtime.sizing.group_pages`).
     """
 
     page_size: int = 16
@@ -63,8 +71,27 @@ class RunConfig:
     check_plans: bool = False
     timeout: float = 300.0
     progress: bool = False
+    kv: str = "shared"
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank keeps a full copy of the cache (``kv="replicated"``)."""
+        return self.kv == "replicated"
+
+    def splits(self) -> tuple[str, str]:
+        """The (prefill, decode) splits the ranks run: ``prefill_split`` and
+        ``decode_split`` for the shared cache; for a replicated one the token
+        splits of :mod:`cpkv.consumers.replicated` (zigzag prefill, decode
+        tokens dealt by context length), whatever the two fields say."""
+        if not self.replicated:
+            return self.prefill_split, self.decode_split
+        from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS
+
+        return REPLICATED_PREFILL_SPLITS[0], REPLICATED_DECODE_SPLITS[0]
 
     def __post_init__(self):
+        if self.kv not in KV_MODES:
+            raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
                                            or self.kv_memory < 1):
             raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
@@ -133,6 +160,10 @@ def field_defaults(cls) -> dict:
 MIN_DEFAULT_PAGES = 8
 #: The test-only fault-injection fields of the configurations (left out of reports).
 FAULT_HOOKS = ("fail_rank", "kill_rank", "fail_step", "fail_transfer")
+
+
+#: The device cache's modes: one shared owner-lane cache, or a full copy on every rank (the baseline).
+KV_MODES = ("shared", "replicated")
 
 
 @dataclass
@@ -216,6 +247,8 @@ class DisaggConfig(RunConfig):
                 raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
+        if self.replicated:
+            raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:
             raise ValueError(f"kill_rank {self.kill_rank} is not a rank of a world of {self.world_size}")
         if not (self.timeout > 0 and self.transfer_timeout > 0):

@@ -25,6 +25,7 @@ from ..runtime.progress import RunProgress, progress_bar
 from ..runtime.runner import CPRunner
 from .check import check
 from .config import EngineConfig
+from .latency import LatencyClock, latency_report
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Scheduler
 from .step_plan import Forward, StepPlan
@@ -50,10 +51,10 @@ class RankExecutor:
         """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
         pool = self.pool
         if plan.backups:
-            pool.fence()
+            pool.tier_fence()
             for b in plan.backups:
                 self.backed_up += self.host.backup(pool, b.device, b.host)
-            pool.fence()
+            pool.tier_fence()
         for x in plan.loads:
             self.loaded += self.host.load(pool, x.host, x.device)
         for c in plan.copies:
@@ -63,7 +64,7 @@ class RankExecutor:
                 raise ValueError(f"step {plan.step} plans KV arrivals but this executor has no receive")
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
-            pool.fence()
+            pool.tier_fence()
         return [self._forward(b) for b in plan.forwards()]
 
     def _forward(self, b: Forward) -> list[int]:
@@ -90,7 +91,8 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
     """The scheduler every rank builds (same inputs, same state); ``TraceError``
     for a trace whose requests could never fit the cache."""
     host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
-    return Scheduler(specs, build_cache(cfg.cp_size, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
+    lanes = 1 if cfg.replicated else cfg.cp_size  # a replicated copy: a plain paged allocator, no owner lanes
+    return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
                      max_running=cfg.max_running, admission=cfg.admission, host=host)
 
 
@@ -114,6 +116,7 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
     progress = progress if comm.rank == 0 else None
     t0 = time.perf_counter()
+    clock = LatencyClock(t0)
     while not sched.done:
         skipped = sched.skip_idle()
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
@@ -121,6 +124,7 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
         plan = sched.plan()
         if sched.complete(plan, ex.run(plan)):
             bar.set_postfix_str(f"{sched.stats.finished}/{len(sched.requests)} requests finished", refresh=False)
+        clock.observe(plan, time.perf_counter())
         bar.update(1 + skipped)
         if progress is not None:
             st = sched.stats
@@ -128,7 +132,7 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
                             generated_tokens=st.generated_tokens, computed_tokens=st.computed_tokens)
     seconds = time.perf_counter() - t0
     bar.close()
-    own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
+    own = layout.rank_pages(0 if cfg.replicated else comm.rank)  # this rank's lane, or its whole copy
     held = own[sched.cache.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
@@ -141,15 +145,17 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
     if comm.rank != 0:
         return None
     checked = check(adapter.model, sched, ex, list(pool.families.values())) if cfg.check else None
-    return report(cfg, sched, pool.page_bytes, moved, seconds, checked)
+    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock))
 
 
 def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
-           checked: dict | None) -> dict:
-    """The run's figures (see ``cpkv run --help``)."""
+           checked: dict | None, latency: dict | None = None) -> dict:
+    """The run's figures (see ``cpkv run --help``); ``latency`` is
+    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request)."""
     st = sched.stats
-    occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
-    peak_lane = occ.max(0)
+    occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, sched.N))
+    # a replicated copy holds every used page on every rank; a shared cache each lane on its rank
+    peak_lane = np.full(cfg.cp_size, occ.sum(1).max()) if cfg.replicated else occ.max(0)
     return {
         "config": cfg.public(),  # without the test-only fault hooks
         "requests": len(sched.requests),
@@ -179,6 +185,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "tokens_per_second": st.generated_tokens / max(seconds, 1e-9),
         "ranks": ranks,
         "check": checked,
+        "latency": latency,
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,

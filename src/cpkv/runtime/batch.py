@@ -8,7 +8,8 @@ way of dividing a batch among the ranks of a CP group:
   writes their entries into its own segment ([[RFC-0001:C-DIRECT-WRITE]]), and
   after one fence reads the whole context through the rank-major view
   ([[RFC-0001:C-READ-PATH]]). No cache entry moves between ranks.
-* ``interleave`` / ``zigzag`` (prefill, the upstream design): a token split
+* ``interleave`` / ``zigzag`` (prefill, the upstream design), ``balanced``
+  (decode over a replicated cache, tokens dealt by context length): a token split
   ([[RFC-0001:C-PLANNER-SPLIT]]); each layer's new entries are all-gathered,
   then every owner writes the slots it owns, fence, read as above.
 * ``lse`` (decode): every rank computes every request's token, attends over
@@ -54,6 +55,8 @@ def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | No
         return plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
     if mode == "zigzag":
         return plan.zigzag_ranks(alloc.extend_lens, cp_size)
+    if mode == "balanced":  # any batch size, context work balanced: a replicated cache's decode split
+        return plan.balanced_ranks(alloc.positions + 1, cp_size)
     if mode == "lse":
         return None
     raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
@@ -69,7 +72,7 @@ class ForwardBatch:
     def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str):
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
-        N = self.layout.cp_size
+        N = comm.size  # the layout's cp_size, or the group of a replicated copy's one-rank layout
         ranks = split_ranks(alloc, mode, N)
         everyone = torch.arange(alloc.out_cache_loc.numel())
         self.token_indices = everyone if ranks is None else torch.nonzero(ranks == comm.rank).flatten()
@@ -112,8 +115,8 @@ class ForwardBatch:
                 every = torch.empty((self.alloc.out_cache_loc.numel(), packed.shape[1]), dtype=packed.dtype)
                 every[self._gathered_order] = torch.cat(parts)
                 full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
-            loc = self.alloc.out_cache_loc
-            mine = self.layout.owned_slot_mask(loc, owner_rank=self.comm.rank)
+            loc = self.alloc.out_cache_loc  # a replicated copy (pool.rank 0 of one rank) owns every slot
+            mine = self.layout.owned_slot_mask(loc, owner_rank=self.pool.rank)
             self.pool.write(layer, loc[mine], **{n: x[mine] for n, x in full.items()})
         self._dirty = True
 

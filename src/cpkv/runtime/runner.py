@@ -18,6 +18,7 @@ import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..consumers.page_table import PageTable
+from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS, ReplicatedKVPool
 from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
@@ -34,23 +35,28 @@ class CPRunner:
     one, which :meth:`allocate` writes for callers without a scheduler
     (``lens[row]`` then counts each row's positions). ``prefill_split`` and
     ``decode_split`` choose how batches are divided among ranks
-    (:mod:`cpkv.runtime.batch`). ``check_plans`` compares every allocation
-    across ranks with one collective (debugging only).
+    (:mod:`cpkv.runtime.batch`); over a
+    :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
+    copy) only token splits: ``zigzag`` prefill, ``balanced`` decode. ``check_plans`` compares every allocation across
+    ranks with one collective (debugging only).
     """
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
                  comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
                  decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None):
-        if prefill_split not in PREFILL_SPLITS:
-            raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {PREFILL_SPLITS}")
-        if decode_split not in DECODE_SPLITS:
-            raise ValueError(f"unknown decode split {decode_split!r}; choose from {DECODE_SPLITS}")
+        replicated = isinstance(pool, ReplicatedKVPool)
+        prefills, decodes = ((REPLICATED_PREFILL_SPLITS, REPLICATED_DECODE_SPLITS) if replicated
+                             else (PREFILL_SPLITS, DECODE_SPLITS))
+        if prefill_split not in prefills:
+            raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {prefills}")
+        if decode_split not in decodes:
+            raise ValueError(f"unknown decode split {decode_split!r}; choose from {decodes}")
         self.adapter, self.pool, self.allocator = adapter, pool, allocator
         self.comm = comm or LocalComm()
-        if self.comm.size != pool.layout.cp_size or self.comm.rank != pool.rank:
-            raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {pool.rank} "
-                             f"of {pool.layout.cp_size}")
-        self.rank, self.cp_size = pool.rank, pool.layout.cp_size
+        rank, size = (pool.group_rank, pool.group_size) if replicated else (pool.rank, pool.layout.cp_size)
+        if self.comm.size != size or self.comm.rank != rank:
+            raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {rank} of {size}")
+        self.rank, self.cp_size = rank, size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
         self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
         self.lens = torch.zeros(max_requests, dtype=torch.int64)

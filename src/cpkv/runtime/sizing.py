@@ -205,24 +205,20 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def pages_for_memory(kv_bytes: int, page_bytes: int, *, copies: int = 1) -> int:
+def pages_for_memory(kv_bytes: int, page_bytes: int) -> int:
     """KV pages per rank that ``kv_bytes`` of memory per rank hold: the one
     conversion from a memory budget to ``pages_per_rank`` (``--kv-memory``
-    and the default budget both go through it).
+    and the default budget both go through it): ``kv_bytes // page_bytes``.
 
-    ``page_bytes`` is one page of the device cache on its owner, every cache
-    family together (``slot_bytes`` of each family times the page size).
-    ``copies`` is how many ranks hold each page: 1 for the shared owner-lane
-    cache (each page on its owner only, so a rank's bytes hold its lane:
-    ``kv_bytes // page_bytes`` pages); a replicated cache (every page on every
-    rank of N) would hold 1/N of the pages in the same bytes and is not built
-    (``NotImplementedError``). Raises ``ValueError`` for non-positive sizes or
-    a budget that holds no page."""
-    for name, v in (("kv_bytes", kv_bytes), ("page_bytes", page_bytes), ("copies", copies)):
+    ``page_bytes`` is one page of the device cache, every cache family
+    together (``slot_bytes`` of each family times the page size). The count
+    is the same for the shared cache (the rank's lane) and a replicated one
+    (the rank's full copy), so both modes compare at equal memory; the group
+    holds :func:`group_pages` of them. Raises ``ValueError`` for non-positive
+    sizes or a budget that holds no page."""
+    for name, v in (("kv_bytes", kv_bytes), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if copies != 1:
-        raise NotImplementedError(f"copies={copies}: only the shared cache (one copy of each page) is built")
     pages = kv_bytes // page_bytes
     if pages < 1:
         raise ValueError(f"{format_size(kv_bytes)} per rank holds no page of {format_size(page_bytes)}")
@@ -313,3 +309,11 @@ def check_capacity(*groups: GroupFootprint, timeout: float, capacity: MachineCap
         raise GroupTooLarge(
             f"{what} need at least {start:.0f} s to start on {cap.cores} core{'s' if cap.cores > 1 else ''} "
             f"({rank_start_cpu_s:g} CPU seconds each), more than the timeout of {timeout:g} s")
+
+
+def group_pages(pages_per_rank: int, *, replicated: bool = False, cp_size: int = 1) -> int:
+    """Distinct pages a CP group of ``cp_size`` ranks holds with ``pages_per_rank``
+    pages of memory each (page 0, reserved, included): ``cp_size`` times them
+    when shared (each page on its owner only), once when ``replicated`` (every
+    page on every rank)."""
+    return pages_per_rank * (1 if replicated else cp_size)

@@ -53,7 +53,7 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only)")
     b.add_argument("--repeats", type=positive, default=None,
@@ -71,6 +71,8 @@ def _add_bench(sub) -> None:
                    help="splits: tokens per page (default 16)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
     add_kv_dtype_flag(b, "all")
+    b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
+                   help="capacity: device KV bytes per rank of both modes (default 256KiB)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -115,6 +117,8 @@ def _add_run(sub) -> None:
         "take over a minute says so on stderr before it starts; a run stopped by --timeout or Ctrl-C says what it "
         "finished. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
     D = SimpleNamespace(**field_defaults(EngineConfig))  # the defaults, written once in cpkv.engine.config
+    from ..engine.config import KV_MODES
+
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=D.page_size, metavar="S",
                    help=f"tokens per page (default {D.page_size})")
@@ -140,6 +144,11 @@ def _add_run(sub) -> None:
     cache.add_argument("--device-pages", type=positive, default=D.device_pages,
                        help="device KV pages per rank, instead of --kv-memory (lane 0 holds one fewer: page 0 is "
                             "reserved)")
+    r.add_argument("--kv", choices=KV_MODES, default=D.kv,
+                   help="the device cache: shared (one owner-lane cache for the group) or replicated (the "
+                        "baseline: every rank a full copy, zigzag prefill and balanced decode token splits with an "
+                        f"all-gather of the new K/V; the split flags then do not apply; --kv-memory gives both "
+                        f"modes the same pages per rank, so a shared group holds N times the pages) (default {D.kv})")
     r.add_argument("--host-pages", type=non_negative, default=D.host_pages,
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,

@@ -72,6 +72,8 @@ def cmd_bench(args) -> int:
         return cmd_bench_splits(args)
     if args.what == "kvdtype":
         return cmd_bench_kvdtype(args)
+    if args.what == "capacity":
+        return cmd_bench_capacity(args)
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
@@ -86,6 +88,26 @@ def cmd_bench_kvdtype(args) -> int:
 
     report = bench_kvdtype(args.kv_dtype, cp=args.cp)
     print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
+    return EXIT_OK
+
+
+def cmd_bench_capacity(args) -> int:
+    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
+    from ..engine.config import EngineConfig
+    from .bench.capacity import CheckFailed, bench_capacity
+    from .table import format_rows
+
+    try:
+        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory))
+    except ValueError as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckFailed as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
+                            "TinyLlama, ranks as threads; longest request by the scheduler's up-front refusal, then "
+                            "run to the end; longdoc trace; every run checked against transformers"))
     return EXIT_OK
 
 
@@ -152,7 +174,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress),
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_memory=args.kv_memory,
     )
 
 
@@ -170,10 +192,13 @@ def engine_footprint(cfg):
         adapter = build_adapter(cfg.model)
     model = adapter.model
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    shared = cfg.page_bytes() * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
+    page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
+    copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
+    shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
     specs = cfg.trace()
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
     private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
+    private += copy if cfg.replicated else 0
     return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
 
 
@@ -222,6 +247,8 @@ def validate_run(args, parser) -> None:
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
                      "than ranks cannot be interleaved")
+    if args.disagg and args.kv == "replicated":
+        parser.error("--kv replicated runs one CP group; --disagg moves a shared cache's pages")
     if args.disagg:
         return validate_disagg(args, parser, cfg)
     try:

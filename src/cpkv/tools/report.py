@@ -33,6 +33,7 @@ def format_engine(r: dict) -> str:
         ("max lane gap", f"{r['max_lane_gap_pct']:.2f} % of a lane"),
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
+    rows += latency_rows(r.get("latency"))
     if ck is not None:
         ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
         rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
@@ -42,11 +43,24 @@ def format_engine(r: dict) -> str:
             rows += [("vs unquantized: max |logit diff| / greedy agreement",
                       f"{u['max_abs_diff']:.3g} / {u['greedy_agreement']} of {ck['requests']} requests")]
     width = max(len(k) for k, _ in rows)
-    head = (f"CP group of {c['cp_size']} ranks, page {c['page_size']}, {c['device_pages']} device pages per rank, "
+    head = (f"CP group of {c['cp_size']} ranks, {c.get('kv', 'shared')} KV, page {c['page_size']}, {c['device_pages']} device pages per rank, "
             f"{c['host_pages']} host pages; {m['family']} ({m.get('layers', '?')} layers), {c['workload']} trace, "
             f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}")
     return "\n".join([head, "", *(f"{k.ljust(width)}  {v}" for k, v in rows), "",
                       format_rows(ranks, "per rank:")])
+
+
+def latency_rows(lat: dict | None) -> list[tuple[str, str]]:
+    """The TTFT and TPOT rows of a report (p50 / p99, steps and milliseconds); none without figures."""
+    if not lat:
+        return []
+    out = []
+    for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
+        st, sec = lat[f"{key}_steps"], lat[f"{key}_s"]
+        if st["count"]:
+            out.append((f"{name} p50 / p99 ({st['count']} requests)",
+                        f"{st['p50']:.1f} / {st['p99']:.1f} steps, {1e3 * sec['p50']:.1f} / {1e3 * sec['p99']:.1f} ms"))
+    return out
 
 
 def plot_engine(r: dict, path: str) -> None:
