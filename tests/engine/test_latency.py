@@ -32,7 +32,12 @@ def test_report_latency_is_consistent(llama):
 
 def test_clock_misuse_and_empty():
     clock = LatencyClock(0.0)
-    with pytest.raises(ValueError, match="step 3 observed after 0"):
-        clock.observe(StepPlan(3), 1.0)
-    assert clock.ends == []
+    clock.observe(StepPlan(0), 1.0)
+    clock.observe(StepPlan(5), 2.0)  # steps 1-4 skipped (nothing ran): they take no time
+    for step in (5, 4):
+        with pytest.raises(ValueError, match=f"step {step} observed after step 5"):
+            clock.observe(StepPlan(step), 3.0)
+    assert clock.ends == [1.0, 2.0]
+    assert clock.step_start([0, 1, 4, 5]).tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert clock.step_end([0, 1, 4, 5]).tolist() == [1.0, 1.0, 1.0, 2.0]
     assert percentiles([]) == {"p50": None, "p99": None, "count": 0}

@@ -100,7 +100,7 @@ def test_replicated_pool_and_runner_misuse(llama):
         EngineConfig(kv="copied")
     with pytest.raises(ValueError, match="kv_memory"):
         EngineConfig(kv_memory=0)
-    with pytest.raises(ValueError, match="hold no page"):
+    with pytest.raises(ValueError, match="holds no page"):
         EngineConfig(kv_memory=100)
 
 

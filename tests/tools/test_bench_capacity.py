@@ -32,4 +32,4 @@ def test_bench_capacity_refuses_a_memory_without_a_page(capsys):
         main(["bench", "capacity", "--kv-memory", "0"])
     assert e.value.code == 2
     assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "100"]) == 2
-    assert "hold no page" in capsys.readouterr().err
+    assert "holds no page" in capsys.readouterr().err

@@ -195,7 +195,7 @@ def test_kv_dtype_flag_reaches_the_run_config_and_the_bench():
         a = p.parse_args(base + extra)
         a.validate(a, p)
         assert a.config.kv_dtype == want
-    a = p.parse_args(base + ["--kv-dtype", "fp8", "--disagg", "1:1"])
+    a = p.parse_args(base[:1] + base[3:] + ["--kv-dtype", "fp8", "--disagg", "1:1"])  # --disagg takes no --cp
     a.validate(a, p)
     assert a.config.kv_dtype == a.config.d_kv_dtype == "fp8" and a.config.decode_size == 1
     assert p.parse_args(["bench", "kvdtype"]).kv_dtype == ["float32", "bfloat16", "fp8"]

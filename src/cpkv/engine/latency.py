@@ -25,32 +25,43 @@ from .step_plan import StepPlan
 
 
 class LatencyClock:
-    """Step times and first-token steps of one run (identical on every rank)."""
+    """Step times and first-token steps of one run (identical on every rank).
+
+    Steps the scheduler skipped (nothing ran, nothing was due:
+    :meth:`~cpkv.engine.scheduler.Scheduler.skip_idle`) are never observed and
+    take no time: such a step begins and ends when the last observed step
+    before it ended. Memory is per observed step, not per step number."""
 
     def __init__(self, start: float):
         self.start = start
-        self.ends: list[float] = []  # perf_counter at the end of step i
+        self.steps: list[int] = []  # observed step numbers, ascending
+        self.ends: list[float] = []  # perf_counter at the end of each observed step
         self.first: dict[int, int] = {}  # request index -> step of its first generated token
 
     def observe(self, plan: StepPlan, now: float) -> None:
         """Step ``plan.step`` ended at ``now``: note the requests that now hold
-        their first token. Raises ``ValueError`` for a step out of order."""
-        if plan.step != len(self.ends):
-            raise ValueError(f"step {plan.step} observed after {len(self.ends)} steps")
+        their first token. Raises ``ValueError`` for a step not after the last
+        one observed."""
+        if self.steps and plan.step <= self.steps[-1]:
+            raise ValueError(f"step {plan.step} observed after step {self.steps[-1]}")
+        self.steps.append(plan.step)
         self.ends.append(now)
         for b in plan.forwards():
             for r, s in zip(b.requests, b.sample):
                 if s and r.generated and r.index not in self.first:
                     self.first[r.index] = plan.step
 
-    def step_start(self, steps: np.ndarray) -> np.ndarray:
-        """The time each step in ``steps`` began (the end of the one before, or the start)."""
+    def _end_before(self, idx: np.ndarray) -> np.ndarray:
         ends = np.asarray([self.start, *self.ends])
-        return ends[np.asarray(steps, dtype=np.int64)]
+        return ends[idx]  # idx 0: the start; idx i: the end of the i-th observed step
+
+    def step_start(self, steps: np.ndarray) -> np.ndarray:
+        """The time each step in ``steps`` began: the end of the last observed step before it, or the start."""
+        return self._end_before(np.searchsorted(self.steps, np.asarray(steps, dtype=np.int64), side="left"))
 
     def step_end(self, steps: np.ndarray) -> np.ndarray:
-        """The time each step in ``steps`` ended."""
-        return np.asarray(self.ends)[np.asarray(steps, dtype=np.int64)]
+        """The time each step in ``steps`` ended: the end of the last observed step at or before it."""
+        return self._end_before(np.searchsorted(self.steps, np.asarray(steps, dtype=np.int64), side="right"))
 
 
 def arrival_step(r, by_id: dict) -> int:

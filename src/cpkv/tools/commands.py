@@ -174,7 +174,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress), kv=args.kv, kv_memory=args.kv_memory,
+        progress=not (args.json or args.no_progress), kv=args.kv,
     )
 
 
