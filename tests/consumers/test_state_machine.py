@@ -239,8 +239,8 @@ class CacheComponent(Component):
             assert (lanes == (lanes[0] + np.arange(lanes.size)) % N).all(), "a cached chain of two lane bases"
 
     def valid_calls(self):
-        return [self.admit, self.turn, self.turn, self.extend, self.extend, self.decode, self.finish, self.abort,
-                self.evict, self.lookup, self.clear]
+        return [self.admit, self.turn, self.turn, self.twins, self.extend, self.extend, self.decode, self.finish,
+                self.abort, self.evict, self.lookup, self.clear]
 
     def invalid_calls(self):
         return [self.extends_cached_page, self.consumed, self.foreign_or_not_a_match, self.bad_inputs,
@@ -282,6 +282,22 @@ class CacheComponent(Component):
         event("cache: admit, " + ("mid-page match" if m.copy_dst.numel() else "page match" if m.length else "no match"))
         if data.draw(st.integers(0, 3)):  # the first chunk at once, mostly
             self._allocate([rid], [data.draw(st.integers(m.length + 1, len(tokens)))], decode=False)
+
+    def twins(self, data):
+        """Two requests of one fresh prefix admitted and allocated in one batch
+        before either is cached: different lane bases, so the second insert
+        must not graft its tail under the first one's chain."""
+        stem = tuple(data.draw(st.lists(st.integers(4, 6), min_size=2 * self.S, max_size=3 * self.S)))
+        key = data.draw(st.sampled_from(KEYS))
+        ids = []
+        for tail in (0, 1):
+            self.admit(data, stem + (tail,) * self.S, key)
+            rid = self.next - 1
+            if len(self.live[rid].slots) == 0:
+                ids.append(rid)
+        if ids:
+            self._allocate(ids, [len(self.live[r].tokens) for r in ids], decode=False)
+        event(f"cache: twins, {len(ids)} fresh")
 
     def extend(self, data):
         ready = sorted(r for r, q in self.live.items() if len(q.slots) < len(q.tokens))

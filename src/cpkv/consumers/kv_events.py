@@ -183,6 +183,8 @@ class KVEventSink:
         self.key = key
         self.auto_flush = bool(auto_flush)
         self.pending: list[KVCacheEvent] = []
+        self.last_seq = None
+        """What ``publisher.publish`` returned for the last batch (a sequence number), ``None`` before."""
 
     def _span(self, tokens, first_page_index, n_pages, medium, key):
         if not isinstance(medium, str) or not medium:
@@ -246,5 +248,5 @@ class KVEventSink:
         if not self.pending:
             return 0
         events, self.pending = self.pending, []
-        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        self.last_seq = self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
         return len(events)

@@ -81,7 +81,7 @@ from .radix_tree import RadixTree, _Node
 __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "PrefixCacheQuestions", "PrefixHit", "PrefixMatch",
            "RadixTree"]
 
-EvictHook = Callable[[tuple, torch.Tensor], None]
+EvictHook = Callable[[tuple, torch.Tensor, bytes], None]
 
 
 class PrefixCacheQuestions:
@@ -245,11 +245,12 @@ class PrefixCache(PrefixCacheQuestions):
     ``m = allocate(a)`` (or ``acquire(tokens)``) on admission; allocate the rest with
     :meth:`allocate_extend` / :meth:`allocate_decode` (which evict on a
     refusal); on finish ``insert(tokens, slots, m)``; on abort or preemption
-    ``release(m, slots)``. ``on_evict(tokens, slots)``, if given, is called
+    ``release(m, slots)``. ``on_evict(tokens, slots, key)``, if given, is called
     for every evicted node before its pages are freed: ``tokens`` are all
-    tokens from the root through the node and ``slots`` (a copy) the slots
+    tokens from the root through the node, ``slots`` (a copy) the slots
     holding them, the ancestors' (still cached) and the node's own (a host
-    tier backs the chain up from there).
+    tier backs the chain up from there), and ``key`` the chain's namespace
+    (bytes, ``b""`` for the default).
     It must not call the cache; if it raises, that node stays cached and the
     error propagates (nodes evicted before it in the same call stay evicted).
     [[RFC-0001:C-PREFIX-CACHE]]
@@ -364,7 +365,7 @@ class PrefixCache(PrefixCacheQuestions):
 
     def _evict(self, leaf: _Node, notify: bool = True) -> None:
         if notify and self.on_evict is not None:
-            self.on_evict(self.tree.prefix_tokens(leaf), self.tree.prefix_slots(leaf))
+            self.on_evict(self.tree.prefix_tokens(leaf), self.tree.prefix_slots(leaf), leaf.ns)
         self.evicted_nodes += 1
         self.evicted_pages += int(leaf.pages.size)
         self._drop(leaf)

@@ -29,7 +29,10 @@ class RunConfig:
     ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
-    progress bar on rank 0 (the command turns it on).
+    progress bar on rank 0 (the command turns it on); ``kv_events`` a ZMQ
+    endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds a publisher of the
+    prefix cache's KV events in vLLM's format (``None``: no events)
+    ([[RFC-0001:C-KV-EVENTS]]).
     """
 
     page_size: int = 16
@@ -49,6 +52,7 @@ class RunConfig:
     check_plans: bool = False
     timeout: float = 300.0
     progress: bool = False
+    kv_events: str | None = None
 
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""

@@ -138,7 +138,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress),
+        progress=not (args.json or args.no_progress), kv_events=args.kv_events,
     )
 
 
@@ -193,6 +193,8 @@ def validate_run(args, parser) -> None:
 
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
+    if args.kv_events is not None and args.disagg is not None:
+        parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
     ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
