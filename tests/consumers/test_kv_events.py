@@ -10,7 +10,6 @@ import hashlib
 import struct
 import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -21,8 +20,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 
 from cpkv.consumers import kv_events as ke  # noqa: E402
 from cpkv.consumers.kv_events_zmq import KVEventPublisher, KVEventSubscriber  # noqa: E402
-from support.vllm_kv_events import (VLLM, AllBlocksCleared, BlockRemoved, BlockStored,  # noqa: E402,F401
-                                    apply, doc_hashes, legacy_decoder)
+from support.vllm_kv_events import VLLM, apply, doc_hashes, legacy_decoder  # noqa: E402
 
 # a publisher thread that dies of an exception fails the test it dies in
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
