@@ -17,7 +17,9 @@ torch.set_num_threads(1)
 
 zmq = pytest.importorskip("zmq")
 
-from cpkv.engine import EngineConfig, run_engine_threads  # noqa: E402
+from zmq.utils.monitor import recv_monitor_message  # noqa: E402
+
+from cpkv.engine import EngineConfig, engine as engine_module, run_engine_threads  # noqa: E402
 from cpkv.engine.scheduler import Scheduler  # noqa: E402
 from support.vllm_kv_events import VLLM, apply, doc_hashes  # noqa: E402
 
@@ -54,6 +56,8 @@ class Listener:
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RECONNECT_IVL, 5)
         self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.connected = threading.Event()
         self.sub.connect(endpoint)
         self.stalled = self.ctx.socket(zmq.SUB)
         self.stalled.setsockopt(zmq.SUBSCRIBE, b"")
@@ -68,6 +72,9 @@ class Listener:
 
     def _run(self):
         while not self.stop.is_set():
+            if not self.connected.is_set() and self.monitor.poll(0):
+                recv_monitor_message(self.monitor)
+                self.connected.set()
             if self.sub.poll(20):
                 topic, seq, payload = self.sub.recv_multipart()
                 assert len(seq) == 8
@@ -80,6 +87,8 @@ class Listener:
             time.sleep(0.05)
         self.stop.set()
         self.thread.join(5)
+        self.sub.disable_monitor()
+        self.monitor.close(0)
         self.sub.close(0)
         self.stalled.close(0)
         self.ctx.term()
@@ -97,6 +106,14 @@ def test_a_vllm_subscriber_rebuilds_the_caches_blocks_after_evictions_backups_an
 
     monkeypatch.setattr(Scheduler, "drain", record_then_drain)
     listener = Listener(endpoint)
+    connect = engine_module.connect_kv_events
+
+    def connect_once_subscribed(sched, pub):  # a PUB drops what it sends before a subscriber joins (slow joiner)
+        assert listener.connected.wait(20), "the subscriber never connected"
+        time.sleep(0.1)  # the subscription travels after the handshake
+        return connect(sched, pub)
+
+    monkeypatch.setattr(engine_module, "connect_kv_events", connect_once_subscribed)
     try:
         t0 = time.perf_counter()
         r = run_engine_threads(EngineConfig(cp_size=2, page_size=S, device_pages=6, host_pages=48, requests=5,
