@@ -140,3 +140,43 @@ def test_a_request_arriving_late_costs_no_idle_steps():
     assert fin["a"] == 1 and fin["c"] == 1 + 1 + 5  # a follow-up still waits its delay
     assert fin["b"] == 1_000_001  # arrives at its step, prefill then one decode
     assert sched.skip_idle() == 0
+
+
+def test_a_key_partitions_the_cache_and_a_follow_up_keeps_its_parents(tmp_path):
+    """``key`` in a JSONL line (str or int) is the request's namespace: equal
+    prompts under different keys share nothing; a follow-up keeps its parent's
+    key. [[RFC-0001:C-PREFIX-CACHE]]"""
+    from cpkv.engine.trace import parse_line
+    from cpkv.tools.simulate import null_execute
+
+    assert parse_line('{"id": "a", "arrival": 0, "tokens": [1], "max_new_tokens": 1, "key": 7}').key == 7
+    for bad in ('true', '1.5', '[1]'):
+        with pytest.raises(TraceError, match="'key'"):
+            parse_line('{"id": "a", "arrival": 0, "tokens": [1], "max_new_tokens": 1, "key": %s}' % bad)
+    prompt = list(range(1, 40))
+    lines = [{"id": "a", "arrival": 0, "tokens": prompt, "max_new_tokens": 2, "key": "t1"},
+             {"id": "b", "arrival": 3, "tokens": [5], "max_new_tokens": 2, "after": "a"},
+             {"id": "c", "arrival": 9, "tokens": prompt, "max_new_tokens": 2, "key": "t2"},
+             {"id": "d", "arrival": 12, "tokens": prompt, "max_new_tokens": 2, "key": "t1"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    specs = load_jsonl(str(path))
+    dump_jsonl(specs, str(tmp_path / "u.jsonl"))
+    assert load_jsonl(str(tmp_path / "u.jsonl")) == specs
+    matched = []
+
+    class Spy(PrefixCache):
+        def acquire(self, tokens, max_length=None, key=None):
+            m = super().acquire(tokens, max_length, key)
+            matched.append((key, len(tokens), m.length))
+            return m
+
+    sched = Scheduler(specs, Spy(OwnerLaneAllocator(4 * 64 * 4, 4, 4)), chunk=64)
+    while not sched.done:
+        sched.complete(p := sched.plan(), null_execute(p))
+    assert [r.key for r in sched.requests] == ["t1", "t1", "t2", "t1"]
+    (ka, _, la), (kb, nb, lb), (kc, _, lc), (kd, _, ld) = matched
+    assert (ka, la) == (b"t1", 0)  # the cache passes the key on as the bytes it partitions by
+    assert kb == b"t1" and lb > len(prompt) - 4, "the follow-up hits its parent's pages"
+    assert (kc, lc) == (b"t2", 0), "another key shares nothing"
+    assert kd == b"t1" and ld > 0

@@ -96,6 +96,8 @@ BAD = [
     (["run", "--disagg", "2:1", "--plot", "occupancy.png"], "--plot"),
     (["run", "--disagg", "2:1", "--decode-page", "1", "--device-pages", "4"], "--workload"),  # the decode cache
     (["run", "--disagg", "3:1", "--prefill-split", "interleave", "--chunk", "2"], "--chunk"),
+    (["run", "--kv-events", "127.0.0.1:5557"], "--kv-events"),
+    (["run", "--kv-events", "tcp://127.0.0.1:5557", "--disagg", "2:1"], "--kv-events"),
     (["bytes", "--model", "llama"], "--model"),
     (["bytes", "--cp", "0"], "--cp"),
     (["bytes", "--index-topk-freq", "0"], "--index-topk-freq"),

@@ -50,6 +50,10 @@ class RunConfig:
     (:func:`~cpkv.runtime.sizing.pages_for_memory`): the shared group then
     holds N times the pages of the replicated one
     (:func:`~cpkv.runtime.sizing.group_pages`).
+    ``kv_events`` a ZMQ
+    endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds a publisher of the
+    prefix cache's KV events in vLLM's format (``None``: no events)
+    ([[RFC-0001:C-KV-EVENTS]]).
     """
 
     page_size: int = 16
@@ -72,6 +76,7 @@ class RunConfig:
     timeout: float = 300.0
     progress: bool = False
     kv: str = "shared"
+    kv_events: str | None = None
 
     @property
     def replicated(self) -> bool:

@@ -12,11 +12,13 @@ tokens (:mod:`.check`).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from ..consumers.hicache import HostPool, HostTier
+from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
 from ..models import build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
@@ -96,6 +98,36 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
                      max_running=cfg.max_running, admission=cfg.admission, host=host)
 
 
+def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
+    """Hook ``publisher`` (a :class:`~cpkv.consumers.kv_events_zmq.KVEventPublisher`)
+    to the scheduler's caches: every full page entering or leaving the device
+    cache as medium ``"GPU"``, the host tier's as ``"CPU"``; the stream starts
+    with ``AllBlocksCleared``. The caller flushes the returned sink once per
+    step. [[RFC-0001:C-KV-EVENTS]]"""
+    sink = KVEventSink(publisher, sched.S)
+    sched.cache.events = sink
+    if sched.host is not None:
+        sched.host.index.events = sink
+    sink.cleared()
+    return sink
+
+
+@contextmanager
+def kv_event_publisher(cfg: EngineConfig, rank: int):
+    """Rank 0's publisher bound on ``cfg.kv_events`` (``None`` elsewhere, or
+    without ``kv_events``), closed on the way out, error or not."""
+    if not cfg.kv_events or rank != 0:
+        yield None
+        return
+    from ..consumers.kv_events_zmq import KVEventPublisher
+
+    pub = KVEventPublisher(cfg.kv_events)
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
 def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
     comm: Comm = DistComm() if ctx.distributed else LocalComm()
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
@@ -106,9 +138,17 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
     shared buffers, ``comm`` its collectives; rank 0 keeps ``progress`` (when
     given) up to date after every step. Idle steps (nothing runs, nothing is
-    due) are skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0."""
+    due) are skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
+    With ``cfg.kv_events``, rank 0 publishes its caches' KV events there."""
+    with kv_event_publisher(cfg, comm.rank) as pub:
+        return _run_rank(shared, comm, cfg, adapter, pub, progress)
+
+
+def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub,
+              progress: RunProgress | None) -> dict | None:
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
+    events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
     parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table)
     pool, runner = parts.pool, parts.runner
@@ -130,6 +170,8 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
             st = sched.stats
             progress.update(step=sched.step, finished=st.finished, requests=len(sched.requests),
                             generated_tokens=st.generated_tokens, computed_tokens=st.computed_tokens)
+        if events is not None:
+            events.flush()  # one batch a step, as vLLM publishes
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(0 if cfg.replicated else comm.rank)  # this rank's lane, or its whole copy
@@ -141,6 +183,8 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
                                     # holds, by the allocator and by what this rank wrote into its segment
                                     "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
     sched.drain()
+    if events is not None:
+        events.flush()
     sched.check_drained()
     if comm.rank != 0:
         return None

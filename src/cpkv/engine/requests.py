@@ -46,6 +46,11 @@ class Request:
     host_hit: int = 0  # tokens loaded from the host tier at the last admission
     ready: bool = False  # remote prefill: its KV waits elsewhere, ready to arrive (Scheduler.arrive)
     table: PageTable | None = field(default=None, repr=False)
+    key: str | int | None = None  # namespace in the prefix cache: the spec's, else the parent's
+
+    def __post_init__(self):
+        if self.key is None:
+            self.key = self.spec.key
 
     @property
     def seq(self) -> tuple:
@@ -130,6 +135,8 @@ class RequestLifecycle:
                 r.prompt, r.due = r.spec.tokens, r.spec.arrival
             else:
                 self._children.setdefault(r.spec.after, []).append(r)
+                if r.key is None:
+                    r.key = self._by_id[r.spec.after].key  # parents come first (validated)
         self._check_capacity()
         self.waiting: list[Request] = sorted((r for r in self.requests if r.due is not None),
                                              key=lambda x: (x.due, x.index))

@@ -12,6 +12,12 @@ file, one request a line::
 
     {"id": "a", "arrival": 0, "tokens": [5, 17, 3], "max_new_tokens": 8}
     {"id": "b", "arrival": 0, "tokens": [9], "max_new_tokens": 4, "after": "a", "delay": 2}
+    {"id": "c", "arrival": 1, "tokens": [5, 17, 3], "max_new_tokens": 8, "key": "tenant-2"}
+
+``key`` (optional, a str or an int: a LoRA id, a cache salt) is the
+request's namespace in the prefix cache (SGLang's ``extra_key``, vLLM's
+``cache_salt``): requests with different keys never share KV, even with equal
+tokens. A follow-up without its own ``key`` keeps its parent's.
 
 The limits (:data:`TRACE_LIMITS`, also in ``cpkv run --help``): ``id`` a
 string used once; ``arrival`` a step >= 0; ``tokens`` ids in ``[0, vocab)``
@@ -104,9 +110,11 @@ class RequestSpec:
     max_new_tokens: int
     after: str | None = None
     delay: int = 0
+    key: str | int | None = None
 
 
-_KEYS = {"id": str, "arrival": int, "tokens": list, "max_new_tokens": int, "after": str, "delay": int}
+_KEYS = {"id": str, "arrival": int, "tokens": list, "max_new_tokens": int, "after": str, "delay": int,
+         "key": (str, int)}
 _REQUIRED = ("id", "arrival", "tokens", "max_new_tokens")
 
 
@@ -172,6 +180,10 @@ def parse_line(text: str) -> RequestSpec:
         raise TraceError(f"missing {missing}")
     for k, v in obj.items():
         want = _KEYS[k]
+        if k == "key":
+            if isinstance(v, bool) or not isinstance(v, want):
+                raise TraceError(f"'key' must be a str or an int, got {type(v).__name__}")
+            continue
         if want is int and (isinstance(v, bool) or not isinstance(v, int)) or want is not int and not isinstance(v, want):
             raise TraceError(f"{k!r} must be {want.__name__}, got {type(v).__name__}")
     toks = obj["tokens"]
@@ -180,7 +192,7 @@ def parse_line(text: str) -> RequestSpec:
     if "delay" in obj and "after" not in obj:
         raise TraceError("'delay' counts steps after the line named by 'after'; this line has no 'after'")
     return RequestSpec(obj["id"], obj["arrival"], tuple(toks), obj["max_new_tokens"], obj.get("after"),
-                       obj.get("delay", 0))
+                       obj.get("delay", 0), obj.get("key"))
 
 
 def load_jsonl(path: str, vocab: int | None = None) -> list[RequestSpec]:
@@ -207,6 +219,8 @@ def dump_jsonl(specs: list[RequestSpec], path: str) -> None:
             obj = {"id": s.id, "arrival": s.arrival, "tokens": list(s.tokens), "max_new_tokens": s.max_new_tokens}
             if s.after is not None:
                 obj.update(after=s.after, delay=s.delay)
+            if s.key is not None:
+                obj.update(key=s.key)
             f.write(json.dumps(obj) + "\n")
 
 

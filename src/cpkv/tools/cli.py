@@ -22,7 +22,7 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_run, validate_simulate)
 from .flags import (add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float, non_negative,
-                    output_file, positive, size_arg, workload_arg)
+                    output_file, positive, size_arg, workload_arg, zmq_endpoint)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -176,6 +176,9 @@ def _add_run(sub) -> None:
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
+    r.add_argument("--kv-events", type=zmq_endpoint, default=None, metavar="tcp://HOST:PORT",
+                   help="publish the prefix cache's KV events (vLLM's format: device pages as GPU, host tier as "
+                        "CPU) on a ZMQ PUB socket that rank 0 binds there; routers subscribe")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")

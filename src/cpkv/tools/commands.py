@@ -174,7 +174,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress), kv=args.kv,
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events,
     )
 
 
@@ -239,6 +239,8 @@ def validate_run(args, parser) -> None:
                      f"decode ranks); it does not take --cp {args.cp}")
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
+    if args.kv_events is not None and args.disagg is not None:
+        parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
     try:
         cfg = run_config(args)
     except ValueError as e:  # a --kv-memory that holds no page

@@ -1,7 +1,7 @@
 """The ``cpkv`` command's flag checkers and shared flags.
 
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
-  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`) are ``type=``
+  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`) are ``type=``
   callables: a bad value is refused while parsing, by argparse itself, naming the flag;
 * :func:`add_kv_dtype_flag` adds ``--kv-dtype``;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
@@ -133,6 +133,13 @@ def size_arg(text: str) -> int:
 
 
 size_arg.__name__ = "size"
+
+
+def zmq_endpoint(text: str) -> str:
+    """A ``type=`` for ``--kv-events``: a ZMQ endpoint to bind, ``tcp://HOST:PORT`` (or ``ipc://PATH``)."""
+    if not (text.startswith("tcp://") and ":" in text[6:] or text.startswith("ipc://") and len(text) > 6):
+        raise argparse.ArgumentTypeError(f"must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {text!r}")
+    return text
 
 
 def disagg_arg(text: str) -> tuple[int, int]:
