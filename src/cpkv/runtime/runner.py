@@ -21,7 +21,7 @@ from ..consumers.page_table import PageTable
 from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
-from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
+from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
 from .comm import Comm, LocalComm
 
 
@@ -34,13 +34,17 @@ class CPRunner:
     one, which :meth:`allocate` writes for callers without a scheduler
     (``lens[row]`` then counts each row's positions). ``prefill_split`` and
     ``decode_split`` choose how batches are divided among ranks
-    (:mod:`cpkv.runtime.batch`). ``check_plans`` compares every allocation
+    (:mod:`cpkv.runtime.batch`); ``kernels`` the data plane, ``"torch"`` or
+    ``"triton"`` (default: triton when the pool is on a GPU, else torch).
+    Each forward plans its batch once (:class:`~cpkv.runtime.forward_plan.ForwardPlan`)
+    and then runs the layers. ``check_plans`` compares every allocation
     across ranks with one collective (debugging only).
     """
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
                  comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
-                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None):
+                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None,
+                 kernels: str | None = None):
         if prefill_split not in PREFILL_SPLITS:
             raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {PREFILL_SPLITS}")
         if decode_split not in DECODE_SPLITS:
@@ -52,6 +56,9 @@ class CPRunner:
                              f"of {pool.layout.cp_size}")
         self.rank, self.cp_size = pool.rank, pool.layout.cp_size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
+        self.kernels = default_kernels(pool.device) if kernels is None else kernels
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
         self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
@@ -119,10 +126,10 @@ class CPRunner:
         mode = self.decode_split if decode else self.prefill_split
         if self.check_plans:
             self._agree(alloc)
-        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode)
+        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode, self.kernels)
         ad = self.adapter
         with torch.no_grad():
-            h = ad.embed(ids[fb.token_indices])
+            h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
