@@ -216,4 +216,7 @@ def pack_left(keep: torch.Tensor, values: torch.Tensor, width: int | None = None
     if width is None:
         width = int(keep.sum(1).max()) if keep.numel() else 0
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    return torch.where(keep.gather(1, order), values.gather(1, order), -1)
+    out = torch.where(keep.gather(1, order), values.gather(1, order), -1)
+    if out.shape[1] < width:  # wider than the rows: -1 after
+        out = torch.cat([out, out.new_full((out.shape[0], width - out.shape[1]), -1)], 1)
+    return out
