@@ -97,6 +97,10 @@ BAD = [
     (["bench", "splits", "--context", "0"], "--context"),
     (["bench", "splits", "--page", "0"], "--page"),
     (["bench", "splits", "--json=1"], "--json"),
+    (["run", "--kernels", "cuda"], "--kernels"),
+    (["run", "--device", "tpu"], "--device"),
+    (["bench", "kv", "--kernels", "cuda"], "--kernels"),
+    (["bench", "plan", "--device", "cuda"], "--device"),  # refused without CUDA, and bench plan is CPU-only
 ]
 
 

@@ -29,7 +29,10 @@ class RunConfig:
     ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
-    progress bar on rank 0 (the command turns it on).
+    progress bar on rank 0 (the command turns it on); ``device`` where the
+    model and the KV cache live (``"cpu"``, or ``"cuda"``: untested on
+    hardware); ``kernels`` the data plane, ``"torch"`` or ``"triton"``
+    (``None``: triton on a GPU, torch on the CPU, resolved at construction).
     """
 
     page_size: int = 16
@@ -49,6 +52,15 @@ class RunConfig:
     check_plans: bool = False
     timeout: float = 300.0
     progress: bool = False
+    # the data plane (issue 17): "cpu" or "cuda"; kernels "torch" or "triton", None: triton on a GPU, torch on the CPU
+    device: str = "cpu"
+    kernels: str | None = None
+
+    def __post_init__(self):
+        if self.kernels is None:
+            from ..runtime.batch import default_kernels
+
+            self.kernels = default_kernels(self.device)
 
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""

@@ -62,7 +62,7 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, shared)) if host_pages else None
     runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
                       prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans,
-                      page_table=page_table)
+                      page_table=page_table, kernels=cfg.kernels)
     return RankParts(pool, host, runner)
 
 

@@ -20,9 +20,9 @@ import os
 import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
-                       cmd_simulate, validate_run, validate_simulate)
-from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    workload_arg)
+                       cmd_simulate, validate_bench, validate_run, validate_simulate)
+from .flags import (add_device_flags, add_group_flags, comma_choices, disagg_arg, finite_float, non_negative,
+                    output_file, positive, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,9 +53,10 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "plan", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
-                        "by name only)")
+                        "by name only; plan: host synchronisations per layer and step time before and after "
+                        "the forward plan)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5)")
@@ -70,7 +71,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
                    help="splits: tokens per page (default 16)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
-    b.set_defaults(func=cmd_bench)
+    add_device_flags(b)
+    b.set_defaults(func=cmd_bench, validate=validate_bench)
 
 
 def _add_bytes(sub) -> None:
@@ -154,6 +156,7 @@ def _add_run(sub) -> None:
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_flags(r)
     r.set_defaults(func=cmd_run, validate=validate_run)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_unless_fits
+from .flags import refuse_cuda_unless_available, refuse_unless_fits
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -78,6 +78,18 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def validate_bench(args, parser) -> None:
+    """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
+    sets ``args.kernels`` to its default when not given."""
+    refuse_cuda_unless_available(parser, args.device)
+    if args.kernels is None:
+        from ..runtime.batch import default_kernels
+
+        args.kernels = default_kernels(args.device)
+    if args.what == "plan" and args.device != "cpu":
+        parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
+
+
 def cmd_bench_splits(args) -> int:
     """``cpkv bench splits``: prefill and decode splits on one process group, one table per model."""
     from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, splits_title
@@ -138,7 +150,7 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress),
+        progress=not (args.json or args.no_progress), device=args.device, kernels=args.kernels,
     )
 
 
@@ -191,6 +203,7 @@ def validate_run(args, parser) -> None:
     sets ``args.config`` (an engine or a disaggregated configuration)."""
     from ..engine.trace import TraceError
 
+    refuse_cuda_unless_available(parser, args.device)
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")

@@ -126,3 +126,27 @@ def disagg_arg(text: str) -> tuple[int, int]:
         return parse_disagg(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """``--kernels torch|triton`` (default: triton on a GPU, torch on the CPU)
+    and, with ``device``, ``--device cpu|cuda`` (default cpu)."""
+    p.add_argument("--kernels", choices=["torch", "triton"], default=None,
+                   help="the data plane: torch (the reference) or triton (cpkv.kernels: store and attention "
+                        "translate logical slots in the kernel; on the CPU in Triton's interpreter, slow); "
+                        "default triton on a GPU, torch on the CPU")
+    if device:
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the model and the KV cache live (default cpu); cuda: one GPU per rank, NCCL, "
+                            "buffers mapped across the ranks (untested on hardware)")
+
+
+def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str) -> None:
+    """``parser.error`` (exit 2, before any process starts) for ``--device
+    cuda`` on a machine where torch sees no CUDA device."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("refused before starting: --device cuda needs a CUDA GPU, and torch sees none here "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
