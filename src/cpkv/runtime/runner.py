@@ -57,6 +57,7 @@ class CPRunner:
         self.rank, self.cp_size = pool.rank, pool.layout.cp_size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
         self.kernels = default_kernels(pool.device) if kernels is None else kernels
+        self.plan_per_layer = False  # benchmarks only: re-plan every layer (cpkv before the forward plan)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
@@ -126,7 +127,8 @@ class CPRunner:
         mode = self.decode_split if decode else self.prefill_split
         if self.check_plans:
             self._agree(alloc)
-        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode, self.kernels)
+        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode, self.kernels,
+                          self.plan_per_layer)
         ad = self.adapter
         with torch.no_grad():
             h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])

@@ -70,6 +70,15 @@ def cmd_bench(args) -> int:
     }
     if args.what == "splits":
         return cmd_bench_splits(args)
+    if args.what == "plan":
+        from .bench import bench_plan
+
+        n = args.repeats or 7
+        rows = bench_plan(repeats=n)
+        print(json.dumps(rows, indent=2) if args.json else format_rows(
+            rows, f"plan: a Llama of 4 layers on one rank, torch path, CPU; prefill 4 x 256 tokens, decode 32 at "
+                  f"512; median of {n} interleaved rounds; syncs = host synchronisations counted in each layer"))
+        return EXIT_OK
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
