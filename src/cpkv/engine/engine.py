@@ -95,17 +95,29 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
-    comm: Comm = DistComm() if ctx.distributed else LocalComm()
+    if cfg.device == "cuda":  # untested on hardware: NCCL, KV buffers over CUDA IPC, pinned host tier
+        from ..runtime.device import pin_shared, share_device_buffer
+
+        comm: Comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
+        adapter = build_adapter(cfg.model)
+        adapter.model.to(ctx.device)
+        return engine_rank(lambda tag, shape, dtype: share_device_buffer(ctx, tag, shape, dtype, ctx.device),
+                           comm, cfg, adapter,
+                           host_shared=lambda tag, shape, dtype: pin_shared(ctx.shared(tag, shape, dtype)))
+    comm = DistComm() if ctx.distributed else LocalComm()
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model))
 
 
-def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
+def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
+                host_shared: SharedBuffers | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
+    shared KV buffers (``host_shared`` its host tier's, default ``shared``),
+    ``comm`` its collectives. Returns the report on rank 0."""
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table)
+    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table,
+                       host_shared=host_shared)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
@@ -142,7 +154,7 @@ def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
     with torch.no_grad():
         for r in sched.requests:
             seq = torch.tensor(r.seq[:-1], dtype=torch.int64)
-            ref = model(seq[None]).logits[0]
+            ref = model(seq[None].to(model.device)).logits[0].cpu()
             got = ex.logits.get(r.index, {})
             if got:
                 pos = torch.tensor(sorted(got))
@@ -208,4 +220,4 @@ def run_engine(cfg: EngineConfig) -> dict:
     cfg.model.config()
     specs = cfg.trace()
     build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process
-    return launch(_engine_rank, cfg.cp_size, cfg, timeout=cfg.timeout)
+    return launch(_engine_rank, cfg.cp_size, cfg, timeout=cfg.timeout, device=cfg.device)

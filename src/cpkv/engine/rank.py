@@ -51,15 +51,18 @@ class RankParts:
 
 
 def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
-               host_pages: int, *, page_table: PageTable | None = None) -> RankParts:
+               host_pages: int, *, page_table: PageTable | None = None,
+               host_shared: SharedBuffers | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
     ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
     requests of up to ``max_len`` tokens with ``cfg``'s splits, reading the
-    scheduler's ``page_table`` (the one page table of the group's requests)."""
+    scheduler's ``page_table`` (the one page table of the group's requests).
+    ``host_shared`` allocates the host tier (default ``shared``; on a GPU the
+    KV buffers are device memory and the host tier pinned host memory)."""
     fams = adapter.families()
     pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
-    host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, shared)) if host_pages else None
+    host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared)) if host_pages else None
     runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
                       prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans,
                       page_table=page_table, kernels=cfg.kernels)

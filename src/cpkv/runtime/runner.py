@@ -141,6 +141,8 @@ class CPRunner:
         for n, c in fb.reads.items():
             self.reads[n] = self.reads.get(n, 0) + c
         self.moved_bytes += fb.moved_bytes
+        if logits.device.type != "cpu":  # once per batch: the host samples and collects
+            return fb.token_indices.cpu(), logits.cpu()
         return fb.token_indices, logits
 
     def collect(self, n: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

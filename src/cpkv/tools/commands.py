@@ -90,7 +90,7 @@ def cmd_bench(args) -> int:
 def validate_bench(args, parser) -> None:
     """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
     sets ``args.kernels`` to its default when not given."""
-    refuse_cuda_unless_available(parser, args.device)
+    refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
     if args.kernels is None:
         from ..runtime.batch import default_kernels
 
@@ -212,7 +212,9 @@ def validate_run(args, parser) -> None:
     sets ``args.config`` (an engine or a disaggregated configuration)."""
     from ..engine.trace import TraceError
 
-    refuse_cuda_unless_available(parser, args.device)
+    refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg else args.cp)
+    if args.device == "cuda" and args.disagg:
+        parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")

@@ -141,12 +141,13 @@ def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None
                             "buffers mapped across the ranks (untested on hardware)")
 
 
-def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str) -> None:
+def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, ranks: int = 1) -> None:
     """``parser.error`` (exit 2, before any process starts) for ``--device
-    cuda`` on a machine where torch sees no CUDA device."""
-    if device == "cuda":
-        import torch
+    cuda`` on a machine where torch sees no CUDA device, or fewer GPUs than
+    ``ranks`` (:func:`cpkv.runtime.device.check_devices`)."""
+    from ..runtime.device import check_devices
 
-        if not torch.cuda.is_available():
-            parser.error("refused before starting: --device cuda needs a CUDA GPU, and torch sees none here "
-                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
+    try:
+        check_devices(device, ranks)
+    except RuntimeError as e:
+        parser.error(f"refused before starting: {e}")
