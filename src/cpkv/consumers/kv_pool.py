@@ -285,7 +285,8 @@ class SharedKVPool:
                 raise ValueError(f"{n}: stored rows of format {f.format} are uint8, not {x.dtype}")
         loc, local_page, keep = self._owned_local(slots)
         for n, x in values.items():
-            self._own[n].index_copy_(1, loc, (x if keep is None else x[:, keep]).to(self.families[n].dtype))
+            self._own[n].index_copy_(1, loc.to(self.device),
+                                    (x if keep is None else x[:, keep]).to(self.device, self.families[n].dtype))
         self._written[local_page.cpu()] = True
 
     def read_owned_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -64,7 +64,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
                    help="splits: ranks in the group (default 4)")
     b.add_argument("--tokens", type=positive, default=None,
-                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
+                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2); kv: tokens of "
+                        "the batch (default 65536)")
     b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
     b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")

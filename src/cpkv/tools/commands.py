@@ -82,7 +82,17 @@ def cmd_bench(args) -> int:
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
-            print(format_rows(bench(repeats=n), title.format(n=n)))
+            if what == "kv":
+                kw = dict(device=args.device, kernels=args.kernels, **({"tokens": args.tokens} if args.tokens else {}))
+                title = title.replace("64K tokens", f"{kw.get('tokens', 65536)} tokens") + \
+                    f"; device {args.device}, kernels {args.kernels}"
+                rows = bench(repeats=n, **kw)
+                if args.json:
+                    print(json.dumps(rows, indent=2))
+                    continue
+            else:
+                rows = bench(repeats=n)
+            print(format_rows(rows, title.format(n=n)))
             print()
     return EXIT_OK
 
@@ -95,6 +105,9 @@ def validate_bench(args, parser) -> None:
         from ..runtime.batch import default_kernels
 
         args.kernels = default_kernels(args.device)
+    if args.what in ("kv", "all") and args.kernels == "triton" and args.device == "cpu":
+        parser.error("bench kv --kernels triton needs --device cuda: it times bf16, which Triton's interpreter "
+                     "(the CPU) does not run")
     if args.what == "plan" and args.device != "cpu":
         parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
 
@@ -108,7 +121,7 @@ def cmd_bench_splits(args) -> int:
     sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
                  page=args.page, repeats=args.repeats or 5)
     try:
-        report = bench_splits(models, **sizes)
+        report = bench_splits(models, **sizes, device=args.device, kernels=args.kernels)
     except ValueError as e:
         print(f"cpkv bench splits: {e}", file=sys.stderr)
         return EXIT_USAGE
