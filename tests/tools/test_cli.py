@@ -115,6 +115,10 @@ BAD = [
     (["bench", "splits", "--json=1"], "--json"),
     (["bench", "kvdtype", "--kv-dtype", "fp8,int8"], "--kv-dtype"),
     (["bench", "kvdtype", "--kv-dtype", "fp8,fp8"], "--kv-dtype"),
+    (["run", "--kernels", "cuda"], "--kernels"),
+    (["run", "--device", "tpu"], "--device"),
+    (["bench", "kv", "--kernels", "cuda"], "--kernels"),
+    (["bench", "plan", "--device", "cuda"], "--device"),  # refused without CUDA, and bench plan is CPU-only
 ]
 
 

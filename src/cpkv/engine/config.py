@@ -54,6 +54,10 @@ class RunConfig:
     endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds a publisher of the
     prefix cache's KV events in vLLM's format (``None``: no events)
     ([[RFC-0001:C-KV-EVENTS]]).
+    ``device`` where the model and the KV cache live (``"cpu"``, or
+    ``"cuda"``: untested on hardware); ``kernels`` the data plane, ``"torch"``
+    or ``"triton"`` (``None``: triton on a GPU, torch on the CPU, resolved at
+    construction).
     """
 
     page_size: int = 16
@@ -77,6 +81,8 @@ class RunConfig:
     progress: bool = False
     kv: str = "shared"
     kv_events: str | None = None
+    device: str = "cpu"
+    kernels: str | None = None
 
     @property
     def replicated(self) -> bool:
@@ -102,6 +108,10 @@ class RunConfig:
             raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
         if self.device_pages is None:
             self.device_pages = self.memory_pages()
+        if self.kernels is None:
+            from ..runtime.batch import default_kernels
+
+            self.kernels = default_kernels(self.device)
 
     #: Ranks whose memory the default budget is shared by (the subclasses' groups).
     world_size = 1

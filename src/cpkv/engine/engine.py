@@ -129,28 +129,39 @@ def kv_event_publisher(cfg: EngineConfig, rank: int):
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
-    comm: Comm = DistComm() if ctx.distributed else LocalComm()
+    if cfg.device == "cuda":  # untested on hardware: NCCL, KV buffers over CUDA IPC, pinned host tier
+        from ..runtime.device import pin_shared, share_device_buffer
+
+        comm: Comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
+        adapter = build_adapter(cfg.model)
+        adapter.model.to(ctx.device)
+        return engine_rank(lambda tag, shape, dtype: share_device_buffer(ctx, tag, shape, dtype, ctx.device),
+                           comm, cfg, adapter, progress,
+                           host_shared=lambda tag, shape, dtype: pin_shared(ctx.shared(tag, shape, dtype)))
+    comm = DistComm() if ctx.distributed else LocalComm()
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
 
 
 def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
-                progress: RunProgress | None = None) -> dict | None:
+                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared buffers, ``comm`` its collectives; rank 0 keeps ``progress`` (when
-    given) up to date after every step. Idle steps (nothing runs, nothing is
-    due) are skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
+    shared KV buffers (``host_shared`` its host tier's, default ``shared``),
+    ``comm`` its collectives; rank 0 keeps ``progress`` (when given) up to
+    date after every step. Idle steps (nothing runs, nothing is due) are
+    skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
     With ``cfg.kv_events``, rank 0 publishes its caches' KV events there."""
     with kv_event_publisher(cfg, comm.rank) as pub:
-        return _run_rank(shared, comm, cfg, adapter, pub, progress)
+        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared)
 
 
 def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub,
-              progress: RunProgress | None) -> dict | None:
+              progress: RunProgress | None, host_shared: SharedBuffers | None) -> dict | None:
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table)
+    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table,
+                       host_shared=host_shared)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
@@ -256,7 +267,7 @@ def run_engine(cfg: EngineConfig) -> dict:
     build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process
     progress = RunProgress()
     try:
-        return launch(_engine_rank, cfg.cp_size, cfg, progress, timeout=cfg.timeout)
+        return launch(_engine_rank, cfg.cp_size, cfg, progress, timeout=cfg.timeout, device=cfg.device)
     except (KeyboardInterrupt, RankFailure) as e:
         e.progress, e.requests = progress.read(), len(specs)
         raise

@@ -20,9 +20,9 @@ import os
 import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
-                       cmd_simulate, validate_run, validate_simulate)
-from .flags import (add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float, non_negative,
-                    output_file, positive, size_arg, workload_arg, zmq_endpoint)
+                       cmd_simulate, validate_bench, validate_run, validate_simulate)
+from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float,
+                    non_negative, output_file, positive, size_arg, workload_arg, zmq_endpoint)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,9 +53,10 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
-                        "by name only)")
+                        "by name only; plan: host synchronisations per layer and step time before and after "
+                        "the forward plan)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5)")
@@ -63,7 +64,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
                    help="splits: ranks in the group (default 4)")
     b.add_argument("--tokens", type=positive, default=None,
-                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
+                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2); kv: tokens of "
+                        "the batch (default 65536)")
     b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
     b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
@@ -73,7 +75,8 @@ def _add_bench(sub) -> None:
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")
-    b.set_defaults(func=cmd_bench)
+    add_device_flags(b)
+    b.set_defaults(func=cmd_bench, validate=validate_bench)
 
 
 def _add_bytes(sub) -> None:
@@ -183,6 +186,7 @@ def _add_run(sub) -> None:
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_flags(r)
     r.set_defaults(func=cmd_run, validate=validate_run)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_unless_fits
+from .flags import refuse_cuda_unless_available, refuse_unless_fits
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -74,10 +74,29 @@ def cmd_bench(args) -> int:
         return cmd_bench_kvdtype(args)
     if args.what == "capacity":
         return cmd_bench_capacity(args)
+    if args.what == "plan":
+        from .bench import bench_plan
+
+        n = args.repeats or 7
+        rows = bench_plan(repeats=n)
+        print(json.dumps(rows, indent=2) if args.json else format_rows(
+            rows, f"plan: a Llama of 4 layers on one rank, torch path, CPU; prefill 4 x 256 tokens, decode 32 at "
+                  f"512; median of {n} interleaved rounds; syncs = host synchronisations counted in each layer"))
+        return EXIT_OK
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
-            print(format_rows(bench(repeats=n), title.format(n=n)))
+            if what == "kv":
+                kw = dict(device=args.device, kernels=args.kernels, **({"tokens": args.tokens} if args.tokens else {}))
+                title = title.replace("64K tokens", f"{kw.get('tokens', 65536)} tokens") + \
+                    f"; device {args.device}, kernels {args.kernels}"
+                rows = bench(repeats=n, **kw)
+                if args.json:
+                    print(json.dumps(rows, indent=2))
+                    continue
+            else:
+                rows = bench(repeats=n)
+            print(format_rows(rows, title.format(n=n)))
             print()
     return EXIT_OK
 
@@ -111,6 +130,21 @@ def cmd_bench_capacity(args) -> int:
     return EXIT_OK
 
 
+def validate_bench(args, parser) -> None:
+    """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
+    sets ``args.kernels`` to its default when not given."""
+    refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
+    if args.kernels is None:
+        from ..runtime.batch import default_kernels
+
+        args.kernels = default_kernels(args.device)
+    if args.what in ("kv", "all") and args.kernels == "triton" and args.device == "cpu":
+        parser.error("bench kv --kernels triton needs --device cuda: it times bf16, which Triton's interpreter "
+                     "(the CPU) does not run")
+    if args.what == "plan" and args.device != "cpu":
+        parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
+
+
 def cmd_bench_splits(args) -> int:
     """``cpkv bench splits``: prefill and decode splits on one process group, one table per model."""
     from .bench import SPLIT_MODELS, bench_splits, default_split_tokens, splits_title
@@ -120,7 +154,7 @@ def cmd_bench_splits(args) -> int:
     sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
                  page=args.page, repeats=args.repeats or 5)
     try:
-        report = bench_splits(models, **sizes)
+        report = bench_splits(models, **sizes, device=args.device, kernels=args.kernels)
     except ValueError as e:
         print(f"cpkv bench splits: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -174,7 +208,8 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events,
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events, device=args.device,
+        kernels=args.kernels,
     )
 
 
@@ -232,11 +267,16 @@ def validate_disagg(args, parser, cfg) -> None:
 def validate_run(args, parser) -> None:
     """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
     sets ``args.config`` (an engine or a disaggregated configuration)."""
+    from ..engine.config import EngineConfig, field_defaults
     from ..engine.trace import CacheTooSmall, TraceError
 
     if args.disagg is not None and args.cp is not None:
         parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
                      f"decode ranks); it does not take --cp {args.cp}")
+    refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
+                                 else args.cp or field_defaults(EngineConfig)["cp_size"])
+    if args.device == "cuda" and args.disagg:
+        parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     if args.kv_events is not None and args.disagg is not None:

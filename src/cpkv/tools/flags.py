@@ -166,3 +166,28 @@ def add_kv_dtype_flag(p: argparse.ArgumentParser, default: str) -> None:
                    help="what the KV caches store, in the pools, the host tier and transfers: float32, bfloat16, "
                         "or fp8 (DeepSeek's formats for the DSA models: 656-byte latent, 132-byte indexer key; "
                         f"Llama: fp8 with a float32 scale per token and head) (default {default})")
+
+
+def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """``--kernels torch|triton`` (default: triton on a GPU, torch on the CPU)
+    and, with ``device``, ``--device cpu|cuda`` (default cpu)."""
+    p.add_argument("--kernels", choices=["torch", "triton"], default=None,
+                   help="the data plane: torch (the reference) or triton (cpkv.kernels: store and attention "
+                        "translate logical slots in the kernel; on the CPU in Triton's interpreter, slow); "
+                        "default triton on a GPU, torch on the CPU")
+    if device:
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the model and the KV cache live (default cpu); cuda: one GPU per rank, NCCL, "
+                            "buffers mapped across the ranks (untested on hardware)")
+
+
+def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, ranks: int = 1) -> None:
+    """``parser.error`` (exit 2, before any process starts) for ``--device
+    cuda`` on a machine where torch sees no CUDA device, or fewer GPUs than
+    ``ranks`` (:func:`cpkv.runtime.device.check_devices`)."""
+    from ..runtime.device import check_devices
+
+    try:
+        check_devices(device, ranks)
+    except RuntimeError as e:
+        parser.error(f"refused before starting: {e}")

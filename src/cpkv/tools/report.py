@@ -45,7 +45,8 @@ def format_engine(r: dict) -> str:
     width = max(len(k) for k, _ in rows)
     head = (f"CP group of {c['cp_size']} ranks, {c.get('kv', 'shared')} KV, page {c['page_size']}, {c['device_pages']} device pages per rank, "
             f"{c['host_pages']} host pages; {m['family']} ({m.get('layers', '?')} layers), {c['workload']} trace, "
-            f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}")
+            f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}, "
+            f"device {c.get('device', 'cpu')}, kernels {c.get('kernels', 'torch')}")
     return "\n".join([head, "", *(f"{k.ljust(width)}  {v}" for k, v in rows), "",
                       format_rows(ranks, "per rank:")])
 
