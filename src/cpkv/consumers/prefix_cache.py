@@ -129,12 +129,12 @@ class PrefixCacheQuestions:
         if stop <= q0:
             return np.zeros(self.N, dtype=np.int64)
         if hit.copy:  # a fresh chain from the copy page on: the base that puts page q0 in the chosen lane
-            lane = self.alloc.lane_for_new_chain(q0, prefer=hit.copy_lane)
+            lane = self.alloc.lane_for_new_chain(q0, prefer=hit.copy_lane, pages=stop - q0)
             base = lane_base_from_prefix(lane, q0 * self.S + 1, self.S, self.N)
         elif hit.shared:
             base = lane_base_of_last_loc(hit.last_shared_loc, hit.shared, self.S, self.N)
         else:
-            base = self.alloc.lane_for_new_chain(0)
+            base = self.alloc.lane_for_new_chain(0, pages=stop)
         return layout.chain_lane_pages(base, q0, stop - q0, self.N)
 
     def evictable_pages(self) -> np.ndarray:
@@ -168,7 +168,7 @@ class PrefixCacheQuestions:
         first, stop = -(-length // S), -(-end // S)
         if stop <= first:
             return np.zeros(N, dtype=np.int64)
-        base = lane_base_of_last_loc(last_loc, length, S, N) if length else self.alloc.lane_for_new_chain(0)
+        base = lane_base_of_last_loc(last_loc, length, S, N) if length else self.alloc.lane_for_new_chain(0, pages=stop)
         return layout.chain_lane_pages(base, first, stop - first, N)
 
     def can_allocate(self, tokens: Sequence[int], end: int, host=None) -> Admission:
