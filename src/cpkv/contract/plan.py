@@ -8,6 +8,7 @@ chain ([[RFC-0001:C-REQUEST-RELATIVE]]). Nothing here communicates
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,6 +123,16 @@ def choose_lane_bases(
 MAX_PASSES = 4
 
 
+@functools.lru_cache(maxsize=64)
+def _rotations(N: int) -> np.ndarray:
+    """``rot[l, s] = (l - s) % N``, int64 ``[N, N]`` (read only): how far lane
+    ``l`` lies past lane ``s``."""
+    lanes = np.arange(N)
+    rot = (lanes[:, None] - lanes[None, :]) % N
+    rot.flags.writeable = False
+    return rot
+
+
 def _sweep_bases(fresh: np.ndarray, k: np.ndarray, start: np.ndarray, lane_free: np.ndarray, N: int,
                  cursor: int) -> tuple[np.ndarray, int]:
     """Bases of the fresh entries (see :func:`choose_lane_bases`) and the final
@@ -140,43 +151,66 @@ def _sweep_bases(fresh: np.ndarray, k: np.ndarray, start: np.ndarray, lane_free:
     gap0 = lane_free.max() - lane_free  # pages taken, relative: the rule sees only differences
     covered = np.zeros(N, dtype=np.int64)  # remainder pages taken before entry r0
     pos = np.zeros(m, dtype=np.int64)  # the lane each fresh entry starts at
+    walk_all = np.where(fresh, k, 0)  # the fresh remainders move the front
+    zero_all = fresh & (k == 0)  # fresh whole sweeps: take the cursor, move it
+    run_all = fresh & (k > 0)
+    idx_all = np.arange(m)
+    rot, prev = _rotations(N), (lanes - 1) % N  # rot[l, s] = (l - s) % N
     r0, c = 0, cursor
     for _ in range(MAX_PASSES):
         g = gap0 + covered
-        f, kk, kr = fresh[r0:], k[r0:], k[r0:]
-        walk = np.where(f, kr, 0)
+        f, kk, walk, zero, run = fresh[r0:], k[r0:], walk_all[r0:], zero_all[r0:], run_all[r0:]
         if g.min() == g.max():
             front0, origin0 = 0, c
         else:
-            top = g == g.min()
-            front0 = N - int(top.sum())
+            front0 = N - int((g == g.min()).sum())
             origin0 = fresh_lane(-g, c, None) - front0
-        front = (front0 + walk.cumsum() - walk) % N  # before each entry
-        adv = f & ((kr == 0) | ((front + walk) % N == 0))
-        cur = c + adv.cumsum() - adv
-        restart = f & (kr > 0) & (front == 0)
-        last = np.maximum.accumulate(np.where(restart, np.arange(kk.size), -1))
-        origin = np.where(last >= 0, cur[np.maximum(last, 0)], origin0)
-        guess = np.where(kr == 0, cur, origin + front) % N
+        end = walk.cumsum()
+        end += front0
+        end %= N  # the front after each entry
+        front = end - walk
+        front %= N
+        adv = end == 0
+        adv &= run
+        adv |= zero
+        cur = adv.cumsum()
+        cur -= adv
+        cur += c
+        restart = front == 0
+        restart &= run
+        if restart.any():
+            last = np.maximum.accumulate(np.where(restart, idx_all[: kk.size], -1))
+            origin = np.where(last >= 0, cur[last], origin0)
+        else:
+            origin = origin0
+        guess = np.where(zero, cur, front + origin)
+        guess %= N
         lane = np.where(f, guess, start[r0:])
-        cov = (lanes[None, :] - lane[:, None]) % N < kk[:, None]
-        before = covered + cov.cumsum(0)  # after each entry
-        after = gap0 + before
-        before -= cov
-        even = after.min(1) == after.max(1)
-        adv = f & ((kr == 0) | even)
-        cur = c + adv.cumsum() - adv  # the exact cursor before each entry
-        gb = gap0 + before
-        top = gb == gb.min(1)[:, None]
-        top &= ~np.roll(top, 1, axis=1) | top.all(1)[:, None]
-        exact = np.where(kr == 0, cur % N, (((lanes[None, :] - cur[:, None]) % N) + N * ~top).argmin(1))
+        # lane-major [N, entries]: the reductions over lanes run along the long axis
+        cov = rot[:, lane] < kk
+        gb = cov.cumsum(1)
+        gb += g[:, None]  # the gaps after each entry
+        even = gb.min(0) == gb.max(0)
+        gb -= cov  # before each entry
+        adv = even & f
+        adv |= zero
+        cur = adv.cumsum()  # the exact cursor before each entry
+        cur -= adv
+        cur += c
+        cur %= N
+        # fresh_lane as one key: fewest taken, then a run's head, then from the cursor on
+        key = gb * 2
+        key += gb[prev] <= gb
+        key *= N
+        key += rot[:, cur]
+        exact = np.where(zero, cur, key.argmin(0))
         wrong = (f & (exact != guess)).nonzero()[0]
         if wrong.size == 0:
             pos[r0:] = guess
-            return pos[fresh], int(c + adv.sum()) % N
+            return pos[fresh], int(cur[-1] + adv[-1]) % N
         w = int(wrong[0])
         pos[r0 : r0 + w] = guess[:w]
-        covered, c = before[w], int(cur[w]) % N
+        covered, c = gb[:, w] - gap0, int(cur[w])
         r0 = r0 + w
     # the plain sequential rule for what is left (rare: counts far from even)
     rel = lane_free - covered
