@@ -112,8 +112,8 @@ class OwnerLaneAllocator:
         an extend would get it: under ``least_full`` the lane
         :func:`~cpkv.contract.plan.fresh_lane` gives for the free counts and
         the allocator's cursor (``pages``, the chain's new pages if known,
-        decides whether its remainder is zero; ``prefer`` wins if it is one
-        of the lanes the rule may pick), or the lane that gives base 0
+        decides whether its remainder is zero; ``prefer`` wins if it has the
+        most free pages and the remainder is not known to be zero), or the lane that gives base 0
         (``lane0``). A question: the cursor does not move.
         [[RFC-0001:C-REQUEST-RELATIVE]]"""
         free, N = self._lists.free, self.cp_size
@@ -122,7 +122,7 @@ class OwnerLaneAllocator:
         if N == 1:
             return 0
         rem = None if pages is None else int(pages) % N
-        if prefer is not None and rem != 0 and plan.run_starts(free)[prefer]:
+        if prefer is not None and rem != 0 and free[prefer] == free.max():
             return int(prefer)
         return plan.fresh_lane(free, self._lists.cursor, rem)
 
