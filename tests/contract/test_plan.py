@@ -62,8 +62,9 @@ def test_interleave_split(case):
 
 
 def test_lane_bases_are_request_relative_and_least_full():
-    """Fixed bases stay; chosen ones take the fullest lane, lowest on ties,
-    counting earlier requests of the batch. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    """Fixed bases stay; chosen ones take the fullest lane, on ties the first
+    at or after the cursor, counting earlier requests of the batch.
+    [[RFC-0001:C-REQUEST-RELATIVE]]"""
     fixed = np.array([0, 3, 0, 0])
     has = np.array([False, True, False, False])
     first = np.array([0, 2, 0, 0])
@@ -71,8 +72,15 @@ def test_lane_bases_are_request_relative_and_least_full():
     free = np.array([5, 5, 5, 5])
     # r0 takes lane 0; r1 (base 3, from q 2) takes lanes 1,2,3; r2 picks lane 0?
     # after r0, r1: free [4,4,4,4] -> lane 0, takes 0,1; r3: [3,3,4,4] -> lane 2
-    assert choose_lane_bases(fixed, has, first, n, free, 4).tolist() == [0, 3, 0, 2]
-    assert choose_lane_bases(fixed, has, first, n, free, 4, "lane0").tolist() == [0, 3, 0, 0]
+    # (only a fresh request moves the cursor: r1 evens the lanes, the cursor stays at 0)
+    bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4)
+    assert (bases.tolist(), cursor) == ([0, 3, 0, 2], 0)
+    # from cursor 2: r0 takes lane 2 -> [5,5,4,5]; r1 -> [5,4,3,4]; r2 at lane 0, the only
+    # most-free one -> [4,3,3,4]; r3: lanes 3 and 0 most free, one run that starts at 3
+    bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4, cursor=2)
+    assert (bases.tolist(), cursor) == ([2, 3, 0, 3], 2)
+    bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4, "lane0", cursor=3)
+    assert (bases.tolist(), cursor) == ([0, 3, 0, 0], 3)
     with pytest.raises(ValueError):
         choose_lane_bases(fixed, has, first, n, free, 4, "random")
 
@@ -99,16 +107,29 @@ def test_lane_take_matches_its_definition(N, reqs):
     assert take.lane_counts.tolist() == seen
 
 
-def sequential_lane_bases(fixed, has, first, n, free, N):
-    """The least-full rule one request at a time (the definition, as first written)."""
-    rel, bases = list(free), list(fixed)
+def sequential_lane_bases(fixed, has, first, n, free, N, cursor=0):
+    """The least-full rule one request at a time, written out from its
+    definition: a fresh request with remainder ``k = n % N == 0`` starts at
+    the cursor; otherwise at the first lane at or after the cursor that is
+    most free and whose predecessor is not (any most-free lane when all are
+    equal). The cursor moves one lane after a fresh request with ``k == 0``
+    or one that leaves every lane equally free."""
+    rel, bases, c = list(free), list(fixed), cursor
     for r in range(len(n)):
+        k = n[r] % N
         if not has[r]:
-            bases[r] = rel.index(max(rel))
+            if k == 0:
+                bases[r] = c
+            else:
+                top = [x == max(rel) for x in rel]
+                ok = [top[l] and (all(top) or not top[l - 1]) for l in range(N)]
+                bases[r] = next(l % N for l in range(c, c + N) if ok[l % N])
         start = (bases[r] + first[r]) % N
         for j in range(n[r]):
             rel[(start + j) % N] -= 1
-    return bases
+        if not has[r] and (k == 0 or min(rel) == max(rel)):
+            c = (c + 1) % N
+    return bases, c
 
 
 @st.composite
@@ -122,7 +143,9 @@ def lane_batches(draw):
     fixed = np.array([b % N if h else 0 for h, b, _, _ in reqs])
     first = np.array([f if h else 0 for h, _, f, _ in reqs])
     n = np.array([k for *_, k in reqs])
-    return N, np.array(free), has, fixed, first, n
+    if draw(st.booleans()):  # whole sweeps, or equal lengths
+        n = n - n % N if draw(st.booleans()) else np.full(n.size, n[0])
+    return N, np.array(free), has, fixed, first, n, draw(st.integers(0, N - 1))
 
 
 @given(lane_batches())
@@ -130,13 +153,14 @@ def test_lane_bases_equal_the_sequential_rule(case):
     """The vectorised choice (checked sweep) gives exactly the bases of the
     request-by-request rule, from even and from disturbed lane counts, with
     fixed-base requests interleaved. [[RFC-0001:C-REQUEST-RELATIVE]]"""
-    N, free, has, fixed, first, n = case
-    want = sequential_lane_bases(fixed, has, first, n, free, N)
+    N, free, has, fixed, first, n, cursor = case
+    want = sequential_lane_bases(fixed, has, first, n, free, N, cursor)
     default = plan.MAX_PASSES
-    try:  # every mix of vectorised passes and the sequential step gives the same bases
+    try:  # every mix of vectorised passes and the sequential step gives the same bases and cursor
         for passes in (default, 1, 0):
             plan.MAX_PASSES = passes
-            assert choose_lane_bases(fixed, has, first, n, free, N).tolist() == want, passes
+            bases, c = choose_lane_bases(fixed, has, first, n, free, N, cursor=cursor)
+            assert (bases.tolist(), c) == want, passes
     finally:
         plan.MAX_PASSES = default
 

@@ -69,18 +69,25 @@ def test_free_group_end_frees_what_a_refused_call_named_only_if_named_again():
 
 
 # -- alloc -------------------------------------------------------------------------------------
-def _lanes_ref(free, n, N):
-    """Reference: a fresh chain starts at the lane with most free pages (lowest on a tie)."""
-    b = int(np.argmax(free))
+def _lanes_ref(free, n, N, cursor):
+    """Reference: a fresh chain of a multiple of N pages starts at the cursor;
+    any other at the first lane at or after the cursor that has most free
+    pages and whose predecessor has fewer (any most-free lane on a tie of all)."""
+    top = [f == max(free) for f in free]
+    b = cursor if n % N == 0 else next(
+        l % N for l in range(cursor, cursor + N) if top[l % N] and (all(top) or not top[l % N - 1]))
     return [(b + j) % N for j in range(n)]
 
 
 @given(st.integers(1, 4), st.sampled_from([1, 4]), st.lists(st.integers(0, 6), max_size=6))
 def test_alloc_is_a_fresh_chain_of_whole_pages_at_the_least_full_lane(N, S, needs):
     a = OwnerLaneAllocator(16 * N * S, S, N)
+    if N > 1:  # a cursor away from 0
+        a.allocate_extend([0], [N * S], [-1])
     for n in needs:
         free = a.lane_free_pages()
         before = a.snapshot()
+        cursor = before[-1]  # the lane-base cursor (alloc does not move it)
         out = a.alloc(n * S)
         if out is None:
             assert a.snapshot() == before
@@ -88,7 +95,7 @@ def test_alloc_is_a_fresh_chain_of_whole_pages_at_the_least_full_lane(N, S, need
         assert out.dtype == torch.int64 and out.numel() == n * S
         pages = out.view(n, S)[:, 0] // S
         assert (out.view(n, S) - (pages * S)[:, None] == torch.arange(S)).all()  # SGLang: each page's slots in order
-        assert (pages % N).tolist() == _lanes_ref(free, n, N)
+        assert (pages % N).tolist() == _lanes_ref(free, n, N, cursor)
         assert (a.page_fill(pages.numpy()) == S).all()
 
 

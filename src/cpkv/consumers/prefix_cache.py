@@ -159,7 +159,7 @@ class PrefixCacheQuestions:
         if hit.shared:  # the copy page (if any) and the rest continue the shared chain's lanes
             base = lane_base_of_last_loc(hit.last_shared_loc, hit.shared, self.S, self.N)
         else:  # a fresh chain (from a copy of page 0, or nothing)
-            base = self.alloc.lane_for_new_chain(0, prefer=hit.copy_lane if hit.copy else None)
+            base = self.alloc.lane_for_new_chain(0, prefer=hit.copy_lane if hit.copy else None, pages=stop)
         return layout.chain_lane_pages(base, q0, stop - q0, self.N)
 
     def evictable_pages(self) -> np.ndarray:
@@ -193,7 +193,7 @@ class PrefixCacheQuestions:
         first, stop = -(-length // S), -(-end // S)
         if stop <= first:
             return np.zeros(N, dtype=np.int64)
-        base = lane_base_of_last_loc(last_loc, length, S, N) if length else self.alloc.lane_for_new_chain(0)
+        base = lane_base_of_last_loc(last_loc, length, S, N) if length else self.alloc.lane_for_new_chain(0, pages=stop)
         return layout.chain_lane_pages(base, first, stop - first, N)
 
     def can_allocate(self, tokens: Sequence[int], end: int, host=None, key=None) -> Admission:

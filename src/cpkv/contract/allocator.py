@@ -107,18 +107,25 @@ class OwnerLaneAllocator(SGLangCalls):
         """
         return self.cp_size * int(self._lists.free.min()) * self.page_size
 
-    def lane_for_new_chain(self, position: int, prefer: int | None = None) -> int:
+    def lane_for_new_chain(self, position: int, prefer: int | None = None, pages: int | None = None) -> int:
         """Lane for a request's first own page at request-local position
-        ``position`` when nothing fixes it yet: the lane with the most free
-        pages (``least_full``; ties to ``prefer`` if it is among them, else to
-        the lowest), or the lane that gives base 0 (``lane0``).
+        ``position`` when nothing fixes it yet, as the next fresh request of
+        an extend would get it: under ``least_full`` the lane
+        :func:`~cpkv.contract.plan.fresh_lane` gives for the free counts and
+        the allocator's cursor (``pages``, the chain's new pages if known,
+        decides whether its remainder is zero; ``prefer`` wins if it has the
+        most free pages and the remainder is not known to be zero), or the lane that gives base 0
+        (``lane0``). A question: the cursor does not move.
         [[RFC-0001:C-REQUEST-RELATIVE]]"""
-        free = self._lists.free
+        free, N = self._lists.free, self.cp_size
         if self.base_policy == "lane0":
-            return int(lane_of_position(0, position, self.cp_size))
-        if prefer is not None and free[prefer] == free.max():
+            return int(lane_of_position(0, position, N))
+        if N == 1:
+            return 0
+        rem = None if pages is None else int(pages) % N
+        if prefer is not None and rem != 0 and free[prefer] == free.max():
             return int(prefer)
-        return int(np.argmax(free))
+        return plan.fresh_lane(free, self._lists.cursor, rem)
 
     def snapshot(self) -> tuple:
         """The whole state as a hashable value (free lists in order, fill marks,
@@ -357,6 +364,7 @@ class OwnerLaneAllocator(SGLangCalls):
             self.last_deficit = batch
             return None
         self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill, batch.new_positions)
+        self._lists.cursor = batch.cursor
         if batch.grown is not None:
             self._lists.write(batch.grown, batch.grown_fill)
         alloc = Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)

@@ -17,6 +17,9 @@ belongs to lane ``p % N``. State:
   taken by owner or by ``alloc``) or the page is free;
 * ``pending``: pages freed inside an open free group, still allocated until
   the group ends (a page freed by several calls of one group is one free);
+* ``cursor``: the lane where a fresh request's lane base goes on a tie
+  (:func:`cpkv.contract.plan.choose_lane_bases`); it moves only when an
+  extend or decode commits, and a restore puts it back;
 * ``need_sort``: when set, every lane's free list is kept sorted, the lowest
   page handed out next; otherwise a freed page is handed out before the
   older free pages of its lane (a stack).
@@ -66,6 +69,7 @@ class AllocatorState:
     fill: np.ndarray
     gen: np.ndarray
     pos: np.ndarray
+    cursor: int = 0
 
 
 class LaneFreeLists:
@@ -87,6 +91,7 @@ class LaneFreeLists:
         self.gen = np.zeros(num_pages + 1, dtype=np.int64)
         self.pos = np.full(num_pages + 1, -1, dtype=np.int64)
         self.epoch = 1  # the next allocation's stamp; never reset, never restored
+        self.cursor = 0  # where lane-base ties go (plan.choose_lane_bases)
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
 
     def clear(self) -> None:
@@ -97,6 +102,7 @@ class LaneFreeLists:
         self.fill[...] = 0
         self.gen[...] = 0
         self.pos[...] = -1
+        self.cursor = 0
         self.pending = None
 
     # -- questions --------------------------------------------------------------
@@ -151,12 +157,12 @@ class LaneFreeLists:
     def snapshot(self) -> tuple:
         """The whole state as a hashable value: free pages per lane in order,
         fill marks, pages pending in a free group (None when none is open),
-        chain positions. Allocation stamps are left out: they name
+        chain positions, the lane-base cursor. Allocation stamps are left out: they name
         allocations, and two allocators on the same calls with a restore
         between them stamp differently (a restore never rewinds ``epoch``)."""
         lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
         pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
-        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, self.pos.tobytes()
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, self.pos.tobytes(), self.cursor
 
     # -- changes ----------------------------------------------------------------
     def take(self, pages: np.ndarray, counts: np.ndarray, fill, positions=None) -> int:
@@ -198,7 +204,7 @@ class LaneFreeLists:
     def copy_out(self, size: int, page_size: int) -> AllocatorState:
         """A copy of the state (the free-group buffer is not part of it)."""
         return AllocatorState(size, page_size, self.cp_size, self.free.copy(), self.stack.copy(), self.fill.copy(),
-                              self.gen.copy(), self.pos.copy())
+                              self.gen.copy(), self.pos.copy(), self.cursor)
 
     def copy_in(self, state: AllocatorState) -> None:
         """Put a copy of ``state`` back (the caller checked it fits). ``epoch``
@@ -206,3 +212,4 @@ class LaneFreeLists:
         dead, since no later allocation gets it again."""
         self.free[...], self.stack[...], self.fill[...] = state.free, state.stack, state.fill
         self.gen[...], self.pos[...] = state.gen, state.pos
+        self.cursor = state.cursor

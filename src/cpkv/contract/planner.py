@@ -63,7 +63,8 @@ class PendingAllocation:
     partial pages the batch writes further, their new marks ``grown_fill``;
     ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
-    plan fields of :class:`~cpkv.contract.allocation.Allocation`.
+    plan fields of :class:`~cpkv.contract.allocation.Allocation`; ``cursor``
+    is the lane-base cursor once the batch is in.
     """
 
     out: torch.Tensor
@@ -74,6 +75,7 @@ class PendingAllocation:
     grown_fill: np.ndarray | None
     host_plan: Callable[[], dict[str, np.ndarray]]
     new_positions: np.ndarray
+    cursor: int
 
 
 class BatchPlanner:
@@ -108,7 +110,8 @@ class BatchPlanner:
             first_new = -(-prefix // S)
             n_new = -(-seq // S) - first_new
             fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
-        base = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy)
+        base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
+                                              lists.cursor)
         take = plan.lane_take(base, first_new, n_new, N)
         if (deficit := lists.deficit(take.lane_counts)) is not None:
             return deficit
@@ -150,7 +153,8 @@ class BatchPlanner:
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
                     "new_page_positions": positions}
 
-        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions)
+        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions,
+                                 cursor)
 
     def decode(self, seq: np.ndarray, last: np.ndarray) -> PendingAllocation | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
@@ -165,7 +169,7 @@ class BatchPlanner:
             r = int((seq < 1).nonzero()[0][0])
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
         prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
-        base = None
+        base, cursor = None, lists.cursor
         if (fast := self.rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
             last_page, needs = fast
             self.rules.check_capacity(prefix, seq, None, last_page)
@@ -179,8 +183,8 @@ class BatchPlanner:
             lanes = (last_page[idx] + 1) % N
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
                 fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
-                base = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free, N,
-                                              self.base_policy)
+                base, cursor = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free,
+                                                      N, self.base_policy, cursor)
                 lanes = np.where(has[idx], lanes, base[idx])
         counts = np.bincount(lanes, minlength=N)
         if (deficit := lists.deficit(counts)) is not None:
@@ -201,4 +205,4 @@ class BatchPlanner:
             }
 
         return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1,
-                                 host_plan, positions)
+                                 host_plan, positions, cursor)

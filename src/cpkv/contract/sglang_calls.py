@@ -61,8 +61,8 @@ class SGLangCalls:
 
         Under owner lanes the pages form one chain: page j lies in lane
         ``(first_lane + j) % N``, ``first_lane`` by default the lane a fresh
-        chain gets (:meth:`lane_for_new_chain`: the lane with the most free
-        pages under ``least_full``). To place pages that continue a request
+        chain gets (:meth:`lane_for_new_chain`, the lane-base rule under
+        ``least_full``; the cursor does not move). To place pages that continue a request
         at page position q, pass ``first_lane = (b + q) % N``. The pages are
         whole (fill S) and their chain position is not recorded, so the only
         continuation is from a page's last slot (SGLang's HiCache loads whole
@@ -73,7 +73,8 @@ class SGLangCalls:
         need, S, N = int_scalar(need_size, "need_size"), self.page_size, self.cp_size
         if need < 0 or need % S:
             raise UnsupportedPagePlan("unaligned-need", f"need_size {need} is not a non-negative multiple of {S}")
-        first = self.lane_for_new_chain(0) if first_lane is None else int_scalar(first_lane, "first_lane")
+        first = self.lane_for_new_chain(0, pages=need // S) if first_lane is None else int_scalar(first_lane,
+                                                                                                "first_lane")
         if not 0 <= first < N:
             raise UnsupportedPagePlan("owner-out-of-range", f"first_lane {first} not in [0, {N})")
         owners = lane_of_position(first, np.arange(need // S), N)

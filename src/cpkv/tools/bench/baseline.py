@@ -15,7 +15,8 @@ class BlockListBaseline:
     use; a reference count per block, reset on allocation and dropped on free,
     the block returning to the free list at zero), as vLLM v1's ``BlockPool``
     keeps a free queue and per-block reference counts. It follows the same
-    owner-lane rule (lane bases least-full, request by request), so it returns
+    owner-lane rule (lane bases least-full, ties by the rotating cursor of
+    :func:`~cpkv.contract.plan.fresh_lane`, request by request), so it returns
     the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
 
     def __init__(self, num_pages: int, page_size: int, cp_size: int):
@@ -27,6 +28,7 @@ class BlockListBaseline:
         self.lanes = [deque(range(l if l else N, self.num_pages + 1, N)) for l in range(N)]
         self.used: set[int] = set()
         self.ref = [0] * (self.num_pages + 1)
+        self.cursor = 0
 
     def alloc_extend(self, seq_lens: list[int]) -> torch.Tensor:
         """Fresh requests of ``seq_lens`` tokens; the slots of all their pages
@@ -35,14 +37,22 @@ class BlockListBaseline:
         pages, used_in_page = [], []
         for n in seq_lens:
             free = [len(q) for q in lanes]
-            b = free.index(max(free))
             k = -(-n // S)
+            c, top = self.cursor, max(free)
+            if k % N == 0:
+                b = c
+            else:
+                even = min(free) == top
+                b = next(l % N for l in range(c, c + N)
+                         if free[l % N] == top and (even or free[l % N - 1] != top))
             for q in range(k):
                 p = lanes[(b + q) % N].popleft()
                 ref[p] = 1
                 used.add(p)
                 pages.append(p)
             used_in_page += [S] * (k - 1) + [n - (k - 1) * S]
+            if k % N == 0 or min(len(q) for q in lanes) == max(len(q) for q in lanes):
+                self.cursor = (c + 1) % N
         full = (np.array(pages)[:, None] * S + np.arange(S)).reshape(-1)
         if all(n % S == 0 for n in seq_lens):
             return torch.from_numpy(full)
