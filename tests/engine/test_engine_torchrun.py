@@ -1,5 +1,6 @@
-"""The engine and its disaggregation under torchrun (cpkv.engine.joined): one node of N ranks, and a prefill node and a
-decode node on loopback, each exact against transformers (``--check``); refusals before anything joins."""
+"""The engine and its disaggregation under torchrun (cpkv.engine.joined), started as a user starts them (``torchrun
+... -m cpkv run``): one node of N ranks, and a prefill node and a decode node on loopback, each exact against
+transformers (``--check``), the report printed by one rank only; refusals before anything joins."""
 
 import json
 
@@ -12,6 +13,13 @@ from cpkv.engine.joined import run_disagg_joined, run_engine_joined
 
 ENV = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
        "MASTER_PORT": "29500"}
+
+
+def _report(out) -> dict:
+    """The one report the ranks printed (exactly one rank prints it)."""
+    printed = sorted(out.glob("report.*.json"))
+    assert len(printed) == 1, f"{len(printed)} ranks printed a report"
+    return json.loads(printed[0].read_text())
 
 
 def _exact(report: dict) -> None:
@@ -27,7 +35,7 @@ def test_the_engine_under_torchrun_on_one_node_is_exact(tmp_path, n):
     p = start_torchrun(tmp_path, ["--standalone", "--nproc-per-node", str(n)], "support.torchrun_engine", "engine",
                        str(tmp_path), str(n))
     assert finish(p, tmp_path, 240) == 0, log_tail(tmp_path)
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _report(tmp_path)
     assert report["rank"] == 0
     _exact(report)
 
@@ -40,7 +48,7 @@ def test_disaggregation_across_two_torchrun_nodes_is_exact(tmp_path, prefill, de
                       prefill=prefill, decode=decode)
     for p, role in zip(procs, ["prefill", "decode"]):
         assert finish(p, tmp_path, 300, log=role) == 0, log_tail(tmp_path, role)
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _report(tmp_path)
     assert (report["prefill_ranks"], report["decode_ranks"]) == (prefill, decode)
     assert report["transfers"] > 0 and report["bytes_moved"] > 0
     _exact(report)

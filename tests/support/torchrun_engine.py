@@ -1,28 +1,33 @@
-"""The engine under torchrun: ``python -m torch.distributed.run ... -m support.torchrun_engine KIND OUT M [N]``
-(``PYTHONPATH=src:tests``). ``KIND`` is ``engine`` (a CP group of M ranks) or ``disagg`` (M prefill ranks, N decode
-ranks); a small trace with ``--check`` on; the rank that has the report writes it to ``OUT/report.json``."""
+"""The engine under torchrun through the command a user types: ``python -m torch.distributed.run ... -m
+support.torchrun_engine KIND OUT M [N]`` (``PYTHONPATH=src:tests``) runs ``cpkv run ... --check --json`` in every rank.
+``KIND`` is ``engine`` (a CP group of M ranks) or ``disagg`` (M prefill ranks, N decode ranks); the one rank that
+prints the report writes it, with its world rank and how many ranks printed, to ``OUT/report.json``."""
 
+import contextlib
+import io
 import json
 import os
 import sys
 
-from cpkv import DisaggConfig
-from cpkv.engine.engine import EngineConfig
-from cpkv.engine.joined import run_disagg_joined, run_engine_joined
+from cpkv.tools.cli import main as cpkv_main
 
 
 def main(argv):
     kind, out, *sizes = argv
+    common = ["--requests", "2", "--check", "--timeout", "200", "--json", "--no-progress"]
     if kind == "engine":
-        report = run_engine_joined(EngineConfig(cp_size=int(sizes[0]), device_pages=8, host_pages=96, requests=2,
-                                                check=True, timeout=200))
+        args = ["run", "--cp", sizes[0], "--device-pages", "8", "--host-pages", "96", *common]
     else:
-        report = run_disagg_joined(DisaggConfig(prefill_size=int(sizes[0]), decode_size=int(sizes[1]), requests=2,
-                                                check=True, timeout=200))
-    if report is not None:
-        keep = {k: v for k, v in report.items() if isinstance(v, (int, float, str, bool, dict))}
-        with open(os.path.join(out, "report.json"), "w") as f:
-            json.dump({**keep, "rank": int(os.environ["RANK"])}, f, default=str)
+        args = ["run", "--disagg", f"{sizes[0]}:{sizes[1]}", *common]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cpkv_main(args)
+    if code:
+        raise SystemExit(code)
+    if buf.getvalue().strip():  # the rank that holds the report; every other rank prints nothing
+        report = json.loads(buf.getvalue())
+        with open(os.path.join(out, f"report.{os.environ['RANK']}.json"), "w") as f:
+            json.dump({**report, "rank": int(os.environ["RANK"])}, f, default=str)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,18 @@ def _env(environ: Mapping[str, str] | None) -> TorchrunEnv:
     return env
 
 
+def _agree_on_cache(comm, cfg) -> None:
+    """Every rank takes rank 0's device cache sizes: a default sized from
+    memory (``MemAvailable``, read by each rank when its configuration was
+    made) may differ between ranks, and the schedulers must be identical."""
+    names = [n for n in ("device_pages", "decode_pages") if hasattr(cfg, n)]
+    first = comm.all_gather_object({n: getattr(cfg, n) for n in names})[0]
+    for n in names:
+        setattr(cfg, n, first[n])
+
+
 def _engine_target(ctx: JoinedContext, cfg: EngineConfig) -> dict | None:
+    _agree_on_cache(ctx.comm, cfg)
     return engine_rank(ctx.shared, ctx.comm, cfg, build_adapter(cfg.model))
 
 
@@ -75,6 +86,7 @@ def _disagg_target(ctx: JoinedContext, cfg: DisaggConfig) -> dict | None:
     if ctx.node_ranks != ctx.role_ranks(ctx.role):
         raise ValueError(f"the {ctx.role} group must be one node (its cache is shared memory): its ranks "
                          f"{list(ctx.role_ranks(ctx.role))}, this node's {list(ctx.node_ranks)}")
+    _agree_on_cache(ctx.world_comm, cfg)  # the first world rank's sizes, for both groups
     order = ctx.role_ranks("prefill") + ctx.role_ranks("decode")  # disagg_rank numbers the world prefill first
     return disagg_rank(ReorderedComm(ctx.world_comm, order), ctx.comm, ctx.role, ctx.shared,
                        ReorderedP2P(DistP2P(timeout=cfg.transfer_timeout), order), cfg, build_adapter(cfg.model))

@@ -198,11 +198,11 @@ def run_config(args):
     """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
     (``--cp`` not given: the default group size). ``ValueError`` for a
     ``--kv-memory`` that holds no page."""
-    from ..engine.config import EngineConfig, field_defaults
+    from ..engine.config import EngineConfig
     from ..models import model_config
 
     return EngineConfig(
-        cp_size=field_defaults(EngineConfig)["cp_size"] if args.cp is None else args.cp, page_size=args.page,
+        cp_size=default_cp_size() if args.cp is None else args.cp, page_size=args.page,
         device_pages=args.device_pages, kv_memory=args.kv_memory, host_pages=args.host_pages,
         chunk=args.chunk, max_running=args.max_running, admission=args.admission,
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
@@ -267,14 +267,13 @@ def validate_disagg(args, parser, cfg) -> None:
 def validate_run(args, parser) -> None:
     """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
     sets ``args.config`` (an engine or a disaggregated configuration)."""
-    from ..engine.config import EngineConfig, field_defaults
     from ..engine.trace import CacheTooSmall, TraceError
 
     if args.disagg is not None and args.cp is not None:
         parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
                      f"decode ranks); it does not take --cp {args.cp}")
     refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
-                                 else args.cp or field_defaults(EngineConfig)["cp_size"])
+                                 else args.cp or default_cp_size())
     if args.device == "cuda" and args.disagg:
         parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
     if args.decode_page is not None and args.disagg is None:
@@ -341,13 +340,27 @@ def say_how_long(cfg, specs, world_size: int) -> float:
 
 
 def cmd_run(args) -> int:
-    """``cpkv run``: the engine (or, with ``--disagg``, the two groups) on ``args.config``; prints the report."""
-    from ..engine import engine
+    """``cpkv run``: the engine (or, with ``--disagg``, the two groups) on ``args.config``; prints the report.
 
+    Started by torchrun (:func:`~cpkv.runtime.torchrun.torchrun_env`), the
+    ranks join torchrun's world instead of spawning their own
+    (:mod:`cpkv.engine.joined`); the rank that holds the report prints it,
+    the others print nothing and exit 0."""
+    from ..engine import engine
+    from ..runtime.torchrun import torchrun_env
+
+    joined = torchrun_env() is not None
     if args.disagg:
         from ..engine.disagg import format_disagg, run_disagg
 
-        r = run_disagg(args.config)
+        if joined:
+            from ..engine.joined import run_disagg_joined
+
+            r = run_disagg_joined(args.config)
+            if r is None:
+                return EXIT_OK
+        else:
+            r = run_disagg(args.config)
         if args.json and isinstance(r.get("config"), dict):  # without the test-only fault hooks
             from ..engine.config import FAULT_HOOKS
 
@@ -355,7 +368,14 @@ def cmd_run(args) -> int:
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
         return check_exit(r, args)
-    r = engine.run_engine(args.config)
+    if joined:
+        from ..engine.joined import run_engine_joined
+
+        r = run_engine_joined(args.config)
+        if r is None:
+            return EXIT_OK
+    else:
+        r = engine.run_engine(args.config)
     if args.plot:
         from .report import plot_engine
 
@@ -370,6 +390,16 @@ def cmd_run(args) -> int:
         if args.plot:
             print(f"occupancy plot: {args.plot}")
     return check_exit(r, args)
+
+
+def default_cp_size() -> int:
+    """``--cp`` when not given: the world's size under torchrun (every rank of
+    a one-node world is one CP group), else the run configuration's default."""
+    from ..engine.config import EngineConfig, field_defaults
+    from ..runtime.torchrun import torchrun_env
+
+    env = torchrun_env()
+    return env.world_size if env is not None else field_defaults(EngineConfig)["cp_size"]
 
 
 def check_exit(r: dict, args) -> int:
