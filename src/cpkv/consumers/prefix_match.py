@@ -71,6 +71,7 @@ class PrefixMatch:
     node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
     _owner: "PrefixCache | None" = field(default=None, repr=False)
     _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
+    live: bool = True  # its full pages still enter the cache as they are computed
 
     @property
     def last_loc(self) -> int:
