@@ -60,17 +60,19 @@ def simulate(cfg, specs=None):
 def test_control_state_under_pressure(admission, prefill_pages):
     """Small caches: evictions on both sides while the prefill side holds KV
     for transfers (never handed out again while held), decode preemptions
-    (the request goes back to the prefill group, prompt = everything it has),
-    both prefix caches hit; every request finishes and every page comes back."""
+    without admission control (the request goes back to the prefill group,
+    prompt = everything it has; ``lanes`` admission reserves what the running
+    requests need, so it preempts by accident only), both prefix caches hit;
+    every request finishes and every page comes back."""
     cfg = DisaggConfig(prefill_size=2, decode_size=3, page_size=16, decode_page=8, device_pages=prefill_pages,
                        decode_pages=9, host_pages=0, requests=8, scale=0.08, chunk=64, admission=admission)
     ctl, _ = simulate(cfg)
     D, P = ctl.decode.stats, ctl.prefill.stats
-    assert D.finished == len(ctl.decode.requests) and D.preemptions > 0 and D.evicted_pages > 0
+    assert D.finished == len(ctl.decode.requests) and D.evicted_pages > 0
     if prefill_pages < 10:
         assert P.evicted_pages > 0
     if admission == "none":  # preempted after their KV arrived: prefilled again
-        assert len(ctl.prefill.requests) > len(ctl.decode.requests)
+        assert D.preemptions > 0 and len(ctl.prefill.requests) > len(ctl.decode.requests)
     assert P.hit_tokens > 0 and D.hit_tokens > 0
     assert ctl.transfers > 0 and D.arrived_tokens == int(ctl.pair_slots.sum())
 

@@ -355,11 +355,11 @@ class RequestLifecycle:
         if index not in self.held:
             raise KeyError(f"request {index} is not held")
         r = self.held.pop(index)
-        kv = r.slots[: r.computed]
-        if cache:
-            self.cache.insert(r.seq[: r.computed], kv, r.match)
+        m = r.match
+        if cache:  # what cache_pages has not cached yet: O(the tail)
+            self.cache.insert_tail(m, r.ids(m.shared, r.computed), r.slots[m.shared : r.computed])
         else:
-            self.cache.release(r.match, kv)
+            self.cache.release(m, r.slots[: r.computed])
         r.match = None
         self._give_back(r)
 

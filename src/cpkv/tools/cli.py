@@ -22,7 +22,7 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_run, validate_simulate)
 from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    workload_arg)
+                    positive_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,22 +53,27 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "scheduler", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
-                        "by name only)")
+                        "by name only; scheduler: the scheduler alone, by name only)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
-    b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
-                   help="splits: ranks in the group (default 4)")
+    b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
+                   help="splits: ranks in the group (default 4); scheduler: lanes (default 8)")
     b.add_argument("--tokens", type=positive, default=None,
                    help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
     b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
     b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
-    b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
-                   help="splits: tokens per page (default 16)")
+    b.add_argument("--page", "--page-size", dest="page", type=positive, default=None, metavar="S",
+                   help="splits: tokens per page (default 16); scheduler: (default 64)")
+    b.add_argument("--batches", type=positive_list, default=None, metavar="B,..",
+                   help="scheduler: running requests per case (default 64,256,1024)")
+    b.add_argument("--contexts", type=positive_list, default=None, metavar="T,..",
+                   help="scheduler: context tokens per case (default 4096,32768,131072)")
+    b.add_argument("--steps", type=positive, default=None, help="scheduler: decode steps per case (default 64)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
     b.set_defaults(func=cmd_bench)
 

@@ -16,6 +16,7 @@ running request at the median, no step over 5 ms at batch 256 and 128K).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -34,7 +35,7 @@ def _token(r) -> int:
     return (r.index * 7919 + (len(r.prompt) + len(r.generated)) * 104729) % 50_000
 
 
-def scheduler_case(batch: int, context: int, *, steps: int = 128, cp_size: int = 8, page_size: int = 64,
+def scheduler_case(batch: int, context: int, *, steps: int = 64, cp_size: int = 8, page_size: int = 64,
                    seed: int = 0) -> dict:
     """Time the decode steps of one case (see the module doc). Returns its
     table row: median, p99 and max step in ms, us per running request at the
@@ -65,11 +66,18 @@ def scheduler_case(batch: int, context: int, *, steps: int = 128, cp_size: int =
             "hit rate": round(st.hit_tokens / max(st.prompt_tokens, 1), 4)}
 
 
-def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 128, cp_size: int = 8,
+def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8,
                     page_size: int = 64) -> list[dict]:
     """One row per (batch, context) case of :func:`scheduler_case`."""
     return [scheduler_case(b, c, steps=steps, cp_size=cp_size, page_size=page_size) for b in batches
             for c in contexts]
+
+
+def scheduler_title(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8, page_size: int = 64) -> str:
+    """The table title of :func:`bench_scheduler` with these settings (and the load average, which moves the figures)."""
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"scheduler: no model, N {cp_size}, page {page_size}, {steps} decode steps per case on one shared "
+            f"document, every request finishing in the last; load average {load}")
 
 
 if __name__ == "__main__":  # a quick look: python -m cpkv.tools.bench.scheduler
