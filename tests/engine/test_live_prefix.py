@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cpkv.consumers import prefix_cache as pc
+from cpkv.consumers import prefix_live
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 from cpkv.contract.allocator import OwnerLaneAllocator
 from cpkv.engine import EngineConfig, run_engine_threads
@@ -58,6 +59,7 @@ def _decode_cost_run(context: int, monkeypatch) -> list[int]:
         raise AssertionError("a decode step read the whole sequence")
 
     monkeypatch.setattr(pc, "_as_tokens", measured)
+    monkeypatch.setattr(prefix_live, "_as_tokens", measured)
     monkeypatch.setattr(pc, "check_end", refuse)
     monkeypatch.setattr(Request, "seq", property(refuse))
     while not sched.done:  # 129 decode steps, the last one finishing the request

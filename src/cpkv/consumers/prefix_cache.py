@@ -68,8 +68,8 @@ from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_from_prefix, lane_base_of_last_loc
 from .prefix_match import Admission, PrefixHit, PrefixMatch
-from .prefix_rules import (PrefixCacheMisuse, _as_limit, _as_tokens, _int_vector, check_end, check_tail,
-                           refuse_cached_growth)
+from .prefix_live import LivePages
+from .prefix_rules import PrefixCacheMisuse, _as_limit, _as_tokens, _int_vector, check_end, refuse_cached_growth
 from .radix_tree import RadixTree, _Node
 
 __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "PrefixCacheQuestions", "PrefixHit", "PrefixMatch",
@@ -212,7 +212,7 @@ class PrefixCacheQuestions:
         return self.alloc.is_allocated(pages)
 
 
-class PrefixCache(PrefixCacheQuestions):
+class PrefixCache(LivePages, PrefixCacheQuestions):
     """Radix prefix cache over an :class:`OwnerLaneAllocator`.
 
     Use: ``hit = lookup(tokens)`` to rank, ``a = can_allocate(tokens, end,
@@ -378,46 +378,6 @@ class PrefixCache(PrefixCacheQuestions):
             raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
         # -- nothing refuses past this line
         self._end_insert(match, tokens, torch.from_numpy(arr.copy()), 0, match.shared)
-
-    def cache_pages(self, match: PrefixMatch, tokens, slots) -> bool:
-        """A running request's next full pages have their KV: cache them now,
-        so a request arriving while this one runs shares them (vLLM caches a
-        block when it fills; SGLang caches unfinished requests).
-
-        ``tokens`` and ``slots`` (int64) ``[k * S]``, ``k >= 1``: positions
-        ``match.shared ..`` of the request, on its own pages. They become one
-        node under ``match.node``, held by the request (referenced until the
-        match ends, so never evicted); ``match.shared`` grows by ``k * S``
-        (a preemption's :meth:`release` then frees only the pages past them).
-        O(k * S), whatever the request's length. Returns True; False, with
-        ``match.live`` set False and nothing else changed, when the tree
-        already holds a page of those tokens there (another request cached
-        them first): the request keeps its pages private and
-        :meth:`insert_tail` settles them at its end. Raises
-        :class:`PrefixCacheMisuse`, nothing changed (see
-        :func:`~cpkv.consumers.prefix_rules.check_tail`). [[RFC-0001:C-PREFIX-CACHE]]"""
-        tokens, arr = _as_tokens(tokens), _int_vector(slots, "slots", "bad-slots")
-        check_tail(self, match, tokens, arr, "cache_pages", whole_pages=True)
-        parent = match.node or self.tree.root
-        if tokens[: self.S] in parent.children:
-            match.live = False
-            return False
-        node = self._attach(parent, tokens, torch.from_numpy(arr.copy()))
-        self.tree.hold_child(node)
-        match.node, match.shared = node, match.shared + arr.size
-        return True
-
-    def insert_tail(self, match: PrefixMatch, tokens, slots) -> None:
-        """A running request finished: cache the rest of its KV and end
-        ``match``, as :meth:`insert` does with the whole sequence, reading
-        only ``tokens`` and ``slots`` ``[n]``, its positions from
-        ``match.shared`` on (what :meth:`cache_pages` has not cached):
-        O(n + the depth of its path). Raises :class:`PrefixCacheMisuse`,
-        nothing changed (see :func:`~cpkv.consumers.prefix_rules.check_tail`).
-        [[RFC-0001:C-PREFIX-CACHE]]"""
-        tokens, arr = _as_tokens(tokens), _int_vector(slots, "slots", "bad-slots")
-        check_tail(self, match, tokens, arr, "insert_tail", whole_pages=False)
-        self._end_insert(match, tokens, torch.from_numpy(arr.copy()), match.shared, 0)
 
     def _end_insert(self, match: PrefixMatch, tokens: tuple, slots: torch.Tensor, offset: int, own: int) -> None:
         """End ``match`` by caching ``tokens``/``slots``: positions ``offset ..``
