@@ -15,6 +15,8 @@ def test_a_case_times_every_decode_step_and_shares_the_document():
     assert row["batch"] == 6 and row["context"] == 200 and row["steps timed"] >= 4
     assert 0 < row["median ms"] <= row["p99 ms"] <= row["max ms"]
     assert row["us/request"] == pytest.approx(row["median ms"] * 1e3 / 6, rel=0.01)
+    assert 0 < row["cpu median ms"] <= row["cpu max ms"]
+    assert row["cpu us/request"] == pytest.approx(row["cpu median ms"] * 1e3 / 6, rel=0.01)
     # the five later requests share the document's full pages, cached while the first request ran
     assert row["hit rate"] >= 5 * (199 // 16 * 16) / (6 * 200)
 
