@@ -12,7 +12,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench simulate clean
+.PHONY: demo test bench simulate clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,13 +21,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/cpkv run --check
+	$(VENV)/bin/cpkv run --check --device-pages 8
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)
 	$(VENV)/bin/cpkv bench all
+
+# on a machine with a CUDA GPU: the GPU-marked tests, cpkv run --device cuda --check, bench kv and splits at
+# 32K and 128K tokens, under 8 minutes; results in gpu-check/ (stops at once, exit 2, without CUDA)
+gpu-check: $(STAMP)
+	PY=$(PY) tools/gpu_check.sh gpu-check
 
 simulate: $(STAMP)
 	$(VENV)/bin/cpkv simulate

@@ -19,3 +19,16 @@ def llama():
     from cpkv.models import LlamaAdapter, TinyLlama
 
     return LlamaAdapter(TinyLlama().build())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu): run make gpu-check on a machine with one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -25,7 +25,18 @@ the prefix cache's (:class:`PrefixCacheMisuse`), a trace file's
 (:class:`TraceError`), a group this machine cannot hold
 (:class:`GroupTooLarge`), a failed rank (:class:`RankFailure`) and a failed
 disaggregated run (:class:`DisaggFailure`, :class:`TransferAborted`).
+
+On a machine without CUDA, importing cpkv sets ``TRITON_INTERPRET=1`` (unless
+set) before anything else can import triton (``transformers`` does), so the
+Triton kernels of :mod:`cpkv.kernels` run in Triton's interpreter.
 """
+
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():  # before transformers or anything else imports triton
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .consumers.kv_pool import SharedKVPool
 from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch

@@ -1,8 +1,8 @@
 """KV events in vLLM's format ([[RFC-0001:C-KV-EVENTS]]).
 
 The consumer here is written from vLLM's published schema (its own msgspec
-structs, as ``examples/online_serving/kv_events_subscriber.py`` copies them),
-never from cpkv's classes, and the block hash is recomputed from its documented
+structs, as ``examples/online_serving/kv_events_subscriber.py`` copies them,
+in :mod:`support.vllm_kv_events`), never from cpkv's classes, and the block hash is recomputed from its documented
 definition with ``struct`` and ``hashlib``. Every socket is on 127.0.0.1 with a
 port the OS picks; every wait has a deadline of a few seconds."""
 
@@ -10,7 +10,6 @@ import hashlib
 import struct
 import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -21,113 +20,13 @@ from hypothesis import given, strategies as st  # noqa: E402
 
 from cpkv.consumers import kv_events as ke  # noqa: E402
 from cpkv.consumers.kv_events_zmq import KVEventPublisher, KVEventSubscriber  # noqa: E402
+from support.vllm_kv_events import VLLM, apply, doc_hashes, legacy_decoder  # noqa: E402
 
 # a publisher thread that dies of an exception fails the test it dies in
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
 LOCAL = "tcp://127.0.0.1:*"
 S = 4
-
-
-# -- vLLM's schema, copied (array-like tagged structs, as vLLM declares them) ------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-VLLM = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def legacy_decoder():
-    """The older schema of vLLM's example subscriber: no lora_name, no rank."""
-
-    class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
-
-    class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-        pass
-
-    class BlockStored(Event):
-        block_hashes: list[int]
-        parent_block_hash: int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-
-    class BlockRemoved(Event):
-        block_hashes: list[int]
-        medium: str | None
-
-    class AllBlocksCleared(Event):
-        pass
-
-    class LegacyBatch(Batch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return msgspec.msgpack.Decoder(LegacyBatch)
-
-
-# -- the documented hash, recomputed -----------------------------------------------------
-def doc_hashes(tokens, page_size, key=None):
-    k = b"" if key is None else key.encode() if isinstance(key, str) else key
-    out, parent = [], 0
-    for i in range(len(tokens) // page_size):
-        page = tokens[i * page_size:(i + 1) * page_size]
-        msg = struct.pack(">I", len(k)) + k + struct.pack(">Q", parent) + struct.pack(f">{page_size}Q", *page)
-        parent = int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
-        out.append(parent)
-    return out
-
-
-# -- a router's view, rebuilt from events --------------------------------------------------
-def apply(state: dict, batch) -> None:
-    """(medium, hash) -> (parent hash, tokens of the block)."""
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
-            parent = ev.parent_block_hash
-            for j, h in enumerate(ev.block_hashes):
-                state[(ev.medium, h)] = (parent, tuple(ev.token_ids[j * ev.block_size:(j + 1) * ev.block_size]))
-                parent = h
-        elif isinstance(ev, BlockRemoved):
-            for h in ev.block_hashes:
-                state.pop((ev.medium, h), None)
-        else:
-            assert isinstance(ev, AllBlocksCleared)
-            state.clear()
 
 
 def model(state: dict, op) -> None:
@@ -171,7 +70,7 @@ def deadline_loop(seconds):
 
 # -- the hash ----------------------------------------------------------------------------
 @given(st.lists(st.integers(0, 2**40), max_size=40), st.integers(1, 8),
-       st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5)))
+       st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5), st.integers(-5, 10**12)))
 def test_block_hashes_follow_the_documented_definition(tokens, page_size, key):
     got = ke.block_hashes(tokens, page_size, key)
     assert got == doc_hashes(tokens, page_size, key)
@@ -193,7 +92,8 @@ def test_block_hash_pinned_value():
     (lambda: ke.block_hashes([1, 2], 2.0), TypeError),
     (lambda: ke.block_hashes([1, -2], 2), ValueError),
     (lambda: ke.block_hashes([1.0, 2.0], 2), TypeError),
-    (lambda: ke.block_hashes([1, 2], 2, key=3), TypeError),
+    (lambda: ke.block_hashes([1, 2], 2, key=3.5), TypeError),
+    (lambda: ke.block_hashes([1, 2], 2, key=True), TypeError),
 ])
 def test_block_hashes_refuses_bad_input(call, err):
     with pytest.raises(err):

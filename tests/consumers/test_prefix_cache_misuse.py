@@ -176,7 +176,7 @@ def test_a_bad_plan_through_the_cache_changes_nothing():
 def test_on_evict_sees_tokens_and_slots_before_the_pages_are_freed():
     seen = []
 
-    def backup(tokens, slots):
+    def backup(tokens, slots, key):
         seen.append((tokens, slots.tolist(), bool(e.alloc.is_allocated(np.unique(slots.numpy() // S)).all())))
 
     e = engine(on_evict=backup)
@@ -192,7 +192,7 @@ def test_on_evict_sees_tokens_and_slots_before_the_pages_are_freed():
 
 
 def test_a_failing_on_evict_hook_keeps_the_node():
-    def broken(tokens, slots):
+    def broken(tokens, slots, key):
         raise RuntimeError("host tier full")
 
     e = engine(on_evict=broken)

@@ -11,8 +11,11 @@ the cache's snapshots exactly as before. After a valid call: every invariant
 of both (the allocator component's page accounting counts the cache's pages
 and its requests' private pages too), checked against a plain model: which
 pages the cache owns, what each cache request holds, and the 'KV' written in
-every slot (``(token, position)``), so a cached or live slot that is handed
-out again, or a copy that read the wrong page, shows as wrong KV.
+every slot (``(namespace, token, position)``), so a cached or live slot that
+is handed out again, a copy that read the wrong page, or a match that
+crosses namespace keys (requests carry a key: None, a str or an int) shows
+as wrong KV. Every cached chain keeps one lane base (page q in lane
+``(b + q) % N``): an insert that would graft a tail of another base stops.
 The allocator's own invariants, after every valid call: no live slot handed
 out twice, free plus live pages equal each lane's pages, fill marks equal the
 slots handed out, every new slot in its owner lane at its position's page
@@ -33,11 +36,13 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv.consumers.kv_events import key_bytes
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixMatch
 from cpkv.contract.layout import lane_base_from_prefix
 from support.misuse import AllocatorComponent, Component, Misuse, MisuseMachine
 
 STEMS = [(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (2,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)]
+KEYS = [None, None, "lora-a", 7]  # namespaces; 7 and "7" are one
 
 BAD_TOKENS = [(1, -2, 3), (1.0, 2.0), ((1, 2), (3, 4)), "abc", torch.tensor([True, False]), np.array([1.5]),
               torch.tensor([[1, 2]]), (2**70,)]
@@ -51,6 +56,11 @@ class Req:
     tokens: list
     slots: list
     m: PrefixMatch
+    key: object = None
+
+    @property
+    def ns(self) -> bytes:
+        return key_bytes(self.key)
 
     @property
     def private(self) -> list:
@@ -73,7 +83,7 @@ class CacheComponent(Component):
         self.kv: dict = {}
         self.live: dict[int, Req] = {}
         self.ended: list = []  # (tokens, slots, match) of consumed matches
-        self.finished: list = []  # token runs inserted: stems of follow-ups
+        self.finished: list = []  # (token run, key) inserted: stems of follow-ups
         self.next = 0
         # another cache, on an allocator of another shape, with something cached (its hits and matches are foreign)
         self.other = PrefixCache(OwnerLaneAllocator(4 * (N + 2) * 2, 2, N + 2))
@@ -91,7 +101,7 @@ class CacheComponent(Component):
         if len(r.slots) == len(tokens):
             self.c.insert(tokens, torch.tensor(r.slots), m)
             self._sync(joined=_pages(r.private, self.S))
-            self.finished.append(tokens)
+            self.finished.append((tokens, None))
         else:
             self.c.release(m, r.slots)
             self._sync()
@@ -125,9 +135,14 @@ class CacheComponent(Component):
         self.kv = {s: v for s, v in self.kv.items() if s in held}
 
     def _tokens(self, data) -> tuple:
-        stem = data.draw(st.sampled_from(STEMS + self.finished[-3:]))
+        return self._keyed(data)[0]
+
+    def _keyed(self, data) -> tuple:
+        """Tokens (a stem, cut, plus new ones) and a key: mostly the stem's own."""
+        stem, key = data.draw(st.sampled_from([(s, None) for s in STEMS] + self.finished[-3:]))
         stem = stem[: data.draw(st.integers(len(stem) // 2, len(stem)))]
-        return tuple(stem) + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=2 * self.S + 1)))
+        key = key if data.draw(st.booleans()) else data.draw(st.sampled_from(KEYS))
+        return tuple(stem) + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=2 * self.S + 1))), key
 
     def _never_fits(self, prefix, seq, last) -> bool:
         S, N = self.S, self.N
@@ -173,7 +188,7 @@ class CacheComponent(Component):
             for t, s in zip(range(prefix[i], seq[i]), new):
                 assert s % S == t % S and s // S % N == (b + t // S) % N, "owner-lane invariant"
                 assert s // S not in self.cached, "a new slot lies on a page the cache owns"
-                self.kv[s] = (r.tokens[t], t)
+                self.kv[s] = (r.ns, r.tokens[t], t)
             r.slots += new
         event("cache: decode" if decode else "cache: extend")
 
@@ -192,7 +207,7 @@ class CacheComponent(Component):
             assert not n.children or len(n.key) % S == 0, "a partial page inside the tree"
             for j, (tok, s) in enumerate(zip(n.key, n.slots.tolist())):
                 assert s % S == (start + j) % S, "a cached slot off its page offset"
-                assert self.kv.get(s) == (tok, start + j), "cached KV lost or overwritten"
+                assert self.kv.get(s) == (n.ns, tok, start + j), "cached KV lost or overwritten (or of another key)"
             own = _pages(n.slots.tolist(), S)
             assert not own & pages, "a page in two nodes"
             pages |= own
@@ -214,16 +229,18 @@ class CacheComponent(Component):
         assert c.open_matches == len(self.live), "acquired matches != live requests"
         for r in self.live.values():
             for t, s in enumerate(r.slots):
-                assert self.kv.get(s) == (r.tokens[t], t), "a live request's KV lost or overwritten"
+                assert self.kv.get(s) == (r.ns, r.tokens[t], t), "a live request's KV lost, overwritten or of another key"
             assert _pages(r.slots[: r.m.shared], S) <= self.cached, "a shared page left the cache"
             assert not _pages(r.private, S) & self.cached, "a private page is the cache's"
-        for leaf in c.tree.leaves:  # whatever is cached can be found
+        for leaf in c.tree.leaves:  # whatever is cached can be found, in its own namespace; one lane base a chain
             toks = c.tree.prefix_tokens(leaf)
-            assert c.lookup(toks, max_length=len(toks)).length == len(toks), "a cached chain cannot be found"
+            assert c.lookup(toks, max_length=len(toks), key=leaf.ns).length == len(toks), "a cached chain is lost"
+            lanes = c.tree.prefix_slots(leaf).numpy()[::S] // S % N
+            assert (lanes == (lanes[0] + np.arange(lanes.size)) % N).all(), "a cached chain of two lane bases"
 
     def valid_calls(self):
-        return [self.admit, self.turn, self.turn, self.extend, self.extend, self.decode, self.finish, self.abort,
-                self.evict, self.lookup, self.clear]
+        return [self.admit, self.turn, self.turn, self.twins, self.extend, self.extend, self.decode, self.finish,
+                self.abort, self.evict, self.lookup, self.clear]
 
     def invalid_calls(self):
         return [self.extends_cached_page, self.consumed, self.foreign_or_not_a_match, self.bad_inputs,
@@ -236,27 +253,51 @@ class CacheComponent(Component):
         matches on whole pages and mid-page are common."""
         if not self.live:
             return self.admit(data)
-        tokens = self.finish(data)
+        tokens, key = self.finish(data)
         cut = data.draw(st.integers(len(tokens) // 2, len(tokens)))
-        self.admit(data, tokens[:cut] + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=self.S + 1))))
+        key = key if data.draw(st.integers(0, 3)) else data.draw(st.sampled_from(KEYS))
+        self.admit(data, tokens[:cut] + tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=self.S + 1))),
+                   key)
 
-    def admit(self, data, tokens=None):
-        tokens, c = tokens or self._tokens(data), self.c
+    def admit(self, data, tokens=None, key=None):
+        (tokens, key), c = ((tokens, key) if tokens else self._keyed(data)), self.c
+        ns = key_bytes(key)
         before = self.snapshot(), self.a.snapshot()
-        hit = c.lookup(tokens)
+        hit = c.lookup(tokens, key=key)
         assert (self.snapshot(), self.a.snapshot()) == before, "lookup changed the cache or the allocator"
-        m = c.acquire(tokens)
+        m = c.acquire(tokens, key=key)
         assert m.shared == hit.shared and m.length in (hit.length, hit.shared)
         assert m.length == hit.length or c.last_deficit is not None, "the copy was dropped with pages to spare"
+        for s in m.slots[: m.shared].tolist() + m.copy_src.tolist():
+            assert self.kv[s][0] == ns, "a match crossed namespace keys"
         for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):  # the engine's copy, before the first forward
             assert s in self.kv, "the copy source left the cache before the copy"
             self.kv[d] = self.kv[s]
+        lanes = np.asarray(m.slots.tolist()[::self.S]) // self.S % self.N
+        assert not lanes.size or (lanes == (lanes[0] + np.arange(lanes.size)) % self.N).all(), \
+            "a match of two lane bases"
         rid, self.next = self.next, self.next + 1
-        self.live[rid] = Req(list(tokens), m.slots.tolist(), m)
+        self.live[rid] = Req(list(tokens), m.slots.tolist(), m, key)
         self._sync()
         event("cache: admit, " + ("mid-page match" if m.copy_dst.numel() else "page match" if m.length else "no match"))
         if data.draw(st.integers(0, 3)):  # the first chunk at once, mostly
             self._allocate([rid], [data.draw(st.integers(m.length + 1, len(tokens)))], decode=False)
+
+    def twins(self, data):
+        """Two requests of one fresh prefix admitted and allocated in one batch
+        before either is cached: different lane bases, so the second insert
+        must not graft its tail under the first one's chain."""
+        stem = tuple(data.draw(st.lists(st.integers(4, 6), min_size=2 * self.S, max_size=3 * self.S)))
+        key = data.draw(st.sampled_from(KEYS))
+        ids = []
+        for tail in (0, 1):
+            self.admit(data, stem + (tail,) * self.S, key)
+            rid = self.next - 1
+            if len(self.live[rid].slots) == 0:
+                ids.append(rid)
+        if ids:
+            self._allocate(ids, [len(self.live[r].tokens) for r in ids], decode=False)
+        event(f"cache: twins, {len(ids)} fresh")
 
     def extend(self, data):
         ready = sorted(r for r, q in self.live.items() if len(q.slots) < len(q.tokens))
@@ -285,13 +326,19 @@ class CacheComponent(Component):
         self.c.insert(tokens, slots, r.m)
         assert r.m.consumed
         self._sync(joined=private)
-        gone = private - self.cached  # private pages the tree already had: freed
+        gone = private - self.cached  # private pages the tree already had, or a tail it declined: freed
         assert not self.a.is_allocated(sorted(gone)).any() or self.a.snapshot()[3] is not None
-        assert self.c.lookup(tokens, max_length=len(tokens)).length == len(tokens), "inserted but not found"
+        hit = self.c.lookup(tokens, max_length=len(tokens), key=r.key)
+        if hit.length < len(tokens):  # only where the request's next page is in another lane than the chain's
+            S, N = self.S, self.N
+            assert 0 < hit.shared < len(tokens), "inserted but not found"
+            base = lane_base_from_prefix(hit.last_shared_loc // S % N, hit.shared, S, N)
+            assert slots[hit.shared] // S % N != (base + hit.shared // S) % N, "an insert stopped where lanes agree"
+            event("cache: insert declined a graft of another lane base")
         self.ended.append((tokens, slots, r.m))
-        self.finished.append(tokens)
+        self.finished.append((tokens, r.key))
         event("cache: insert")
-        return tokens
+        return tokens, r.key
 
     def abort(self, data):
         if not self.live:
@@ -317,10 +364,10 @@ class CacheComponent(Component):
         event("cache: evict")
 
     def lookup(self, data):
-        tokens = self._tokens(data)
+        tokens, key = self._keyed(data)
         limit = data.draw(st.none() | st.integers(0, 2 * len(tokens)))
         before = self.snapshot(), self.a.snapshot()
-        hit = self.c.lookup(tokens, limit)
+        hit = self.c.lookup(tokens, limit, key=key)
         assert (self.snapshot(), self.a.snapshot()) == before, "lookup changed the cache or the allocator"
         assert hit.shared % self.S == 0 and 0 <= hit.copy < self.S
         assert hit.length <= (len(tokens) - 1 if limit is None else min(limit, len(tokens)))
@@ -394,6 +441,11 @@ class CacheComponent(Component):
             Misuse("lookup of bad tokens", lambda: c.lookup(bad), PrefixCacheMisuse, "bad-tokens"),
             Misuse("acquire of bad tokens", lambda: c.acquire(bad), PrefixCacheMisuse, "bad-tokens"),
         ]
+        for key in (1.5, True, (1,), ["a"]):
+            cases.append(Misuse(f"key {key!r}", lambda key=key: c.acquire((1, 2, 3), key=key), PrefixCacheMisuse,
+                                "bad-key"))
+            cases.append(Misuse(f"key {key!r} to lookup", lambda key=key: c.lookup((1, 2, 3), key=key),
+                                PrefixCacheMisuse, "bad-key"))
         for limit in (-1, 1.5, True, "2"):
             cases.append(Misuse(f"max_length {limit!r}", lambda limit=limit: c.acquire((1, 2, 3), max_length=limit),
                                 PrefixCacheMisuse, "bad-max-length"))

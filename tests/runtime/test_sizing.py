@@ -88,3 +88,66 @@ def test_machine_capacity_reads_this_machine():
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     assert 0 < cap.available_bytes <= avail * 1.2 + 2**28  # MemAvailable moves between the two reads
     assert 1 <= cap.cores <= len(os.sched_getaffinity(0))
+
+
+# -- the device KV cache sized from memory ---------------------------------------------------------
+from hypothesis import given, strategies as st  # noqa: E402
+
+from cpkv.runtime.sizing import (KV_MEMORY_CAP, default_kv_memory, expected_run_seconds, group_pages, pages_for_memory,  # noqa: E402
+                                 parse_size)
+
+
+@pytest.mark.parametrize("text,n", [("64MiB", 64 * 2**20), ("2GiB", 2 * GiB), ("1.5 gib", 3 * 2**29),
+                                    ("500MB", 500 * 10**6), ("4096", 4096), (" 1kB ", 1000), ("1TiB", 2**40)])
+def test_parse_size_reads_units_and_plain_bytes(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "64XB", "64 M", "-1", "0", "0.5", "1.5", "2 GiBs", "1e9", "nan"])
+def test_parse_size_refuses_what_is_not_a_size(bad):
+    with pytest.raises(ValueError, match="size|whole number"):
+        parse_size(bad)
+
+
+@given(kv=st.integers(1, 2**40), page=st.integers(1, 2**24))
+def test_pages_for_memory_is_the_most_pages_the_bytes_hold(kv, page):
+    if kv < page:
+        with pytest.raises(ValueError, match="holds no page"):
+            pages_for_memory(kv, page)
+        return
+    n = pages_for_memory(kv, page)
+    assert n * page <= kv < (n + 1) * page
+
+
+def test_pages_for_memory_misuse_and_the_group_pages_of_either_mode():
+    for args in ((0, 8), (8, 0), (8.0, 8), (True, 1), (7, 8)):
+        with pytest.raises(ValueError):
+            pages_for_memory(*args)
+    n = pages_for_memory(64 * 2**10, 2**10)  # the same pages per rank in either mode (equal memory)
+    assert group_pages(n, cp_size=4) == 4 * n  # shared: each page on its owner only
+    assert group_pages(n, replicated=True, cp_size=4) == n  # replicated: every page on every rank
+
+
+def test_default_kv_memory_is_a_capped_share_of_what_the_ranks_leave():
+    small = MachineCapacity(2 * GiB, 2)
+    left = 2 * GiB * 0.9 - 4 * RANK_BASELINE_BYTES - 2**20
+    assert default_kv_memory(4, other_bytes=2**20, capacity=small) == int(0.25 * left / 4)
+    assert default_kv_memory(4, capacity=MACHINE) == KV_MEMORY_CAP  # 16 GiB: the cap binds
+    assert default_kv_memory(4, capacity=MachineCapacity(64 * GiB, 8, shm_free_bytes=64 * 2**20)) == 8 * 2**20
+    assert default_kv_memory(8, capacity=MachineCapacity(2 * GiB, 2)) == 0  # nothing left: the caller's floor
+    for bad in (dict(world_size=0), dict(world_size=2, fraction=0), dict(world_size=2, other_bytes=-1)):
+        with pytest.raises(ValueError):
+            default_kv_memory(capacity=MACHINE, **bad)
+
+
+def test_machine_capacity_knows_the_free_shared_memory():
+    st_ = os.statvfs("/dev/shm")
+    assert 0 <= machine_capacity().shm_free_bytes <= st_.f_blocks * st_.f_frsize
+
+
+def test_expected_run_seconds_grows_with_steps_and_ranks():
+    assert expected_run_seconds(4, 0, 2) == pytest.approx(16.0)  # 4 ranks x 8 s on 2 cores
+    assert expected_run_seconds(4, 1000, 2) == pytest.approx(16.0 + 1000 * (7.3e-3 + 4.8e-3 * 8))
+    assert expected_run_seconds(2, 1000, 2) < expected_run_seconds(4, 1000, 2) < expected_run_seconds(4, 2000, 2)
+    with pytest.raises(ValueError):
+        expected_run_seconds(0, 10, 2)

@@ -6,6 +6,7 @@ the same command."""
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,12 +60,25 @@ BAD = [
     (["run", "--scale", "nan"], "--scale"),
     (["run", "--chunk", "0"], "--chunk"),
     (["run", "--device-pages", "0"], "--device-pages"),
+    (["run", "--kv-memory", "0"], "--kv-memory"),
+    (["run", "--kv-memory", "-64MiB"], "--kv-memory"),
+    (["run", "--kv-memory", "64XB"], "--kv-memory"),
+    (["run", "--kv-memory", "MiB"], "--kv-memory"),
+    (["run", "--kv-memory", "1.5"], "--kv-memory"),  # a fraction of a byte
+    (["run", "--kv-memory", "100"], "--kv-memory"),  # holds no page of 8 KiB
+    (["run", "--kv-memory", "1MiB", "--device-pages", "8"], "--kv-memory"),  # one or the other
+    (["run", "--disagg", "2:1", "--cp", "2"], "--disagg"),  # --disagg sets both group sizes
+    (["run", "--kv", "copied"], "--kv"),
+    (["run", "--kv-memory", "12parsecs"], "--kv-memory"),
+    (["run", "--kv", "replicated", "--disagg", "1:1"], "--kv"),
+    (["bench", "capacity", "--kv-memory", "0"], "--kv-memory"),
     (["run", "--host-pages", "-1"], "--host-pages"),
     (["run", "--max-running", "0"], "--max-running"),
     (["run", "--admission", "maybe"], "--admission"),
     (["run", "--prefill-split", "ring"], "--prefill-split"),
     (["run", "--decode-split", "page"], "--decode-split"),
     (["run", "--seed", "-1"], "--seed"),
+    (["run", "--kv-dtype", "fp16"], "--kv-dtype"),
     (["run", "--check=1"], "--check"),
     (["run", "--check-plans=1"], "--check-plans"),
     (["run", "--tolerance", "-1"], "--tolerance"),
@@ -82,6 +96,8 @@ BAD = [
     (["run", "--disagg", "2:1", "--plot", "occupancy.png"], "--plot"),
     (["run", "--disagg", "2:1", "--decode-page", "1", "--device-pages", "4"], "--workload"),  # the decode cache
     (["run", "--disagg", "3:1", "--prefill-split", "interleave", "--chunk", "2"], "--chunk"),
+    (["run", "--kv-events", "127.0.0.1:5557"], "--kv-events"),
+    (["run", "--kv-events", "tcp://127.0.0.1:5557", "--disagg", "2:1"], "--kv-events"),
     (["bytes", "--model", "llama"], "--model"),
     (["bytes", "--cp", "0"], "--cp"),
     (["bytes", "--index-topk-freq", "0"], "--index-topk-freq"),
@@ -100,6 +116,12 @@ BAD = [
     (["bench", "scheduler", "--batches", "64,0"], "--batches"),
     (["bench", "scheduler", "--contexts", "4096,x"], "--contexts"),
     (["bench", "scheduler", "--steps", "0"], "--steps"),
+    (["bench", "kvdtype", "--kv-dtype", "fp8,int8"], "--kv-dtype"),
+    (["bench", "kvdtype", "--kv-dtype", "fp8,fp8"], "--kv-dtype"),
+    (["run", "--kernels", "cuda"], "--kernels"),
+    (["run", "--device", "tpu"], "--device"),
+    (["bench", "kv", "--kernels", "cuda"], "--kernels"),
+    (["bench", "plan", "--device", "cuda"], "--device"),  # refused without CUDA, and bench plan is CPU-only
 ]
 
 
@@ -172,6 +194,23 @@ def test_ctrl_c_in_process_is_one_line_and_exit_130(monkeypatch, capsys):
 
 
 @pytest.mark.multiproc
+def test_kv_dtype_flag_reaches_the_run_config_and_the_bench():
+    """``--kv-dtype`` on ``run`` (one value, default float32) reaches the engine
+    and the disaggregated configuration; on ``bench`` it is a comma list
+    (default all three). [[RFC-0001:C-KV-FORMAT]]"""
+    p = build_parser()
+    base = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05"]
+    for extra, want in (([], "float32"), (["--kv-dtype", "fp8"], "fp8"), (["--kv-dtype", "bfloat16"], "bfloat16")):
+        a = p.parse_args(base + extra)
+        a.validate(a, p)
+        assert a.config.kv_dtype == want
+    a = p.parse_args(base[:1] + base[3:] + ["--kv-dtype", "fp8", "--disagg", "1:1"])  # --disagg takes no --cp
+    a.validate(a, p)
+    assert a.config.kv_dtype == a.config.d_kv_dtype == "fp8" and a.config.decode_size == 1
+    assert p.parse_args(["bench", "kvdtype"]).kv_dtype == ["float32", "bfloat16", "fp8"]
+    assert p.parse_args(["bench", "kvdtype", "--kv-dtype", "fp8,bfloat16"]).kv_dtype == ["fp8", "bfloat16"]
+
+
 def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch, tmp_path):
     png = tmp_path / "occ.png"
     argv = ["run", "--cp", "2", "--requests", "2", "--scale", "0.05", "--device-pages", "6", "--host-pages", "24",
@@ -223,7 +262,11 @@ def test_ctrl_c_to_the_real_command(phase, tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
-    assert (p.returncode, out, err) == (130, "", "cpkv run: interrupted\n")
+    assert (p.returncode, out) == (130, "")
+    before = r"cpkv run: stopped before the first step: 0 of 1 requests finished"
+    at = r"cpkv run: stopped at step \d+: 0 of 1 requests finished, \d+ tokens generated \(\d+ computed\)"
+    said = before if phase == "starting" else f"(?:{at}|{before})"  # a loaded machine may not have stepped yet
+    assert re.fullmatch(said + "\ncpkv run: interrupted\n", err), err
     assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
     assert not shm_segments(p.pid)
     assert not list(run_tmp.glob("cpkv_*"))

@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..contract.allocator import OwnerLaneAllocator
+from .kv_events import MEDIUM_HOST
 from .kv_pool import Family, SharedKVPool
 from .prefix_cache import PrefixCache, PrefixHit
 
@@ -43,14 +44,18 @@ class HostTier:
     ``host_pages`` pages of ``page_size`` slots. The scheduler asks
     :meth:`lookup` (pure), pins what it loads with :meth:`take` until
     :meth:`step_done`, and backs evicted device nodes up with :meth:`backup`.
+    Chains keep the device's namespace keys (``key``). ``events`` (an optional
+    :class:`~cpkv.consumers.kv_events.KVEventSink`) hears every full page
+    that enters or leaves the host, as medium ``"CPU"`` ([[RFC-0001:C-KV-EVENTS]]).
     """
 
-    def __init__(self, host_pages: int, page_size: int):
+    def __init__(self, host_pages: int, page_size: int, events=None):
         if host_pages < 1:
             raise ValueError(f"host_pages must be >= 1, got {host_pages}")
         self.S = page_size
         self.alloc = OwnerLaneAllocator(host_pages * page_size, page_size, 1)
         self.index = PrefixCache(self.alloc)
+        self.index.events, self.index.medium = events, MEDIUM_HOST
         self._held = []
 
     @property
@@ -65,23 +70,24 @@ class HostTier:
     def lookup(self, tokens: Sequence[int], device_hit: PrefixHit) -> int:
         """Tokens of ``tokens`` the host holds (whole pages), when that is at
         least one page more than the device's whole-page match and more than
-        its whole match; else 0. Pure."""
-        hit = self.index.lookup(tokens)
+        its whole match (in the hit's namespace); else 0. Pure."""
+        hit = self.index.lookup(tokens, key=device_hit.ns)
         n = hit.shared
         return n if n >= device_hit.shared + self.S and n > device_hit.length else 0
 
-    def take(self, tokens: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Host slots of ``tokens[start:end]`` (held by :meth:`lookup`), pinned
-        until :meth:`step_done` so no backup of this step reuses them."""
-        m = self.index.acquire(tokens, max_length=end)
+    def take(self, tokens: Sequence[int], start: int, end: int, key=None) -> torch.Tensor:
+        """Host slots of ``tokens[start:end]`` in namespace ``key`` (held by
+        :meth:`lookup`), pinned until :meth:`step_done` so no backup of this
+        step reuses them."""
+        m = self.index.acquire(tokens, max_length=end, key=key)
         if m.length < end or m.copy_dst.numel():
             self.index.release(m)
             raise AssertionError(f"host tier holds {m.length} of the {end} tokens lookup promised")
         self._held.append(m)
         return m.slots[start:end].clone()
 
-    def backup(self, tokens: Sequence[int], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An evicted device chain: ``slots[j]`` holds ``tokens[j]`` on the device
+    def backup(self, tokens: Sequence[int], slots: torch.Tensor, key=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An evicted device chain of namespace ``key``: ``slots[j]`` holds ``tokens[j]`` on the device
         (every token from the root through the evicted node). Allocates host
         slots for the whole pages the host lacks (evicting host pages LRU) and
         indexes them; returns ``(device_slots, host_slots)`` to copy, or
@@ -90,8 +96,8 @@ class HostTier:
         if n == 0:
             return None
         tokens = tuple(tokens[:n])
-        have = self.index.lookup(tokens, max_length=n).shared
-        m = self.index.acquire(tokens, max_length=have)  # whole pages only: nothing is copied
+        have = self.index.lookup(tokens, max_length=n, key=key).shared
+        m = self.index.acquire(tokens, max_length=have, key=key)  # whole pages only: nothing is copied
         if m.length == n:
             self.index.insert(tokens, m.slots, m)  # marks the chain used now
             return None

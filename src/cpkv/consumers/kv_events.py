@@ -23,7 +23,8 @@ Schema (vLLM's ``vllm/distributed/kv_events.py``, msgspec structs, msgpack):
 Block hash (language neutral, stable across processes and versions of cpkv):
 only FULL pages are blocks (vLLM announces only full blocks). For a chain of
 tokens cut into pages of ``page_size`` tokens, with ``parent_0 = 0`` and a
-namespace key ``k`` (bytes; UTF-8 of a str; empty for ``None``)::
+namespace key ``k`` (bytes; UTF-8 of a str; the decimal digits of an int; empty for ``None``,
+see :func:`key_bytes`)::
 
     msg_i  = u32be(len(k)) || k || u64be(parent_i) || u64be(t) for each token t of page i
     hash_i = int.from_bytes(sha256(msg_i)[:8], "big") & (2**63 - 1)
@@ -98,14 +99,24 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def _key_bytes(key) -> bytes:
+def key_bytes(key) -> bytes:
+    """A namespace key (a LoRA id, a cache salt: SGLang's ``extra_key``,
+    vLLM's ``cache_salt``) as the bytes the prefix cache partitions by and
+    :func:`block_hashes` hashes: ``None`` -> ``b""`` (the default namespace,
+    as are ``""`` and ``b""``), a str -> its UTF-8, an int -> its decimal
+    digits in ASCII (so ``7`` and ``"7"`` are one namespace), bytes as they
+    are. Raises ``TypeError`` for anything else (a bool included).
+    [[RFC-0001:C-KV-EVENTS]]"""
     if key is None:
         return b""
     if isinstance(key, str):
         return key.encode("utf-8")
     if isinstance(key, (bytes, bytearray)):
         return bytes(key)
-    raise TypeError(f"key must be None, a str or bytes; got {type(key).__name__}")
+    if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+        return str(int(key)).encode("ascii")
+    raise TypeError(f"key must be None, a str, an int or bytes; got {type(key).__name__}")
+
 
 
 def _tokens(tokens, name: str = "tokens") -> np.ndarray:
@@ -125,7 +136,7 @@ def _page_size(page_size) -> int:
 
 def _chain_hashes(t: np.ndarray, page_size: int, key, n_pages: int) -> list[int]:
     """Hashes of the first ``n_pages`` pages of validated tokens ``t`` (see the module doc)."""
-    k = _key_bytes(key)
+    k = key_bytes(key)
     base = hashlib.sha256(len(k).to_bytes(4, "big") + k)
     body = memoryview(t[: n_pages * page_size].astype(">u8").tobytes())
     step = 8 * page_size
@@ -144,7 +155,7 @@ def block_hashes(tokens, page_size: int, key=None) -> list[int]:
 
     ``tokens``: a 1-D int tensor/array or list of token ids (each >= 0);
     ``page_size``: tokens per page (the events' ``block_size``); ``key``:
-    ``None``, a str or bytes namespace (a model, adapter or tenant) hashed into
+    ``None``, a str, an int or bytes namespace (a model, adapter or tenant) hashed into
     every block. Returns ``len(tokens) // page_size`` ints in ``[0, 2**63)``,
     defined in the module doc; a trailing partial page has no hash. Raises
     ``TypeError``/``ValueError`` for a bad argument ([[RFC-0001:C-KV-EVENTS]])."""
@@ -166,12 +177,14 @@ class KVEventSink:
     def __init__(self, publisher, page_size: int, key=None, auto_flush: bool = False):
         if not callable(getattr(publisher, "publish", None)):
             raise TypeError(f"publisher must have a publish(batch) method, got {type(publisher).__name__}")
-        _key_bytes(key)
+        key_bytes(key)
         self.publisher = publisher
         self.page_size = _page_size(page_size)
         self.key = key
         self.auto_flush = bool(auto_flush)
         self.pending: list[KVCacheEvent] = []
+        self.last_seq = None
+        """What ``publisher.publish`` returned for the last batch (a sequence number), ``None`` before."""
 
     def _span(self, tokens, first_page_index, n_pages, medium, key):
         if not isinstance(medium, str) or not medium:
@@ -235,5 +248,5 @@ class KVEventSink:
         if not self.pending:
             return 0
         events, self.pending = self.pending, []
-        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        self.last_seq = self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
         return len(events)

@@ -109,12 +109,17 @@ class KVFormat(ABC):
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``x [N, k]`` -> its native (little-endian) bytes ``uint8 [N, k * itemsize]``."""
-    return x.contiguous().view(torch.uint8)
+    """``x [N, k]`` -> its native (little-endian) bytes ``uint8 [N, k * itemsize]``
+    (through a flat view: an empty or single-column tensor may carry strides
+    that a direct byte view refuses)."""
+    return x.contiguous().view(-1).view(torch.uint8).view(x.shape[0], x.shape[1] * x.element_size())
 
 
 def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``uint8 [N, k * itemsize]`` (any offset) -> ``dtype [N, k]`` (copied, so aligned)."""
+    if raw.numel() == 0:  # an empty slice keeps its offset through contiguous(), which the view refuses
+        return torch.empty(raw.shape[0], raw.shape[1] // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                           device=raw.device)
     return raw.contiguous().view(dtype)
 
 

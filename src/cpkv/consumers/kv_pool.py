@@ -207,6 +207,51 @@ class SharedKVPool:
             self._own[n][rows[n]].index_copy_(0, loc, x)
         self._written[local_page.cpu()] = True
 
+    def write_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan this rank's writes of one batch, once before its first layer:
+        for logical ``slots [W]`` (``-1``: an entry this rank does not write),
+        returns ``(local [W'], rows [W'])`` (int64, on the pool's device): the
+        slot in this rank's own segment of each written entry and the entry's
+        index in ``slots``, for :meth:`write_at`. Marks their pages written.
+        A slot another rank owns raises :class:`ContractViolation` (naming the
+        slot and its owner), one outside the layout ``IndexError``; nothing is
+        marked then. Synchronises (the check reads the slots).
+        [[RFC-0001:C-DIRECT-WRITE]]"""
+        slots = slots.cpu()
+        loc, local_page, keep = self._owned_local(slots)
+        rows = torch.arange(slots.numel()) if keep is None else torch.nonzero(keep).flatten()
+        self._written[local_page] = True
+        return loc.to(torch.int64).to(self.device), rows.to(self.device)
+
+    def write_at(self, layer: int, local: torch.Tensor, **values: torch.Tensor) -> None:
+        """Write ``values[name] [W', *shape]`` at the local slots ``local [W']``
+        that :meth:`write_index` returned, at model ``layer``: the per-layer
+        half of a planned write, one ``index_copy_`` per family, no ownership
+        check and no host synchronisation (a formatted family's encoding may
+        check its values). Raises ``ValueError`` for values of another shape.
+        [[RFC-0001:C-DIRECT-WRITE]]"""
+        for n, x in values.items():
+            f = self.families[n]
+            if tuple(x.shape) != (local.numel(), *f.shape):
+                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {local.numel()} slots of {f.shape}")
+            self._own[n][self.row(n, layer)].index_copy_(0, local, self._stored(n, x))
+
+    def segment(self, name: str, layer: int) -> torch.Tensor:
+        """This rank's own segment of family ``name`` at model ``layer``:
+        ``[slots_per_rank, *row_shape]``, a view (what the store kernel writes)."""
+        return self._own[name][self.row(name, layer)]
+
+    def view(self, name: str, layer: int) -> torch.Tensor:
+        """The whole group's buffer of family ``name`` at model ``layer``,
+        rank-major: ``[cp_size * slots_per_rank, *row_shape]``, a view (what
+        the attention kernels read). [[RFC-0001:C-READ-PATH]]"""
+        return self.buffers[name][self.row(name, layer)]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the buffers (every family's is the same)."""
+        return next(iter(self.buffers.values())).device
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """Copy every family, every layer, from logical ``src`` to ``dst`` slots
         where this rank owns ``dst``: read the source through the shared view,
@@ -240,7 +285,8 @@ class SharedKVPool:
                 raise ValueError(f"{n}: stored rows of format {f.format} are uint8, not {x.dtype}")
         loc, local_page, keep = self._owned_local(slots)
         for n, x in values.items():
-            self._own[n].index_copy_(1, loc, (x if keep is None else x[:, keep]).to(self.families[n].dtype))
+            self._own[n].index_copy_(1, loc.to(self.device),
+                                    (x if keep is None else x[:, keep]).to(self.device, self.families[n].dtype))
         self._written[local_page.cpu()] = True
 
     def read_owned_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -263,6 +309,11 @@ class SharedKVPool:
 
     def fence(self) -> None:
         """Separate this layer's writes from its reads on every rank."""
+        self._fence()
+
+    def tier_fence(self) -> None:
+        """Separate moves between tiers and copies (backups, loads, mid-page
+        copies) from what reads them, on every rank: :meth:`fence` here."""
         self._fence()
 
     # -- read -----------------------------------------------------------------------

@@ -12,13 +12,20 @@ reference count per node keeps them alive while in use). Invariants
 * a node in use (``ref > 0``) is never evicted, nor is any node on its path;
 * a partially matched page is never shared: the matched tokens' KV is copied
   to a private page and the request extends that copy, so two live requests
-  never write the same slot. The copy is the first page the request owns, so
-  its lane is free to choose: the allocator's rule for a fresh request picks
-  it (the lane with the most free pages; on a tie, the source page's own
-  lane, which keeps the chain's lanes). Continuations of one long shared
-  prefix therefore spread over the lanes instead of all starting in the lane
-  after the prefix. The destination's owner reads the source through the
-  shared view and writes its own segment; nothing else moves;
+  never write the same slot. After shared pages the copy takes the lane that
+  continues their chain; a copy of page 0 starts a chain, so its lane is
+  free: the allocator's rule for a fresh request picks it (the lane with the
+  most free pages; on a tie, the source page's own lane). The destination's
+  owner reads the source through the shared view and writes its own
+  segment; nothing else moves;
+* every cached chain keeps one lane base: page position q in lane
+  ``(b + q) % N`` from the root down. An insert whose tail would hang under
+  a chain of another base (two requests admitted before either was cached)
+  stops there and frees the tail (:meth:`RadixTree.graft_length`);
+* a namespace key (SGLang's ``extra_key``, vLLM's cache salt: a LoRA id, a
+  tenant salt; ``None``, str, int or bytes, see
+  :func:`~cpkv.consumers.kv_events.key_bytes`) partitions the cache: two
+  requests with equal tokens and different keys never share a page;
 * a continuation keeps the owner lanes of what it matched: ``last_loc`` of
   the match (in the copy, when there is one) fixes the request's lane base
   ([[RFC-0001:C-REQUEST-RELATIVE]]). A match that ends on a page boundary
@@ -66,16 +73,16 @@ import torch
 from ..contract import layout
 from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.inputs import int_vector
-from ..contract.layout import lane_base_from_prefix, lane_base_of_last_loc
+from ..contract.layout import lane_base_of_last_loc
 from .prefix_match import Admission, PrefixHit, PrefixMatch
 from .prefix_live import LivePages
-from .prefix_rules import PrefixCacheMisuse, _as_limit, _as_tokens, _int_vector, check_end, refuse_cached_growth
+from .prefix_rules import PrefixCacheMisuse, _as_key, _as_limit, _as_tokens, _int_vector, check_end, refuse_cached_growth
 from .radix_tree import RadixTree, _Node
 
 __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "PrefixCacheQuestions", "PrefixHit", "PrefixMatch",
            "RadixTree"]
 
-EvictHook = Callable[[tuple, torch.Tensor], None]
+EvictHook = Callable[[tuple, torch.Tensor, bytes], None]
 
 
 class PrefixCacheQuestions:
@@ -95,20 +102,41 @@ class PrefixCacheQuestions:
         self.open_matches = 0  # acquired and not yet inserted or released: 0 once an engine drains
 
 
-    def lookup(self, tokens: Sequence[int], max_length: int | None = None) -> PrefixHit:
-        """How much of ``tokens`` is cached now (at most ``len(tokens) - 1``, or
-        ``max_length``): a :class:`PrefixHit`. Changes nothing at all: no
-        reference, LRU time, page or counter. Raises
-        :class:`PrefixCacheMisuse` for tokens that are not ints >= 0."""
-        tokens = _as_tokens(tokens)
-        w = self.tree.walk(tokens, _as_limit(max_length, len(tokens)))
+    @property
+    def events(self):
+        """The optional :class:`~cpkv.consumers.kv_events.KVEventSink` told of
+        every full page that enters or leaves this cache (``None``: no events,
+        no cost); its medium is :attr:`medium`. [[RFC-0001:C-KV-EVENTS]]"""
+        return self.tree.events
+
+    @events.setter
+    def events(self, sink) -> None:
+        self.tree.events = sink
+
+    @property
+    def medium(self) -> str:
+        """The events' medium of this cache: ``"GPU"`` (device) or ``"CPU"`` (a host tier's index)."""
+        return self.tree.medium
+
+    @medium.setter
+    def medium(self, medium: str) -> None:
+        self.tree.medium = medium
+
+    def lookup(self, tokens: Sequence[int], max_length: int | None = None, key=None) -> PrefixHit:
+        """How much of ``tokens`` is cached now in namespace ``key`` (at most
+        ``len(tokens) - 1``, or ``max_length``): a :class:`PrefixHit`. Changes
+        nothing at all: no reference, LRU time, page or counter. Raises
+        :class:`PrefixCacheMisuse` for tokens that are not ints >= 0
+        (``bad-tokens``) or a key that is not None, str, int or bytes (``bad-key``)."""
+        tokens, ns = _as_tokens(tokens), _as_key(key)
+        w = self.tree.walk(tokens, _as_limit(max_length, len(tokens)), ns)
         pinned = np.zeros(self.N, dtype=np.int64)
         for node, m in w.path:
             if node.ref == 0:
                 pinned += node.lanes if m * self.S == len(node.key) else self.tree.pages_of(node.slots[: m * self.S])[1]
         last = int(w.path[-1][0].slots[w.path[-1][1] * self.S - 1]) if w.path else -1
         lane = self.tree.lane_of(w.src.slots[w.src_off]) if w.src is not None else -1
-        return PrefixHit(w.shared + w.copy, w.shared, w.copy, last, lane, pinned, self)
+        return PrefixHit(w.shared + w.copy, w.shared, w.copy, last, lane, pinned, self, ns)
 
     def lane_need(self, hit: PrefixHit, end: int) -> np.ndarray:
         """Pages per lane [N] a request with ``hit`` needs to reach ``end``
@@ -129,13 +157,10 @@ class PrefixCacheQuestions:
         q0, stop = hit.shared // self.S, -(-int(end) // self.S)
         if stop <= q0:
             return np.zeros(self.N, dtype=np.int64)
-        if hit.copy:  # a fresh chain from the copy page on: the base that puts page q0 in the chosen lane
-            lane = self.alloc.lane_for_new_chain(q0, prefer=hit.copy_lane)
-            base = lane_base_from_prefix(lane, q0 * self.S + 1, self.S, self.N)
-        elif hit.shared:
+        if hit.shared:  # the copy page (if any) and the rest continue the shared chain's lanes
             base = lane_base_of_last_loc(hit.last_shared_loc, hit.shared, self.S, self.N)
-        else:
-            base = self.alloc.lane_for_new_chain(0)
+        else:  # a fresh chain (from a copy of page 0, or nothing)
+            base = self.alloc.lane_for_new_chain(0, prefer=hit.copy_lane if hit.copy else None)
         return layout.chain_lane_pages(base, q0, stop - q0, self.N)
 
     def evictable_pages(self) -> np.ndarray:
@@ -172,18 +197,19 @@ class PrefixCacheQuestions:
         base = lane_base_of_last_loc(last_loc, length, S, N) if length else self.alloc.lane_for_new_chain(0)
         return layout.chain_lane_pages(base, first, stop - first, N)
 
-    def can_allocate(self, tokens: Sequence[int], end: int, host=None) -> Admission:
-        """The admission question: what a request of ``tokens`` that will hold
-        ``end`` tokens of KV would take (an :class:`Admission`), given its
-        match here and, with ``host`` (a :class:`~cpkv.consumers.hicache.HostTier`),
-        what the host tier holds: when the host holds more, the request shares
-        the device's whole pages only and loads the rest. Pure. Raises
-        :class:`PrefixCacheMisuse` for bad tokens or ``end``."""
+    def can_allocate(self, tokens: Sequence[int], end: int, host=None, key=None) -> Admission:
+        """The admission question: what a request of ``tokens`` in namespace
+        ``key`` that will hold ``end`` tokens of KV would take (an
+        :class:`Admission`), given its match here and, with ``host`` (a
+        :class:`~cpkv.consumers.hicache.HostTier`), what the host tier holds:
+        when the host holds more, the request shares the device's whole pages
+        only and loads the rest. Pure. Raises :class:`PrefixCacheMisuse` for
+        bad tokens, key or ``end``."""
         tokens = _as_tokens(tokens)
-        hit = self.lookup(tokens)
+        hit = self.lookup(tokens, key=key)
         host_len = host.lookup(tokens, hit) if host is not None else 0
         if host_len:  # the host tier holds more: the device's whole pages only
-            hit = self.lookup(tokens, max_length=hit.shared)
+            hit = self.lookup(tokens, max_length=hit.shared, key=key)
         spare = np.asarray(self.alloc.lane_free_pages()) + self.tree.evictable_lanes - hit.newly_pinned
         return Admission(tokens, end, hit, host_len, self.lane_need(hit, end), spare)
 
@@ -220,11 +246,12 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
     ``m = allocate(a)`` (or ``acquire(tokens)``) on admission; allocate the rest with
     :meth:`allocate_extend` / :meth:`allocate_decode` (which evict on a
     refusal); on finish ``insert(tokens, slots, m)``; on abort or preemption
-    ``release(m, slots)``. ``on_evict(tokens, slots)``, if given, is called
+    ``release(m, slots)``. ``on_evict(tokens, slots, key)``, if given, is called
     for every evicted node before its pages are freed: ``tokens`` are all
-    tokens from the root through the node and ``slots`` (a copy) the slots
+    tokens from the root through the node, ``slots`` (a copy) the slots
     holding them, the ancestors' (still cached) and the node's own (a host
-    tier backs the chain up from there).
+    tier backs the chain up from there), and ``key`` the chain's namespace
+    (bytes, ``b""`` for the default).
     It must not call the cache; if it raises, that node stays cached and the
     error propagates (nodes evicted before it in the same call stay evicted).
     [[RFC-0001:C-PREFIX-CACHE]]
@@ -242,18 +269,20 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
             raise PrefixCacheMisuse("not-an-admission",
                                     f"allocate takes the Admission of can_allocate(), got {type(admission).__name__}")
         a = admission
-        return self.acquire(a.tokens, max_length=a.hit.shared if a.host_len else None)
+        return self.acquire(a.tokens, max_length=a.hit.shared if a.host_len else None, key=a.hit.ns)
 
-    def acquire(self, tokens: Sequence[int], max_length: int | None = None) -> PrefixMatch:
-        """Admit a request: the longest cached prefix of ``tokens`` (as
-        :meth:`lookup` finds it), its path pinned, and a partly matched page
-        copied into a private page (evicting if needed; the copy is dropped,
-        and the match ends at the shared pages, when no page can be had). The
-        returned :class:`PrefixMatch` must be consumed once by :meth:`insert`
-        or :meth:`release`. Raises :class:`PrefixCacheMisuse` (nothing changed)
-        for bad tokens or ``max_length``."""
-        S, tokens = self.S, _as_tokens(tokens)
-        w = self.tree.walk(tokens, _as_limit(max_length, len(tokens)))
+    def acquire(self, tokens: Sequence[int], max_length: int | None = None, key=None) -> PrefixMatch:
+        """Admit a request: the longest cached prefix of ``tokens`` in
+        namespace ``key`` (as :meth:`lookup` finds it), its path pinned, and a
+        partly matched page copied into a private page (evicting if needed;
+        the copy is dropped, and the match ends at the shared pages, when no
+        page can be had; after shared pages the copy takes the lane that
+        continues their chain). The returned :class:`PrefixMatch` must be
+        consumed once by :meth:`insert` or :meth:`release`. Raises
+        :class:`PrefixCacheMisuse` (nothing changed) for bad tokens, key or
+        ``max_length``."""
+        S, tokens, ns = self.S, _as_tokens(tokens), _as_key(key)
+        w = self.tree.walk(tokens, _as_limit(max_length, len(tokens)), ns)
         held, parts = None, [torch.empty(0, dtype=torch.int64)]
         if w.path:
             parts += [node.slots[: m * S] for node, m in w.path]
@@ -266,7 +295,8 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         self.tree.pin(held, +1)
         copy_src = copy_dst = shared.new_empty(0)
         if w.src is not None:
-            lane = self.alloc.lane_for_new_chain(w.shared // S, prefer=self.tree.lane_of(w.src.slots[w.src_off]))
+            lane = self.tree.chain_lane(held, w.shared) if held is not None else \
+                self.alloc.lane_for_new_chain(0, prefer=self.tree.lane_of(w.src.slots[w.src_off]))
             self.tree.pin(w.src, +1)  # the source must survive the eviction the copy page may cause
             page = self._with_eviction(lambda: self._take_copy_page(lane, w.copy))
             self.tree.pin(w.src, -1)
@@ -278,7 +308,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         self.hit_tokens += length
         self.open_matches += 1
         return PrefixMatch(length, torch.cat([shared, copy_dst]), copy_src, copy_dst, shared.numel(),
-                           tokens[:length], held, self)
+                           tokens[:length], held, self, ns=ns)
 
     def _take_copy_page(self, lane: int, fill: int) -> torch.Tensor | None:
         """One page in ``lane`` that will hold ``fill`` copied tokens (``None``:
@@ -336,7 +366,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
 
     def _evict(self, leaf: _Node, notify: bool = True) -> None:
         if notify and self.on_evict is not None:
-            self.on_evict(self.tree.prefix_tokens(leaf), self.tree.prefix_slots(leaf))
+            self.on_evict(self.tree.prefix_tokens(leaf), self.tree.prefix_slots(leaf), leaf.ns)
         self.evicted_nodes += 1
         self.evicted_pages += int(leaf.pages.size)
         self._drop(leaf)
@@ -388,8 +418,8 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         self.open_matches -= 1
         self.tree.pin(match.node, -1)
         start = match.node if offset else None
-        w = self.tree.walk(tokens, n, start)
-        node, i, spare = start or self.tree.root, w.shared, []
+        w = self.tree.walk(tokens, n, match.ns, start)
+        node, i, spare = start or self.tree.root_of(match.ns, create=n > w.shared), w.shared, []
         assert offset + i >= match.shared, "a held path left the tree"
         if w.path:
             node, m = w.path[-1]
@@ -397,12 +427,15 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
                 node = self.tree.split(node, m)
             self.tree.pin(node, 0)  # used now
             spare.append(slots[own:i])  # the tree has these tokens already
+        keep = i + self.tree.graft_length(node, offset + i, slots[i:])  # a tail of another lane base stops here
+        spare.append(slots[keep:])
+        slots, n = slots[:keep], keep
         if n - i >= S:
             end = i + (n - i) // S * S
             node = self._attach(node, tokens[i:end], slots[i:end])
             i = end
-        if i < n:  # the trailing partial page: a partial leaf, unless a child serves it
-            rest = tokens[i:]
+        if i < n:  # the trailing partial page: a partial leaf, unless a child already serves it
+            rest = tokens[i:n]
             serving = next((c for k, c in node.children.items() if k[: len(rest)] == rest), None)
             if serving is not None:
                 spare.append(slots[i:])

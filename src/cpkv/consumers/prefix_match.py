@@ -30,7 +30,8 @@ class PrefixHit:
     ``copy_lane`` the lane of the page the copy reads (-1 for none).
     ``newly_pinned`` [N] counts, per lane, the cached pages that acquiring
     would take out of :meth:`PrefixCache.evictable_pages` (matched pages that
-    nobody holds now). A hit answers for the cache that made it only
+    nobody holds now). ``ns`` is the namespace looked in (the request key as
+    bytes). A hit answers for the cache that made it only
     (:meth:`PrefixCache.lane_need` refuses another's).
     """
 
@@ -41,6 +42,7 @@ class PrefixHit:
     copy_lane: int
     newly_pinned: np.ndarray
     _owner: "PrefixCache | None" = field(default=None, repr=False)
+    ns: bytes = b""
 
     @property
     def needs_copy(self) -> bool:
@@ -59,7 +61,8 @@ class PrefixMatch:
     a partly matched page. ``last_loc`` is the last of them (-1 for none) and
     fixes the request's lane base. ``copy_src`` -> ``copy_dst`` are the KV
     copies the engine must make before the request's first forward (the owner
-    of ``copy_dst`` reads ``copy_src`` through the shared view).
+    of ``copy_dst`` reads ``copy_src`` through the shared view). ``ns``: the
+    namespace (request key as bytes) it matched in and inserts into.
     """
 
     length: int
@@ -71,6 +74,7 @@ class PrefixMatch:
     node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
     _owner: "PrefixCache | None" = field(default=None, repr=False)
     _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
+    ns: bytes = b""
     live: bool = True  # its full pages still enter the cache as they are computed
 
     @property

@@ -18,6 +18,7 @@ from ..contract.errors import UnsupportedPagePlan
 from ..contract.inputs import int_vector
 from ..contract.layout import page_of
 
+from .kv_events import key_bytes
 from .prefix_match import PrefixMatch
 
 if TYPE_CHECKING:
@@ -56,6 +57,15 @@ def _as_tokens(tokens) -> tuple:
     if a.size and a.min() < 0:
         raise PrefixCacheMisuse("bad-tokens", f"token ids must be >= 0, got {int(a.min())}")
     return tuple(a.tolist())
+
+
+def _as_key(key) -> bytes:
+    """A request's namespace key as the bytes the tree partitions by
+    (:func:`~cpkv.consumers.kv_events.key_bytes`), or raise ``bad-key``."""
+    try:
+        return key_bytes(key)
+    except TypeError as e:
+        raise PrefixCacheMisuse("bad-key", str(e)) from None
 
 
 def _as_limit(max_length, n: int) -> int:

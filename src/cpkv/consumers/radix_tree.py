@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..contract.layout import owner_of, page_of
+from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of
 
 
 def _common(a: tuple, b: tuple) -> int:
@@ -31,6 +31,7 @@ class _Node:
     children: dict = field(default_factory=dict)  # first page (or partial key) -> node
     ref: int = 0  # live requests whose prefix runs through this node
     last_access: int = 0
+    ns: bytes = b""  # the namespace (request key) of the chain: one root per namespace
 
 
 @dataclass
@@ -50,7 +51,13 @@ class RadixTree:
     Holds no allocator: it answers questions (:meth:`walk`,
     :meth:`victim`, :meth:`snapshot`, the counts) and changes only its own
     shape (:meth:`attach`, :meth:`split`, :meth:`detach`, :meth:`pin`).
-    Derived state, exact after every call: ``cached_lanes`` [N] (pages of all
+    Chains are partitioned by namespace (a request key as bytes, see
+    :func:`~cpkv.consumers.kv_events.key_bytes`): one root per namespace
+    (``roots``; ``root`` is the default namespace ``b""``), so no walk crosses
+    keys. ``events`` (a :class:`~cpkv.consumers.kv_events.KVEventSink`, or
+    ``None``: no cost) hears every full page that enters (:meth:`attach`) or
+    leaves (:meth:`detach`) the tree, in ``medium``
+    ([[RFC-0001:C-KV-EVENTS]]). Derived state, exact after every call: ``cached_lanes`` [N] (pages of all
     nodes per lane), ``evictable_lanes`` [N] (pages of unreferenced nodes per
     lane; an unreferenced node's whole subtree is unreferenced, so all of them
     can go, leaves first) and ``page_cached`` [num_pages + 1] (whether the tree
@@ -61,8 +68,9 @@ class RadixTree:
         self.S, self.N = page_size, cp_size
         self._serial = 0
         self.now = 0  # LRU clock: advanced by every pin and every new node
-        self.root = self._node((), torch.empty(0, dtype=torch.int64), None)
-        self.root.ref = 1
+        self.roots: dict[bytes, _Node] = {}
+        self.root = self.root_of(b"", create=True)
+        self.events, self.medium = None, "GPU"
         self.leaves: dict[_Node, None] = {}  # insertion-ordered, so iteration is deterministic
         self.cached_lanes = np.zeros(cp_size, dtype=np.int64)
         self.evictable_lanes = np.zeros(cp_size, dtype=np.int64)
@@ -78,6 +86,14 @@ class RadixTree:
         self._serial += 1
         return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now)
 
+    def root_of(self, ns: bytes, create: bool = False) -> _Node | None:
+        """The root of namespace ``ns`` (made when ``create``; else ``None`` if absent)."""
+        root = self.roots.get(ns)
+        if root is None and create:
+            root = self.roots[ns] = self._node((), torch.empty(0, dtype=torch.int64), None)
+            root.ref, root.ns = 1, ns
+        return root
+
     def lane_of(self, slot) -> int:
         """Owner lane of the page holding ``slot``."""
         return int(owner_of(page_of(int(slot), self.S), self.N))
@@ -88,13 +104,16 @@ class RadixTree:
         return self.now
 
     # -- questions ------------------------------------------------------------------
-    def walk(self, tokens: tuple, limit: int, start: _Node | None = None) -> _Walk:
-        """How far ``tokens[:limit]`` follows the tree: whole pages, then the
-        child (or next page of the same edge) sharing the longest run of the
-        next page's tokens. From the root, or from the end of node ``start``
-        (``tokens`` then continue its path). Pure: nothing is split or touched."""
+    def walk(self, tokens: tuple, limit: int, ns: bytes = b"", start: _Node | None = None) -> _Walk:
+        """How far ``tokens[:limit]`` follows the chains of namespace ``ns``:
+        whole pages, then the child (or next page of the same edge) sharing the
+        longest run of the next page's tokens. From the root of ``ns``, or from
+        the end of node ``start`` (``tokens`` then continue its path, in its
+        namespace). Pure: nothing is split or touched."""
         S = self.S
-        node = self.root if start is None else start
+        node = self.roots.get(ns) if start is None else start
+        if node is None:
+            return _Walk([], 0)
         off, i, path = len(node.key), 0, []
         while i + S <= limit:
             page = tokens[i : i + S]
@@ -132,7 +151,7 @@ class RadixTree:
             helps, rank = bool(leaf.lanes[short].any()), 0
             if not helps:
                 rank, up = 1, leaf.parent
-                while up is not self.root and up.ref == 0 and len(up.children) == 1 and not helps:
+                while up.parent is not None and up.ref == 0 and len(up.children) == 1 and not helps:
                     helps = bool(up.lanes[short].any())
                     up = up.parent
             key = (rank, leaf.last_access, leaf.serial)
@@ -143,7 +162,7 @@ class RadixTree:
     def prefix_tokens(self, node: _Node) -> tuple:
         """Every token from the root through the end of ``node``."""
         keys = []
-        while node is not self.root:
+        while node.parent is not None:
             keys.append(node.key)
             node = node.parent
         return tuple(t for k in reversed(keys) for t in k)
@@ -151,19 +170,46 @@ class RadixTree:
     def prefix_slots(self, node: _Node) -> torch.Tensor:
         """The slots of every token from the root through the end of ``node`` (a copy)."""
         parts = []
-        while node is not self.root:
+        while node.parent is not None:
             parts.append(node.slots)
             node = node.parent
         return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
 
     def nodes(self):
-        """Every node but the root (depth first)."""
-        stack = [self.root]
+        """Every node but the roots (depth first)."""
+        stack = list(self.roots.values())
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if n is not self.root:
+            if n.parent is not None:
                 yield n
+
+    def chain_lane(self, node: _Node, length: int) -> int | None:
+        """The lane page position ``length // S`` must take to continue the
+        cached chain that ends at ``node`` after ``length`` tokens (a multiple
+        of S), keeping its lane base; ``None`` at a root (any lane starts a
+        chain). [[RFC-0001:C-OWNER-LANE]]"""
+        if node.parent is None:
+            return None
+        base = lane_base_of_last_loc(int(node.slots[-1]), length, self.S, self.N)
+        return int(lane_of_position(base, length // self.S, self.N))
+
+    def graft_length(self, node: _Node, start: int, slots: torch.Tensor) -> int:
+        """How many of ``slots`` (a page chain from position ``start``, a
+        multiple of S) may hang under ``node`` (ending at ``start``): every
+        page up to the first whose lane is not ``(b + q) % N`` of the chain it
+        would join, so every cached chain keeps one lane base at every
+        position (SGLang's kv-shard radix cache declines such a graft
+        likewise). Vectorised. [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-PREFIX-CACHE]]"""
+        S, N = self.S, self.N
+        lanes = owner_of(page_of(slots[::S].numpy(), S), N)
+        if not lanes.size:
+            return 0
+        first = self.chain_lane(node, start)
+        base = lane_base_of_last_loc(int(slots[0]), start + 1, S, N) if first is None else \
+            (first - start // S) % N
+        bad = np.flatnonzero(lanes != lane_of_position(base, start // S + np.arange(lanes.size), N))
+        return int(slots.numel()) if not bad.size else int(bad[0]) * S
 
     def snapshot(self) -> tuple:
         """The whole tree as nested tuples: per node key, slots, ref, LRU time,
@@ -173,28 +219,37 @@ class RadixTree:
             kids = tuple((k, one(c)) for k, c in n.children.items())
             return n.key, tuple(n.slots.tolist()), n.ref, n.last_access, n.serial, kids
 
-        return (one(self.root), self.now, self._serial, tuple(self.cached_lanes.tolist()),
+        return (tuple((ns, one(r)) for ns, r in self.roots.items()), self.now, self._serial, tuple(self.cached_lanes.tolist()),
                 tuple(self.evictable_lanes.tolist()), self.page_cached.tobytes())
 
     # -- shape changes (counts kept exact) ---------------------------------------------
     def attach(self, parent: _Node, key: tuple, slots: torch.Tensor) -> _Node:
         """A new unreferenced node under ``parent``, used now."""
         node = self._node(key, slots.clone(), parent)
-        node.last_access = self.tick()
+        node.last_access, node.ns = self.tick(), parent.ns
         parent.children[key[: self.S]] = node
         self.leaves.pop(parent, None)
         self.leaves[node] = None
         self.cached_lanes += node.lanes
         self.evictable_lanes += node.lanes
         self.page_cached[node.pages] = True
+        if self.events is not None:
+            self._announce(node, self.events.stored)
         return node
+
+    def _announce(self, node: _Node, call) -> None:
+        """Tell ``events`` about the full pages of ``node`` (none for a partial leaf)."""
+        full = len(node.key) // self.S
+        if full:
+            toks = self.prefix_tokens(node)
+            call(toks, (len(toks) - len(node.key)) // self.S, full, self.medium, key=node.ns or None)
 
     def split(self, node: _Node, pages: int) -> _Node:
         """Cut ``node`` after ``pages`` whole pages; ``node`` keeps the lower
         part, the returned new node the upper. Counts are unchanged."""
         n = pages * self.S
         upper = self._node(node.key[:n], node.slots[:n], node.parent)
-        upper.ref, upper.last_access = node.ref, node.last_access
+        upper.ref, upper.last_access, upper.ns = node.ref, node.last_access, node.ns
         node.parent.children[upper.key[: self.S]] = upper  # same dict key: keeps the children's order
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         node.pages, node.lanes = self.pages_of(node.slots)
@@ -204,11 +259,15 @@ class RadixTree:
     def detach(self, leaf: _Node) -> None:
         """Take an unreferenced leaf out of the tree (its pages are the caller's to free)."""
         assert leaf.ref == 0 and not leaf.children, "only an unreferenced leaf can leave the tree"
+        if self.events is not None:
+            self._announce(leaf, self.events.removed)
         parent = leaf.parent
         del parent.children[leaf.key[: self.S]]
         del self.leaves[leaf]
-        if not parent.children and parent is not self.root:
+        if not parent.children and parent.parent is not None:
             self.leaves[parent] = None
+        elif not parent.children and parent is not self.root:
+            del self.roots[parent.ns]  # an emptied namespace leaves no root behind
         self.cached_lanes -= leaf.lanes
         self.evictable_lanes -= leaf.lanes
         self.page_cached[leaf.pages] = False
@@ -218,7 +277,7 @@ class RadixTree:
         it) now ends at ``child``, a new unreferenced leaf: ``child`` gets the
         reference, the ancestors keep theirs. O(1), unlike :meth:`pin`, which
         walks every ancestor."""
-        assert child.ref == 0 and child.parent is not None and (child.parent is self.root or child.parent.ref > 0)
+        assert child.ref == 0 and child.parent is not None and (child.parent.parent is None or child.parent.ref > 0)
         child.ref = 1
         self.evictable_lanes -= child.lanes
 
@@ -227,7 +286,7 @@ class RadixTree:
         and mark them used now (``delta=0`` only marks them). Splits copy
         counts, so walking parents is exact."""
         t = self.tick()
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             before = node.ref
             node.ref += delta
             assert node.ref >= 0, "reference count below zero"

@@ -263,6 +263,29 @@ def plan_transfer(src: SharedKVLayout, dst: SharedKVLayout, src_slots, dst_slots
                         slots.view(M, N), offsets, len(s_list))
 
 
+def _stored_as(f: Family) -> str:
+    return f"{f.shape} {f.dtype} on layers {f.layers}" if f.format is None else f"{f.format} on layers {f.layers}"
+
+
+def check_formats(src: Sequence[Family], dst: Sequence[Family]) -> None:
+    """Refuse a transfer between groups whose caches are stored differently:
+    ``UnsupportedPagePlan`` (rule ``kv-format-mismatch``) unless both sides
+    have the same families, each with the same shape, layers, dtype and
+    format. A message carries stored bytes and the receiver writes them as
+    they are, so groups that disagree (one in bf16, one in FP8) must be
+    refused before any byte moves; nothing converts between formats.
+    [[RFC-0001:C-KV-FORMAT]] [[RFC-0001:C-DISAGG]]"""
+    s, d = {f.name: f for f in src}, {f.name: f for f in dst}
+    if list(s) != list(d):
+        raise UnsupportedPagePlan("kv-format-mismatch", f"the source keeps caches {list(s)}, the destination "
+                                  f"{list(d)}")
+    for n in s:
+        if s[n] != d[n]:
+            raise UnsupportedPagePlan("kv-format-mismatch", f"cache {n!r} is stored as {_stored_as(s[n])} by the "
+                                      f"source and {_stored_as(d[n])} by the destination; a transfer moves stored "
+                                      "bytes and never converts them")
+
+
 # -- messages -------------------------------------------------------------------------------
 def _family_nbytes(f: Family, n: int) -> int:
     return n * f.slot_bytes()  # stored bytes: a formatted family's rows [[RFC-0001:C-KV-FORMAT]]

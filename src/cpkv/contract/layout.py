@@ -137,12 +137,13 @@ class SharedKVLayout:
         return np.arange(rank, self.num_pages, self.cp_size)
 
     # -- checks -------------------------------------------------------------
-    def _valid(self, slots: torch.Tensor) -> torch.Tensor:
-        """Mask of non-padding slots; raises on any other out-of-range slot."""
+    def _valid(self, slots: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Mask of non-padding slots; raises on any other out-of-range slot
+        (``check=False``: trusts the caller, which reads nothing on the host)."""
         if slots.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"slots must be int32 or int64, got {slots.dtype}")
         valid = slots != self.padding_value
-        if slots.numel():
+        if check and slots.numel():
             lo = int(torch.where(valid, slots, 0).min())
             hi = int(slots.max())
             if lo < 0 or hi >= self.capacity:
@@ -165,8 +166,8 @@ class SharedKVLayout:
         p = page_of(slots, self.slots_per_page)
         return (p // self.cp_size) * self.slots_per_page + (slots - p * self.slots_per_page)
 
-    def _translate(self, slots: torch.Tensor, output_dtype, rank_major: bool) -> torch.Tensor:
-        valid = self._valid(slots)
+    def _translate(self, slots: torch.Tensor, output_dtype, rank_major: bool, check: bool = True) -> torch.Tensor:
+        valid = self._valid(slots, check)
         if self.cp_size == 1:
             return _cast(slots, output_dtype)
         out = self._local(slots)
@@ -175,11 +176,13 @@ class SharedKVLayout:
         return _cast(torch.where(valid, out, slots), output_dtype)
 
     def translate_read_slots(
-        self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
+        self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None, check: bool = True
     ) -> torch.Tensor:
         """Logical slots -> rank-major slots of the shared view:
-        ``((p % N) * pages_per_rank + p // N) * S + s % S``. [[RFC-0001:C-READ-PATH]]"""
-        return self._translate(slot_indices, output_dtype, rank_major=True)
+        ``((p % N) * pages_per_rank + p // N) * S + s % S``. ``check=False``
+        skips the range check (a host read), for slots validated once per
+        batch (a forward plan's page table). [[RFC-0001:C-READ-PATH]]"""
+        return self._translate(slot_indices, output_dtype, rank_major=True, check=check)
 
     def translate_write_slots(
         self, slot_indices: torch.Tensor, *, output_dtype: torch.dtype | None = None
@@ -200,10 +203,11 @@ class SharedKVLayout:
         owned = valid & (owner_of(page_of(slot_indices, self.slots_per_page), self.cp_size) == owner_rank)
         return local, local // self.slots_per_page, owned
 
-    def owned_slot_mask(self, slot_indices: torch.Tensor, *, owner_rank: int) -> torch.Tensor:
-        """True where a slot is not padding and lies on a page ``owner_rank`` owns."""
+    def owned_slot_mask(self, slot_indices: torch.Tensor, *, owner_rank: int, check: bool = True) -> torch.Tensor:
+        """True where a slot is not padding and lies on a page ``owner_rank``
+        owns (``check=False``: no range check, no host read)."""
         self._check_rank(owner_rank, "owner_rank")
-        valid = self._valid(slot_indices)
+        valid = self._valid(slot_indices, check)
         if self.cp_size == 1:
             return valid
         return valid & (owner_of(page_of(slot_indices, self.slots_per_page), self.cp_size) == owner_rank)

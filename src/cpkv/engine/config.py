@@ -5,12 +5,18 @@ splits and the trace; its defaults are the ``cpkv run`` defaults (the command
 reads them from here), so a run built in Python and the same run from the
 command line are the same run. :class:`EngineConfig` adds one CP group's size,
 :class:`DisaggConfig` a prefill group and a decode group; each adds its own
-fault injection (tests).
+fault injection (tests), named in :data:`FAULT_HOOKS` so reports leave it out.
+
+The device cache is sized from memory unless ``device_pages`` is given:
+``kv_memory`` bytes per rank, or by default a budget from this machine's
+available memory (:func:`cpkv.runtime.sizing.default_kv_memory`), turned into
+pages per rank by :func:`cpkv.runtime.sizing.pages_for_memory` once, when the
+configuration is made; the ranks receive the resolved ``device_pages``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from ..models import TinyDsa, TinyLlama
 from .trace import WORKLOADS, RequestSpec, load_jsonl
@@ -21,25 +27,49 @@ class RunConfig:
     """One serving run: the model, the caches, the policies, the trace.
 
     ``page_size`` tokens per page; ``device_pages`` KV pages per rank (per
-    owner lane); ``host_pages`` pages of the host tier (0: none); ``chunk``
+    owner lane; lane 0 holds one fewer, page 0 being reserved): when ``None``
+    (the default) it is set at construction from ``kv_memory`` bytes per rank,
+    or, when that is ``None`` too, from this machine's available memory
+    (:meth:`memory_pages`); a given ``device_pages`` wins over ``kv_memory``.
+    ``host_pages`` pages of the host tier (0: none); ``chunk``
     prefill tokens per step, all requests together; ``max_running`` requests
     at once; ``admission`` ``"lanes"`` or ``"none"``; the prefill and decode
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
-    ``workload`` a built-in trace or a JSONL path, with ``requests`` and
+    ``kv_dtype`` what the caches store (:data:`~cpkv.models.KV_DTYPES`:
+    ``"float32"``, ``"bfloat16"`` or ``"fp8"``, the model's FP8 formats;
+    pools, host tier and transfers alike); ``workload`` a built-in trace or a JSONL path, with ``requests`` and
     ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
+
+    ``kv`` is ``"shared"`` (one owner-lane cache for the group) or
+    ``"replicated"`` (the baseline: every rank a full copy,
+    :mod:`cpkv.consumers.replicated`; its splits are :meth:`splits`).
+    ``kv_memory`` bytes per rank give the same ``device_pages`` in either mode
+    (:func:`~cpkv.runtime.sizing.pages_for_memory`): the shared group then
+    holds N times the pages of the replicated one
+    (:func:`~cpkv.runtime.sizing.group_pages`).
+    ``kv_events`` a ZMQ
+    endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds a publisher of the
+    prefix cache's KV events in vLLM's format (``None``: no events)
+    ([[RFC-0001:C-KV-EVENTS]]).
+    ``device`` where the model and the KV cache live (``"cpu"``, or
+    ``"cuda"``: untested on hardware); ``kernels`` the data plane, ``"torch"``
+    or ``"triton"`` (``None``: triton on a GPU, torch on the CPU, resolved at
+    construction).
     """
 
     page_size: int = 16
-    device_pages: int = 8
+    device_pages: int | None = None
+    kv_memory: int | None = None
     host_pages: int = 96
     chunk: int = 64
     max_running: int = 16
     admission: str = "lanes"
     prefill_split: str = "page"
     decode_split: str = "owner"
+    kv_dtype: str = "float32"
     workload: str = "multiturn"
     requests: int = 8
     scale: float = 0.1
@@ -49,6 +79,69 @@ class RunConfig:
     check_plans: bool = False
     timeout: float = 300.0
     progress: bool = False
+    kv: str = "shared"
+    kv_events: str | None = None
+    device: str = "cpu"
+    kernels: str | None = None
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank keeps a full copy of the cache (``kv="replicated"``)."""
+        return self.kv == "replicated"
+
+    def splits(self) -> tuple[str, str]:
+        """The (prefill, decode) splits the ranks run: ``prefill_split`` and
+        ``decode_split`` for the shared cache; for a replicated one the token
+        splits of :mod:`cpkv.consumers.replicated` (zigzag prefill, decode
+        tokens dealt by context length), whatever the two fields say."""
+        if not self.replicated:
+            return self.prefill_split, self.decode_split
+        from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS
+
+        return REPLICATED_PREFILL_SPLITS[0], REPLICATED_DECODE_SPLITS[0]
+
+    def __post_init__(self):
+        if self.kv not in KV_MODES:
+            raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
+        if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
+                                           or self.kv_memory < 1):
+            raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
+        if self.device_pages is None:
+            self.device_pages = self.memory_pages()
+        if self.kernels is None:
+            from ..runtime.batch import default_kernels
+
+            self.kernels = default_kernels(self.device)
+
+    #: Ranks whose memory the default budget is shared by (the subclasses' groups).
+    world_size = 1
+
+    def page_bytes(self) -> int:
+        """Bytes of one device KV page on its owner, every cache family of
+        ``model`` together as stored in ``kv_dtype``: ``page_size`` times the
+        families' ``slot_bytes``."""
+        import torch
+
+        from ..models import build_adapter
+
+        with torch.device("meta"):
+            adapter = build_adapter(self.model)
+        return self.page_size * sum(f.slot_bytes() for f in adapter.kv_families(self.kv_dtype))
+
+    def memory_pages(self, capacity=None) -> int:
+        """Device pages per rank from memory: ``kv_memory`` bytes per rank, or
+        the default budget of this machine (``capacity``, default now) for
+        :attr:`world_size` ranks, through
+        :func:`~cpkv.runtime.sizing.pages_for_memory`. ``ValueError`` when
+        ``kv_memory`` holds no page; the default takes at least 8 pages (a
+        machine that cannot hold them is refused by the capacity check)."""
+        from ..runtime.sizing import default_kv_memory, pages_for_memory
+
+        page = self.page_bytes()
+        if self.kv_memory is not None:
+            return pages_for_memory(self.kv_memory, page)
+        budget = default_kv_memory(self.world_size, other_bytes=self.host_pages * page, capacity=capacity)
+        return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page), page)
 
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""
@@ -61,6 +154,31 @@ class RunConfig:
         """This configuration's :class:`RunConfig` fields by name (what another
         driver's configuration takes over from it)."""
         return {f.name: getattr(self, f.name) for f in fields(RunConfig)}
+
+    def public(self) -> dict:
+        """The fields a report shows (``asdict``, the model as its family and
+        fields), without the test-only :data:`FAULT_HOOKS`."""
+        out = {k: v for k, v in asdict(self).items() if k not in FAULT_HOOKS}
+        return {**out, "model": {"family": type(self.model).__name__, **asdict(self.model)}}
+
+
+def field_defaults(cls) -> dict:
+    """The default of every field of the configuration class ``cls``, by name,
+    without making one (making one sizes the cache from this machine's memory):
+    ``None`` for ``device_pages``, whose default is computed."""
+    from dataclasses import MISSING
+
+    return {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+
+
+#: Fewest device pages per rank the default budget gives.
+MIN_DEFAULT_PAGES = 8
+#: The test-only fault-injection fields of the configurations (left out of reports).
+FAULT_HOOKS = ("fail_rank", "kill_rank", "fail_step", "fail_transfer")
+
+
+#: The device cache's modes: one shared owner-lane cache, or a full copy on every rank (the baseline).
+KV_MODES = ("shared", "replicated")
 
 
 @dataclass
@@ -76,6 +194,11 @@ class EngineConfig(RunConfig):
     kill_rank: int | None = None
     fail_step: int = 3
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the group."""
+        return self.cp_size
+
 
 @dataclass
 class DisaggConfig(RunConfig):
@@ -86,7 +209,10 @@ class DisaggConfig(RunConfig):
     and ``decode_pages`` the decode group's (defaults: the prefill group's
     page size and the same tokens per rank). The host tier (``host_pages``)
     belongs to the prefill group. ``transfer_timeout`` seconds bound one
-    point-to-point transfer. Fault injection (tests): world rank ``kill_rank``
+    point-to-point transfer. ``decode_kv_dtype`` is the decode group's KV
+    dtype (default ``kv_dtype``): the two groups must agree, since a transfer
+    moves stored bytes, and every rank refuses a disagreement at the start,
+    before any byte moves. Fault injection (tests): world rank ``kill_rank``
     is killed in the middle of transfer number ``fail_transfer`` (0-based).
     """
 
@@ -95,6 +221,7 @@ class DisaggConfig(RunConfig):
     decode_page: int | None = None
     decode_pages: int | None = None
     transfer_timeout: float = 60.0
+    decode_kv_dtype: str | None = None
     kill_rank: int | None = None
     fail_transfer: int = 0
 
@@ -107,6 +234,11 @@ class DisaggConfig(RunConfig):
     def d_page(self) -> int:
         """The decode group's page size."""
         return self.decode_page or self.page_size
+
+    @property
+    def d_kv_dtype(self) -> str:
+        """The decode group's KV dtype."""
+        return self.decode_kv_dtype or self.kv_dtype
 
     @property
     def d_pages(self) -> int:
@@ -123,8 +255,15 @@ class DisaggConfig(RunConfig):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+        from ..models import KV_DTYPES
+
+        for name in ("kv_dtype", "d_kv_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
+        if self.replicated:
+            raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:
             raise ValueError(f"kill_rank {self.kill_rank} is not a rank of a world of {self.world_size}")
         if not (self.timeout > 0 and self.transfer_timeout > 0):

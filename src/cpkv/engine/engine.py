@@ -5,26 +5,29 @@ steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
 copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
 ``check``, rank 0 keeps every computed logit and compares each finished
-request with ``transformers``' own forward of its full sequence (no cache) and
-its greedy tokens.
+request with ``transformers``' own forward of its full sequence and its greedy
+tokens (:mod:`.check`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from ..consumers.hicache import HostPool, HostTier
+from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
 from ..models import build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
-from ..runtime.group import RankContext, launch
-from ..runtime.progress import progress_bar
+from ..runtime.group import RankContext, RankFailure, launch
+from ..runtime.progress import RunProgress, progress_bar
 from ..runtime.runner import CPRunner
+from .check import check
 from .config import EngineConfig
+from .latency import LatencyClock, latency_report
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Scheduler
 from .step_plan import Forward, StepPlan
@@ -50,10 +53,10 @@ class RankExecutor:
         """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
         pool = self.pool
         if plan.backups:
-            pool.fence()
+            pool.tier_fence()
             for b in plan.backups:
                 self.backed_up += self.host.backup(pool, b.device, b.host)
-            pool.fence()
+            pool.tier_fence()
         for x in plan.loads:
             self.loaded += self.host.load(pool, x.host, x.device)
         for c in plan.copies:
@@ -63,7 +66,7 @@ class RankExecutor:
                 raise ValueError(f"step {plan.step} plans KV arrivals but this executor has no receive")
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
-            pool.fence()
+            pool.tier_fence()
         return [self._forward(b) for b in plan.forwards()]
 
     def _forward(self, b: Forward) -> list[int]:
@@ -90,36 +93,99 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
     """The scheduler every rank builds (same inputs, same state); ``TraceError``
     for a trace whose requests could never fit the cache."""
     host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
-    return Scheduler(specs, build_cache(cfg.cp_size, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
+    lanes = 1 if cfg.replicated else cfg.cp_size  # a replicated copy: a plain paged allocator, no owner lanes
+    return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
                      max_running=cfg.max_running, admission=cfg.admission, host=host)
 
 
-def _engine_rank(ctx: RankContext, cfg: EngineConfig) -> dict | None:
-    comm: Comm = DistComm() if ctx.distributed else LocalComm()
-    return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model))
+def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
+    """Hook ``publisher`` (a :class:`~cpkv.consumers.kv_events_zmq.KVEventPublisher`)
+    to the scheduler's caches: every full page entering or leaving the device
+    cache as medium ``"GPU"``, the host tier's as ``"CPU"``; the stream starts
+    with ``AllBlocksCleared``. The caller flushes the returned sink once per
+    step. [[RFC-0001:C-KV-EVENTS]]"""
+    sink = KVEventSink(publisher, sched.S)
+    sched.cache.events = sink
+    if sched.host is not None:
+        sched.host.index.events = sink
+    sink.cleared()
+    return sink
 
 
-def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -> dict | None:
+@contextmanager
+def kv_event_publisher(cfg: EngineConfig, rank: int):
+    """Rank 0's publisher bound on ``cfg.kv_events`` (``None`` elsewhere, or
+    without ``kv_events``), closed on the way out, error or not."""
+    if not cfg.kv_events or rank != 0:
+        yield None
+        return
+    from ..consumers.kv_events_zmq import KVEventPublisher
+
+    pub = KVEventPublisher(cfg.kv_events)
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
+    if cfg.device == "cuda":  # untested on hardware: NCCL, KV buffers over CUDA IPC, pinned host tier
+        from ..runtime.device import pin_shared, share_device_buffer
+
+        comm: Comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
+        adapter = build_adapter(cfg.model)
+        adapter.model.to(ctx.device)
+        return engine_rank(lambda tag, shape, dtype: share_device_buffer(ctx, tag, shape, dtype, ctx.device),
+                           comm, cfg, adapter, progress,
+                           host_shared=lambda tag, shape, dtype: pin_shared(ctx.shared(tag, shape, dtype)))
+    comm = DistComm() if ctx.distributed else LocalComm()
+    return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
+
+
+def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
+                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared buffers, ``comm`` its collectives. Returns the report on rank 0."""
+    shared KV buffers (``host_shared`` its host tier's, default ``shared``),
+    ``comm`` its collectives; rank 0 keeps ``progress`` (when given) up to
+    date after every step. Idle steps (nothing runs, nothing is due) are
+    skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
+    With ``cfg.kv_events``, rank 0 publishes its caches' KV events there."""
+    with kv_event_publisher(cfg, comm.rank) as pub:
+        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared)
+
+
+def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub,
+              progress: RunProgress | None, host_shared: SharedBuffers | None) -> dict | None:
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
+    events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table)
+    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table,
+                       host_shared=host_shared)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
+    progress = progress if comm.rank == 0 else None
     t0 = time.perf_counter()
+    clock = LatencyClock(t0)
     while not sched.done:
+        skipped = sched.skip_idle()
         if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
             inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
         if sched.complete(plan, ex.run(plan)):
-            bar.set_postfix_str(f"{sched.stats.finished}/{len(specs)} requests finished", refresh=False)
-        bar.update(1)
+            bar.set_postfix_str(f"{sched.stats.finished}/{len(sched.requests)} requests finished", refresh=False)
+        clock.observe(plan, time.perf_counter())
+        bar.update(1 + skipped)
+        if progress is not None:
+            st = sched.stats
+            progress.update(step=sched.step, finished=st.finished, requests=len(sched.requests),
+                            generated_tokens=st.generated_tokens, computed_tokens=st.computed_tokens)
+        if events is not None:
+            events.flush()  # one batch a step, as vLLM publishes
     seconds = time.perf_counter() - t0
     bar.close()
-    own = layout.rank_pages(comm.rank)  # the logical pages of this rank's lane
+    own = layout.rank_pages(0 if cfg.replicated else comm.rank)  # this rank's lane, or its whole copy
     held = own[sched.cache.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
@@ -128,42 +194,25 @@ def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter) -
                                     # holds, by the allocator and by what this rank wrote into its segment
                                     "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
     sched.drain()
+    if events is not None:
+        events.flush()
     sched.check_drained()
     if comm.rank != 0:
         return None
-    return report(cfg, sched, pool.page_bytes, moved, seconds, check(adapter.model, sched, ex) if cfg.check else None)
-
-
-def check(model, sched: Scheduler, ex: RankExecutor) -> dict:
-    """Every request against ``transformers``: its full forward (no cache) over
-    the request's sequence, every computed logit within tolerance, and greedy
-    decoding giving the same tokens."""
-    worst, mismatched, logits_checked = 0.0, [], 0
-    with torch.no_grad():
-        for r in sched.requests:
-            seq = torch.tensor(r.seq[:-1], dtype=torch.int64)
-            ref = model(seq[None]).logits[0]
-            got = ex.logits.get(r.index, {})
-            if got:
-                pos = torch.tensor(sorted(got))
-                ours = torch.stack([got[p] for p in pos.tolist()])
-                worst = max(worst, float((ours - ref[pos]).abs().max()))
-                logits_checked += pos.numel()
-            n = len(r.prompt)
-            if ref[n - 1 :].argmax(-1).tolist() != r.generated:
-                mismatched.append(r.spec.id)
-    return {"max_abs_diff": worst, "logits_checked": logits_checked, "requests": len(sched.requests),
-            "requests_matched": len(sched.requests) - len(mismatched), "mismatched": mismatched}
+    checked = check(adapter.model, sched, ex, list(pool.families.values())) if cfg.check else None
+    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock))
 
 
 def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
-           checked: dict | None) -> dict:
-    """The run's figures (see ``cpkv run --help``)."""
+           checked: dict | None, latency: dict | None = None) -> dict:
+    """The run's figures (see ``cpkv run --help``); ``latency`` is
+    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request)."""
     st = sched.stats
-    occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, cfg.cp_size))
-    peak_lane = occ.max(0)
+    occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, sched.N))
+    # a replicated copy holds every used page on every rank; a shared cache each lane on its rank
+    peak_lane = np.full(cfg.cp_size, occ.sum(1).max()) if cfg.replicated else occ.max(0)
     return {
-        "config": {**asdict(cfg), "model": {"family": type(cfg.model).__name__, **asdict(cfg.model)}},
+        "config": cfg.public(),  # without the test-only fault hooks
         "requests": len(sched.requests),
         "finished": st.finished,
         "steps": st.steps,
@@ -182,6 +231,8 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "load_bytes": st.host_hit_tokens // cfg.page_size * page_bytes,
         "preemptions": st.preemptions,
         "refusals": st.refusals,
+        "kv_dtype": cfg.kv_dtype,
+        "kv_bytes_per_token": page_bytes // cfg.page_size,
         "peak_kv_bytes_per_rank": [int(x) * page_bytes for x in peak_lane],
         "peak_replicated_kv_bytes": int(occ.sum(1).max()) * page_bytes,
         "max_lane_gap_pct": st.lane_gap(cfg.device_pages),
@@ -189,6 +240,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "tokens_per_second": st.generated_tokens / max(seconds, 1e-9),
         "ranks": ranks,
         "check": checked,
+        "latency": latency,
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,
@@ -204,8 +256,18 @@ def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
 
 
 def run_engine(cfg: EngineConfig) -> dict:
-    """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report."""
+    """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report.
+
+    A run stopped by its timeout (:class:`~cpkv.runtime.group.RankFailure`)
+    or by Ctrl-C (``KeyboardInterrupt``) raises with ``progress`` set on the
+    exception: what it finished (:meth:`RunProgress.read`, ``None`` before
+    the first step) and ``requests``, the trace's length."""
     cfg.model.config()
     specs = cfg.trace()
     build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process
-    return launch(_engine_rank, cfg.cp_size, cfg, timeout=cfg.timeout)
+    progress = RunProgress()
+    try:
+        return launch(_engine_rank, cfg.cp_size, cfg, progress, timeout=cfg.timeout, device=cfg.device)
+    except (KeyboardInterrupt, RankFailure) as e:
+        e.progress, e.requests = progress.read(), len(specs)
+        raise

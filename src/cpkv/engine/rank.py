@@ -22,6 +22,7 @@ from ..consumers.hicache import HostPool
 from ..consumers.kv_pool import SharedKVPool, allocate_buffers
 from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache
+from ..consumers.replicated import ReplicatedHostPool, ReplicatedKVPool, replicated_buffers
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.layout import SharedKVLayout
 from ..runtime.comm import Comm
@@ -51,18 +52,33 @@ class RankParts:
 
 
 def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
-               host_pages: int, *, page_table: PageTable | None = None) -> RankParts:
+               host_pages: int, *, page_table: PageTable | None = None,
+               host_shared: SharedBuffers | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
     ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
     requests of up to ``max_len`` tokens with ``cfg``'s splits, reading the
-    scheduler's ``page_table`` (the one page table of the group's requests)."""
-    fams = adapter.families()
-    pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
-    host = HostPool(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, shared)) if host_pages else None
+    scheduler's ``page_table`` (the one page table of the group's requests).
+    With ``cfg.replicated`` the pool is the rank's private full copy over
+    ``layout`` (one rank: :mod:`cpkv.consumers.replicated`) and the splits are
+    ``cfg.splits()``'s token splits. The caches are
+    ``adapter.kv_families(cfg.kv_dtype)``: pools and host pool store their
+    rows [[RFC-0001:C-KV-FORMAT]]. ``host_shared`` allocates the host tier
+    (default ``shared``; on a GPU the KV buffers are device memory and the
+    host tier pinned host memory)."""
+    fams = adapter.kv_families(cfg.kv_dtype)
+    if cfg.replicated:  # a full private copy on every rank, over the scheduler's one-lane layout
+        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams), group_rank=group.rank,
+                                group_size=group.size, barrier=group.barrier)
+    else:
+        pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
+    host_cls = ReplicatedHostPool if cfg.replicated else HostPool
+    host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))
+            if host_pages else None)
+    prefill_split, decode_split = cfg.splits()
     runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=cfg.prefill_split, decode_split=cfg.decode_split, check_plans=cfg.check_plans,
-                      page_table=page_table)
+                      prefill_split=prefill_split, decode_split=decode_split, check_plans=cfg.check_plans,
+                      page_table=page_table, kernels=cfg.kernels)
     return RankParts(pool, host, runner)
 
 

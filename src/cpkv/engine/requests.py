@@ -21,7 +21,7 @@ from ..consumers.prefix_cache import PrefixCache, PrefixMatch
 from ..contract import layout
 from ..contract.layout import lane_base_of_last_loc, owner_of
 from .step_plan import StepPlan
-from .trace import RequestSpec, TraceError, validate
+from .trace import CacheTooSmall, RequestSpec, TraceError, validate
 
 
 @dataclass(eq=False)
@@ -49,6 +49,11 @@ class Request:
     need: np.ndarray | None = field(default=None, repr=False)  # pages per lane still reserved (Scheduler)
     prefix_lanes: np.ndarray | None = field(default=None, repr=False)  # pages per lane of the shared prefix
     _ids: np.ndarray | None = field(default=None, repr=False)  # token ids, int32 (see ids())
+    key: str | int | None = None  # namespace in the prefix cache: the spec's, else the parent's
+
+    def __post_init__(self):
+        if self.key is None:
+            self.key = self.spec.key
 
     @property
     def seq(self) -> tuple:
@@ -166,6 +171,8 @@ class RequestLifecycle:
                 r.prompt, r.due = r.spec.tokens, r.spec.arrival
             else:
                 self._children.setdefault(r.spec.after, []).append(r)
+                if r.key is None:
+                    r.key = self._by_id[r.spec.after].key  # parents come first (validated)
         self._check_capacity()
         self.waiting: list[Request] = sorted((r for r in self.requests if r.due is not None),
                                              key=lambda x: (x.due, x.index))
@@ -178,21 +185,26 @@ class RequestLifecycle:
 
     # -- set-up ----------------------------------------------------------------------------
     def _check_capacity(self) -> None:
-        """Refuse, before anything runs, a request that could never fit the cache."""
-        lengths = {}
+        """Refuse, before anything runs, the requests that could never fit the
+        cache: every one of them in one :class:`CacheTooSmall`."""
+        lengths, too_large = {}, []
         self.max_len = 0  # the most KV tokens any request will hold
         for r in self.requests:  # a follow-up's prompt: parent prompt + parent replies + own tokens
             s = r.spec
             base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
             lengths[s.id] = base + len(s.tokens)
-            self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
+            try:
+                self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
+            except CacheTooSmall as e:
+                too_large += e.requests
+        if too_large:
+            raise CacheTooSmall(too_large, self.cache.lane_pages, self.S)
 
     def _check_fits(self, rid: str, kv_tokens: int) -> None:
         pages = -(-kv_tokens // self.S)
         per_lane = int(layout.chain_lane_pages(0, 0, pages, self.N).max())  # the fullest lane, whatever the base
         if per_lane > int(self.cache.lane_pages.min()):
-            raise TraceError(f"request {rid!r} needs {pages} pages ({per_lane} per lane); the cache has "
-                             f"{int(self.cache.lane_pages.min())} per lane")
+            raise CacheTooSmall([(rid, kv_tokens)], self.cache.lane_pages, self.S)
         self.max_len = max(self.max_len, kv_tokens)
 
     def submit(self, spec: RequestSpec) -> Request:
@@ -221,6 +233,17 @@ class RequestLifecycle:
 
     def _due(self) -> list[Request]:
         return [r for r in self.waiting if r.due <= self.step]
+
+    def skip_idle(self) -> int:
+        """When nothing runs and nothing is due, move the step counter to the
+        next arrival: the steps between would plan nothing (a request arriving
+        at step 1,000,000 costs no million empty steps). Returns the steps
+        skipped, 0 when a request runs or is due. Call it between steps."""
+        if self.running or not self.waiting:
+            return 0
+        skipped = max(min(r.due for r in self.waiting) - self.step, 0)
+        self.step += skipped
+        return skipped
 
     def _give_back(self, r: Request) -> None:
         """``r`` holds KV no more: its page-table row goes back."""

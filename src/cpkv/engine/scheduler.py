@@ -141,7 +141,7 @@ class Scheduler(RequestLifecycle):
                 continue  # its KV is still being computed elsewhere
             if len(self.running) >= self.max_running:
                 break
-            adm = self.cache.can_allocate(r.ids(), r.final_len, self.host)
+            adm = self.cache.can_allocate(r.ids(), r.final_len, self.host, key=r.key)
             if reserved is not None and self.running and not adm.fits(reserved + headroom):
                 break
             if not self._start(p, r, adm):
@@ -164,7 +164,7 @@ class Scheduler(RequestLifecycle):
                     return False
             computed = kv
         elif adm.host_len:  # pin the host copy first: the allocation below may evict and back up
-            host_slots = self.host.take(seq, m.length, adm.host_len)
+            host_slots = self.host.take(seq, m.length, adm.host_len, key=r.key)
             rest = self.cache.allocate_extend([m.length], [adm.host_len], torch.tensor([m.last_loc]))
             if rest is not None:
                 computed, loaded = adm.host_len, adm.host_len - m.length
@@ -279,9 +279,9 @@ class Scheduler(RequestLifecycle):
         return Forward(reqs, rows, a, torch.cat(ids), [not r.prefilling for r in reqs], False, self.table)
 
     # -- host tier ------------------------------------------------------------------------------
-    def _on_evict(self, tokens: tuple, slots: torch.Tensor) -> None:
-        """A device node is evicted: back its whole pages up to the host tier first."""
-        got = self.host.backup(tokens, slots)
+    def _on_evict(self, tokens: tuple, slots: torch.Tensor, key=None) -> None:
+        """A device node is evicted: back its whole pages up to the host tier first (same namespace ``key``)."""
+        got = self.host.backup(tokens, slots, key=key)
         if got is not None and self._plan is not None:
             dev, host = got
             self._plan.backups.append(Backup(dev, host))

@@ -12,8 +12,21 @@ file, one request a line::
 
     {"id": "a", "arrival": 0, "tokens": [5, 17, 3], "max_new_tokens": 8}
     {"id": "b", "arrival": 0, "tokens": [9], "max_new_tokens": 4, "after": "a", "delay": 2}
+    {"id": "c", "arrival": 1, "tokens": [5, 17, 3], "max_new_tokens": 8, "key": "tenant-2"}
 
-A bad line is refused with its line number and the reason, before anything runs.
+``key`` (optional, a str or an int: a LoRA id, a cache salt) is the
+request's namespace in the prefix cache (SGLang's ``extra_key``, vLLM's
+``cache_salt``): requests with different keys never share KV, even with equal
+tokens. A follow-up without its own ``key`` keeps its parent's.
+
+The limits (:data:`TRACE_LIMITS`, also in ``cpkv run --help``): ``id`` a
+string used once; ``arrival`` a step >= 0; ``tokens`` ids in ``[0, vocab)``
+(256 for the built-in models), at least one unless the line has ``after``;
+``max_new_tokens`` >= 1; ``after`` names an earlier line; ``delay`` (steps
+>= 0) only with ``after``. A bad line is refused with its line number and the
+reason, before anything runs. A request that could never fit the device cache
+is refused before the start too (:class:`CacheTooSmall`, raised by the
+scheduler), every such request named in one message.
 """
 
 from __future__ import annotations
@@ -24,8 +37,67 @@ from dataclasses import dataclass
 import numpy as np
 
 
+#: The trace format's limits, one sentence (``cpkv run --help`` shows it).
+TRACE_LIMITS = ("one JSON object a line with id (a string used once), arrival (a step >= 0), tokens (ids below "
+                "the model's vocabulary, 256 for the built-in models; at least one unless the line has after) and "
+                "max_new_tokens (>= 1); optional after (the id of an earlier line: a follow-up turn) and delay "
+                "(steps >= 0 after that line finished; only with after)")
+
+
 class TraceError(ValueError):
     """A trace that cannot be run; the message names the line (or request) and the reason."""
+
+
+def _listed(items) -> str:
+    """``"a, b and c"``."""
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def lane_split(pages: int, lanes: int) -> list[int]:
+    """How ``pages`` consecutive pages of one request fall on ``lanes`` lanes
+    (round robin from its lane base), largest first: 95 on 4 lanes is
+    ``[24, 24, 24, 23]``."""
+    return [pages // lanes + (i < pages % lanes) for i in range(lanes)]
+
+
+class CacheTooSmall(TraceError):
+    """Requests of a trace that could never fit the device cache, all of them.
+
+    ``requests`` lists ``(id, kv_tokens)``: the most tokens with KV each will
+    hold (its whole prompt, a follow-up's included, and its replies but the
+    last). ``lane_pages`` [N] are the pages each lane holds (lane 0 one fewer:
+    page 0 is reserved for padding), ``page_size`` the tokens per page. A
+    request's pages go round robin over the lanes from a lane base that may be
+    any lane (a prefix match fixes it), so a request fits only when its
+    ``ceil(pages / N)`` fit the smallest lane: :attr:`capacity_tokens` is the
+    most tokens one request can hold, :attr:`pages_per_rank_needed` the
+    pages per rank that would hold the longest request.
+    """
+
+    def __init__(self, requests: list[tuple[str, int]], lane_pages, page_size: int):
+        self.requests = list(requests)
+        self.lane_pages = [int(x) for x in lane_pages]
+        self.page_size = int(page_size)
+        N, S, lanes = len(self.lane_pages), self.page_size, self.lane_pages
+        smallest = min(lanes)
+        self.capacity_tokens = smallest * N * S
+        longest = max(-(-kv // S) for _, kv in self.requests)
+        self.pages_per_rank_needed = -(-longest // N) + 1  # + page 0, reserved on lane 0
+        why = []
+        for rid, kv in self.requests:
+            pages = -(-kv // S)
+            why.append(f"request {rid!r} needs {pages} pages of {S} tokens for {kv} tokens of KV "
+                       f"({_listed(lane_split(pages, N))} per lane)")
+        if N == 1:
+            held = f"its one lane holds {smallest} pages (page 0 is reserved)"
+        else:
+            held = (f"its {N} lanes hold {_listed(lanes)} pages (page 0, on lane 0, is reserved) and a request's "
+                    f"pages may start on any lane, so it counts on {smallest} per lane")
+        head = (f"{len(self.requests)} requests can never fit the device cache" if len(self.requests) > 1
+                else "a request can never fit the device cache")
+        super().__init__(f"{head}: {'; '.join(why)}. The cache holds at most {self.capacity_tokens} tokens per "
+                         f"request: {held}")
 
 
 @dataclass(frozen=True)
@@ -38,9 +110,11 @@ class RequestSpec:
     max_new_tokens: int
     after: str | None = None
     delay: int = 0
+    key: str | int | None = None
 
 
-_KEYS = {"id": str, "arrival": int, "tokens": list, "max_new_tokens": int, "after": str, "delay": int}
+_KEYS = {"id": str, "arrival": int, "tokens": list, "max_new_tokens": int, "after": str, "delay": int,
+         "key": (str, int)}
 _REQUIRED = ("id", "arrival", "tokens", "max_new_tokens")
 
 
@@ -57,14 +131,37 @@ def validate(specs: list[RequestSpec], vocab: int | None = None, where=None) -> 
             raise TraceError(f"{where(i)}: 'after' names {s.after!r}, which no earlier line defines")
         if s.arrival < 0 or s.delay < 0:
             raise TraceError(f"{where(i)}: arrival and delay must be >= 0")
+        if s.delay and s.after is None:
+            raise TraceError(f"{where(i)}: 'delay' counts steps after the line named by 'after'; this line has no "
+                             "'after'")
         if s.max_new_tokens < 1:
             raise TraceError(f"{where(i)}: max_new_tokens must be >= 1, got {s.max_new_tokens}")
         if not s.tokens and s.after is None:
             raise TraceError(f"{where(i)}: a request without 'after' needs at least one token")
         if vocab is not None and s.tokens and not (0 <= min(s.tokens) and max(s.tokens) < vocab):
-            raise TraceError(f"{where(i)}: tokens must lie in [0, {vocab})")
+            bad = next(t for t in s.tokens if not 0 <= t < vocab)
+            raise TraceError(f"{where(i)}: tokens must lie in [0, {vocab}), the model's vocabulary; "
+                             f"token {bad} does not")
         seen.add(s.id)
     return specs
+
+
+def expected_steps(specs: list[RequestSpec], chunk: int, max_running: int) -> int:
+    """About how many steps a scheduler with ``chunk`` prefill tokens per step
+    and ``max_running`` requests at once takes for ``specs`` (idle steps
+    skipped): the larger of its longest conversation (each turn's own prompt
+    in chunks, its replies one a step, its delay) and its total work
+    (every prompt token in chunks, every reply token in batches of
+    ``max_running``). An estimate for telling a user how long to wait, not a
+    bound the scheduler keeps."""
+    if chunk < 1 or max_running < 1:
+        raise ValueError(f"chunk and max_running must be >= 1, got {chunk}, {max_running}")
+    chain: dict[str, int] = {}
+    for s in specs:
+        turn = -(-len(s.tokens) // chunk) + s.max_new_tokens - 1 + s.delay
+        chain[s.id] = turn + (chain[s.after] if s.after is not None else 0)
+    work = -(-sum(len(s.tokens) for s in specs) // chunk) + -(-sum(s.max_new_tokens for s in specs) // max_running)
+    return max(max(chain.values(), default=0), work)
 
 
 def parse_line(text: str) -> RequestSpec:
@@ -83,13 +180,19 @@ def parse_line(text: str) -> RequestSpec:
         raise TraceError(f"missing {missing}")
     for k, v in obj.items():
         want = _KEYS[k]
+        if k == "key":
+            if isinstance(v, bool) or not isinstance(v, want):
+                raise TraceError(f"'key' must be a str or an int, got {type(v).__name__}")
+            continue
         if want is int and (isinstance(v, bool) or not isinstance(v, int)) or want is not int and not isinstance(v, want):
             raise TraceError(f"{k!r} must be {want.__name__}, got {type(v).__name__}")
     toks = obj["tokens"]
     if any(isinstance(t, bool) or not isinstance(t, int) for t in toks):
         raise TraceError("'tokens' must be a list of ints")
+    if "delay" in obj and "after" not in obj:
+        raise TraceError("'delay' counts steps after the line named by 'after'; this line has no 'after'")
     return RequestSpec(obj["id"], obj["arrival"], tuple(toks), obj["max_new_tokens"], obj.get("after"),
-                       obj.get("delay", 0))
+                       obj.get("delay", 0), obj.get("key"))
 
 
 def load_jsonl(path: str, vocab: int | None = None) -> list[RequestSpec]:
@@ -116,6 +219,8 @@ def dump_jsonl(specs: list[RequestSpec], path: str) -> None:
             obj = {"id": s.id, "arrival": s.arrival, "tokens": list(s.tokens), "max_new_tokens": s.max_new_tokens}
             if s.after is not None:
                 obj.update(after=s.after, delay=s.delay)
+            if s.key is not None:
+                obj.update(key=s.key)
             f.write(json.dumps(obj) + "\n")
 
 

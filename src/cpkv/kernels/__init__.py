@@ -32,6 +32,7 @@ slot-range read (a device sync) for a table validated once per batch.
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -54,9 +55,28 @@ def _triton():
     except ImportError as e:
         raise RuntimeError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
                            "use backend='torch'") from e
-    return SimpleNamespace(store=triton_store.store, paged_attention=triton_attention.paged_attention,
-                           merge_lse=triton_attention.merge_lse, index_scores=triton_dsa.index_scores,
-                           sparse_mla_attention=triton_dsa.sparse_mla_attention)
+    fns = dict(store=triton_store.store, paged_attention=triton_attention.paged_attention,
+               merge_lse=triton_attention.merge_lse, index_scores=triton_dsa.index_scores,
+               sparse_mla_attention=triton_dsa.sparse_mla_attention)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's state is global: one launch at a time
+        fns = {n: _one_at_a_time(f) for n, f in fns.items()}
+    return SimpleNamespace(**fns)
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _one_at_a_time(fn):
+    """``fn`` serialised across threads: Triton's interpreter patches module
+    state while a kernel runs, so ranks that are threads (tests) must not run
+    kernels at the same time. Compiled kernels (a GPU) need no lock."""
+
+    def locked(*args, **kwargs):
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    locked.__name__ = fn.__name__
+    return locked
 
 
 def _impl(backend: str, device: torch.device):

@@ -8,7 +8,7 @@ GLM-5: MLA over a latent pool, sparse attention over an indexer-key pool).
 
 from .attention import (absorb_query, absorbed_output, attend, index_scores, merge_partials, paged_attention,
                         topk_positions)
-from .base import CacheAccess, ModelAdapter
+from .base import KV_DTYPES, CacheAccess, ModelAdapter
 from .dsa import DsaAdapter, DsaCacheShape, TinyDsa, glm_indexer_types, real_shape
 from .llama import LlamaAdapter, TinyLlama
 
@@ -32,6 +32,6 @@ def build_adapter(config: TinyLlama | TinyDsa) -> ModelAdapter:
         return LlamaAdapter(config.build())
     raise TypeError(f"no adapter for a {type(config).__name__}; a model is a TinyLlama or a TinyDsa")
 
-__all__ = ["MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape", "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama",
+__all__ = ["KV_DTYPES", "MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape", "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama",
            "absorb_query", "absorbed_output", "attend", "glm_indexer_types", "index_scores", "merge_partials",
            "paged_attention", "real_shape", "topk_positions"]

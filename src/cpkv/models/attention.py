@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 
+class QueryGroups(NamedTuple):
+    """How :func:`paged_attention` batches queries by request, planned once per
+    batch (:func:`query_groups`): ``one_per_row`` (query t is row t's only
+    query: a decode batch), ``visible [B, L]`` for that case; otherwise each
+    query's place ``j [T]`` in its row's padded group, the group ``width``,
+    and ``mask [B, width, L]`` (causal; a padded query row sees key 0)."""
+
+    one_per_row: bool
+    visible: torch.Tensor
+    j: torch.Tensor
+    width: int
+    mask: torch.Tensor
+
+
+def query_groups(q_req: torch.Tensor, q_pos: torch.Tensor, B: int, L: int) -> QueryGroups:
+    """The :class:`QueryGroups` of queries ``q_req [T]`` (row of each) at
+    positions ``q_pos [T]`` over ``B`` context rows of length ``L``. Reads
+    the counts on the host (a synchronisation): call it once per batch."""
+    dev, T = q_req.device, q_req.numel()
+    one = T == B and torch.equal(q_req, torch.arange(B, device=dev))
+    visible = torch.arange(L, device=dev)[None, :] <= q_pos[:, None] if one else q_pos.new_zeros((0, L), dtype=torch.bool)
+    counts = torch.bincount(q_req, minlength=B)
+    j = torch.arange(T, device=dev) - (torch.cumsum(counts, 0) - counts)[q_req]
+    width = int(counts.max()) if T else 0
+    pos = torch.full((B, width), -1, dtype=torch.int64, device=dev)
+    pos[q_req, j] = q_pos.to(torch.int64)
+    mask = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]
+    if L:
+        mask[:, :, 0] |= pos < 0  # padded query rows see one key, so no row is empty; discarded below
+    return QueryGroups(one, visible, j, width, mask)
+
+
 def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k_ctx: torch.Tensor,
-                    v_ctx: torch.Tensor, scaling: float) -> torch.Tensor:
+                    v_ctx: torch.Tensor, scaling: float, groups: QueryGroups | None = None) -> torch.Tensor:
     """Causal GQA attention of queries over their requests' gathered context.
 
     ``q [T, H, D]`` are the queries this rank computes, in request order;
@@ -16,27 +50,24 @@ def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k
     position: it attends to context positions ``0 .. q_pos[i]``. Queries are
     grouped per request into one padded batch (no loop per token or request);
     a batch of one query per row (decode) runs on :func:`attend`'s grouped kernel.
+    ``groups``: that grouping, planned once per batch (:func:`query_groups`);
+    with it the call does not synchronise with the host.
     """
     T = q.shape[0]
     if T == 0:
         return q.new_zeros(q.shape)
     B, L = k_ctx.shape[:2]
-    if T == B and _flash_fits(q, k_ctx, v_ctx) and torch.equal(q_req, torch.arange(B, device=q.device)):
+    if groups is None:
+        groups = query_groups(q_req, q_pos, B, L)
+    if groups.one_per_row and _flash_fits(q, k_ctx, v_ctx):
         # one query per context row, in order (a decode batch): the grouped kernel of attend
-        visible = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]
-        return attend(q, k_ctx, v_ctx, visible, scaling)[0]
-    counts = torch.bincount(q_req, minlength=B)
-    j = torch.arange(T, device=q.device) - (torch.cumsum(counts, 0) - counts)[q_req]
-    qmax = int(counts.max())
-    qp = q.new_zeros(B, qmax, *q.shape[1:])
+        return attend(q, k_ctx, v_ctx, groups.visible, scaling)[0]
+    j = groups.j
+    qp = q.new_zeros(B, groups.width, *q.shape[1:])
     qp[q_req, j] = q
-    pos = torch.full((B, qmax), -1, dtype=torch.int64, device=q.device)
-    pos[q_req, j] = q_pos
-    mask = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]
-    mask[:, :, 0] |= pos < 0  # padded query rows see one key, so no row is empty; discarded below
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-        attn_mask=mask[:, None], scale=scaling, enable_gqa=True,
+        attn_mask=groups.mask[:, None], scale=scaling, enable_gqa=True,
     )
     return out.transpose(1, 2)[q_req, j]
 
@@ -134,6 +165,20 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     """
     s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale)  # [T, Hi, L]
     return torch.matmul(weights.float().unsqueeze(-2), s).squeeze(-2)
+
+
+class IndexerScore:
+    """DSA's lightning-indexer score at softmax ``scale``, as a ``score``
+    callable for :meth:`cpkv.models.CacheAccess.select`: ``score(q, weights,
+    keys)`` is :func:`index_scores`. A cache that recognises it may compute
+    the same scores in a kernel over its own view instead (``cpkv.kernels.index_scores``)."""
+
+    def __init__(self, scale: float):
+        self.scale = float(scale)
+
+    def __call__(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """:func:`index_scores` of ``q [T, Hi, Di]``, ``weights [T, Hi]``, ``keys [T, L, Di]``: ``[T, L]`` fp32."""
+        return index_scores(q, weights, keys, self.scale)
 
 
 def topk_positions(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

@@ -14,7 +14,12 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..consumers.kv_format import TorchFormat
 from ..consumers.kv_pool import Family
+
+#: The KV dtypes a run stores its caches in (``--kv-dtype``): plain float32,
+#: bfloat16 bytes, or the model's FP8 formats. [[RFC-0001:C-KV-FORMAT]]
+KV_DTYPES = ("float32", "bfloat16", "fp8")
 
 
 class CacheAccess(Protocol):
@@ -82,6 +87,23 @@ class ModelAdapter(ABC):
         encodes on write and decodes on read); raises ``NotImplementedError``
         for an adapter without one. [[RFC-0001:C-KV-FORMAT]]"""
         raise NotImplementedError(f"{type(self).__name__} has no FP8 cache format")
+
+    def kv_families(self, kv_dtype: str = "float32") -> tuple[Family, ...]:
+        """The caches as a run with ``kv_dtype`` (one of :data:`KV_DTYPES`)
+        stores them: ``"float32"`` the plain float32 families of
+        :meth:`families`; ``"bfloat16"`` the same families with a bf16
+        :class:`~cpkv.consumers.kv_format.TorchFormat` (uint8 rows of 2 bytes
+        a value, decoded to float32 on read); ``"fp8"`` :meth:`fp8_families`.
+        Raises ``ValueError`` for another name (``NotImplementedError`` for
+        fp8 on an adapter without an FP8 format). [[RFC-0001:C-KV-FORMAT]]"""
+        if kv_dtype == "float32":
+            return self.families()
+        if kv_dtype == "bfloat16":
+            return tuple(Family(f.name, f.shape, f.layers, format=TorchFormat(f.shape, torch.bfloat16))
+                         for f in self.families())
+        if kv_dtype == "fp8":
+            return self.fp8_families()
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
 
     @abstractmethod
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

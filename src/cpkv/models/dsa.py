@@ -31,7 +31,7 @@ import torch
 
 from ..consumers.kv_format import indexer_key_fp8, mla_latent_fp8
 from ..consumers.kv_pool import Family
-from .attention import absorb_query, absorbed_output, index_scores
+from .attention import IndexerScore, absorb_query, absorbed_output
 from .base import ModelAdapter
 
 KINDS = ("deepseek-v3.2", "glm-5")
@@ -187,8 +187,7 @@ class DsaAdapter(ModelAdapter):
         shared view, through ``cache.select`` (which rank scores which query is
         the cache's choice). [[RFC-0001:C-INDEXER-POOL]]"""
         scale = self.layers[layer].self_attn.indexer.softmax_scale
-        return cache.select(layer, "index_k", self.index_topk, lambda q, w, keys: index_scores(q, w, keys, scale),
-                            q, w)
+        return cache.select(layer, "index_k", self.index_topk, IndexerScore(scale), q, w)
 
     def layer(self, layer, h, cache):
         """Attention block (cache the latent and, on indexer layers, the indexer

@@ -8,7 +8,8 @@ way of dividing a batch among the ranks of a CP group:
   writes their entries into its own segment ([[RFC-0001:C-DIRECT-WRITE]]), and
   after one fence reads the whole context through the rank-major view
   ([[RFC-0001:C-READ-PATH]]). No cache entry moves between ranks.
-* ``interleave`` / ``zigzag`` (prefill, the upstream design): a token split
+* ``interleave`` / ``zigzag`` (prefill, the upstream design), ``balanced``
+  (decode over a replicated cache, tokens dealt by context length): a token split
   ([[RFC-0001:C-PLANNER-SPLIT]]); each layer's new entries are all-gathered,
   then every owner writes the slots it owns, fence, read as above.
 * ``lse`` (decode): every rank computes every request's token, attends over
@@ -19,6 +20,13 @@ way of dividing a batch among the ranks of a CP group:
   is not replicated: each token's is made by one rank (tokens dealt out by
   context length, :func:`cpkv.contract.plan.balanced_ranks`) and shared by one
   all-gather; attention over the selected positions is then split by owner.
+
+Each batch is planned once, before its first layer (:class:`~cpkv.runtime.forward_plan.ForwardPlan`:
+tokens, write slots with their ownership checked, read indices, the LSE
+split's metadata, on the pool's device); per layer only store, fence and
+attend run, without host synchronisation. ``kernels`` chooses the data
+plane: ``"torch"`` (the reference) or ``"triton"`` (:mod:`cpkv.kernels`: the
+store and the attention kernels translate logical slots themselves).
 
 Fences are collective and lazy: a read of another rank's segment fences first
 if this batch wrote since the last fence. Every rank runs the same layers with
@@ -36,27 +44,19 @@ from typing import Callable
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
-from ..contract import plan
 from ..contract.allocation import Allocation
-from ..models.attention import attend, merge_partials, paged_attention, topk_positions
+from ..models.attention import IndexerScore, attend, merge_partials, paged_attention, topk_positions
 from .comm import Comm
+from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ContextIndex, ForwardPlan, pack_left, split_ranks
 
-PREFILL_SPLITS = ("page", "interleave", "zigzag")
-DECODE_SPLITS = ("owner", "lse")
+KERNELS = ("torch", "triton")
+
+__all__ = ["DECODE_SPLITS", "KERNELS", "PREFILL_SPLITS", "ForwardBatch", "default_kernels", "split_ranks"]
 
 
-def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
-    """Rank that computes each token of the flattened batch, or ``None`` when
-    every rank computes every token (``lse``). Pure: every rank gets the same."""
-    if mode in ("page", "owner"):
-        return alloc.token_owners
-    if mode == "interleave":
-        return plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
-    if mode == "zigzag":
-        return plan.zigzag_ranks(alloc.extend_lens, cp_size)
-    if mode == "lse":
-        return None
-    raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
+def default_kernels(device: torch.device | str) -> str:
+    """``"triton"`` on a CUDA device, ``"torch"`` elsewhere (the default of ``--kernels``)."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 class ForwardBatch:
@@ -64,58 +64,79 @@ class ForwardBatch:
 
     ``table [B, L]`` holds the logical slots of every request of the batch at
     positions ``0 .. seq_len - 1`` (padding after), the new slots included.
+    The batch is planned here (:meth:`ForwardPlan.build`: a slot this rank
+    would write but does not own raises ``ContractViolation`` now, once).
+    ``kernels``: ``"torch"`` or ``"triton"`` (``ValueError`` otherwise);
+    ``plan_per_layer`` (benchmarks only) re-plans at every layer, as cpkv did
+    before the forward plan.
     """
 
-    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str):
+    def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str,
+                 kernels: str = "torch", plan_per_layer: bool = False):
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
-        N = self.layout.cp_size
-        ranks = split_ranks(alloc, mode, N)
-        everyone = torch.arange(alloc.out_cache_loc.numel())
-        self.token_indices = everyone if ranks is None else torch.nonzero(ranks == comm.rank).flatten()
-        # under a token split, every rank's tokens in rank order: how gathered entries map back
-        self._gathered_order = None if mode in ("page", "owner", "lse") else torch.argsort(ranks, stable=True)
-        self._rank_sizes = None if ranks is None else torch.bincount(ranks, minlength=N).tolist()
-        idx = self.token_indices
-        self.req = alloc.request_of_token[idx]
-        self.positions = alloc.positions[idx]
-        self.slots = alloc.out_cache_loc[idx]
-        self.num_tokens = idx.numel()
-        self.table = table
+        self._table_arg, self._plan_per_layer, self._planned_layer = table, plan_per_layer, -1
+        self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size)
+        p = self.plan
+        self.token_indices, self.req, self.positions, self.slots = p.token_indices, p.req, p.positions, p.slots
+        self.num_tokens = p.num_tokens
+        self.table = p.table
+        self._kernels = None
+        if kernels == "triton" and all(f.format is None for f in pool.families.values()):
+            from .. import kernels as K
+
+            self._kernels = K.get("triton")
+        self.kernels = "triton" if self._kernels is not None else "torch"
         self.scratch: dict = {}
         self._dirty = False
-        self._read_all = None
-        self._read_own = None
-        self._selectors = None
+        self._reports: list[torch.Tensor] = []
+        self._counted: list[tuple[tuple[str, ...], torch.Tensor | int]] = []
         self.kv_read = 0
         self.reads: dict[str, int] = {}
         self.moved_bytes = 0
+
+    def _replan(self, layer: int) -> None:
+        """With ``plan_per_layer``: build the plan again on a new layer (the benchmark's "before")."""
+        if self._plan_per_layer and layer != self._planned_layer:
+            if self._planned_layer >= 0:
+                self.plan = ForwardPlan.build(self.pool, self.comm.rank, self.alloc, self._table_arg, self.mode,
+                                              group_size=self.comm.size)
+            self._planned_layer = layer
 
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
         """Cache this rank's new entries; under a token split, all-gather them
         first and write the slots this rank owns. [[RFC-0001:C-DIRECT-WRITE]]"""
-        if self._gathered_order is None:
-            if self.mode == "lse":  # every rank computed every token: the owner writes
-                mine = self.layout.owned_slot_mask(self.slots, owner_rank=self.comm.rank)
-                self.pool.write(layer, self.slots[mine], **{n: x[mine] for n, x in values.items()})
-            else:
-                self.pool.write(layer, self.slots, **values)
+        self._replan(layer)
+        p = self.plan
+        if p.gathered_order is not None:
+            values = self._gather_entries(values)
+        if self._kernels is not None:
+            for n, x in values.items():
+                seg = self.pool.segment(n, layer)
+                self._reports.append(self._kernels.store(seg, x.to(seg.dtype), p.write_slots, self.layout,
+                                                         self.comm.rank, check=False))
         else:
-            full = {}
-            for group in _by_dtype(values):  # one all-gather per dtype, of every family packed side by side
-                packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:]))
-                                    for n in group], 1)
-                parts = self.comm.all_gather(packed, self._rank_sizes)
-                self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts)
-                                        if r != self.comm.rank)
-                every = torch.empty((self.alloc.out_cache_loc.numel(), packed.shape[1]), dtype=packed.dtype)
-                every[self._gathered_order] = torch.cat(parts)
-                full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
-            loc = self.alloc.out_cache_loc
-            mine = self.layout.owned_slot_mask(loc, owner_rank=self.comm.rank)
-            self.pool.write(layer, loc[mine], **{n: x[mine] for n, x in full.items()})
+            rows = p.write_rows
+            whole = rows.numel() == p.write_slots.numel()  # every entry is written: no row selection
+            self.pool.write_at(layer, p.write_local, **{n: (x if whole else x.index_select(0, rows))
+                                                        for n, x in values.items()})
         self._dirty = True
+
+    def _gather_entries(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under a token split: every rank's new entries, in batch order (one all-gather per dtype)."""
+        full, p = {}, self.plan
+        E = p.gathered_order.numel()
+        for group in _by_dtype(values):  # every family of one dtype packed side by side
+            packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:])) for n in group], 1)
+            parts = self.comm.all_gather(packed, p.rank_sizes)
+            self.moved_bytes += sum(x.numel() * x.element_size() for r, x in enumerate(parts) if r != self.comm.rank)
+            every = torch.empty((E, packed.shape[1]), dtype=packed.dtype, device=packed.device)
+            every[p.gathered_order] = torch.cat(parts)
+            full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
+        return full
 
     def _fence_if_dirty(self) -> None:
         if self._dirty:
@@ -124,48 +145,46 @@ class ForwardBatch:
 
     def finish(self) -> None:
         """Closing fence: no rank reads this batch's context any more, so its
-        slots may be freed and reused."""
+        slots may be freed and reused. Reads the batch's counters and the store
+        kernels' reports on the host (once per batch) and raises
+        ``ContractViolation`` if a kernel refused a slot."""
         self.pool.fence()
         self._dirty = False
+        if self._reports:
+            reports = torch.stack(self._reports).cpu()
+            self._reports.clear()
+            for r in reports:
+                if int(r[0]):
+                    from ..kernels import raise_refused
+
+                    raise_refused(r, self.plan.write_slots.cpu(), self.layout, self.comm.rank)
+        for names, n in self._counted:
+            n = int(n)
+            self.kv_read += n
+            for name in names:
+                self.reads[name] = self.reads.get(name, 0) + n
+        self._counted.clear()
 
     # -- reads through the shared view -------------------------------------------------
-    def _context_index(self, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rank-major read index ``[b, L]`` of the contexts of the requests
-        ``req [T']`` (a request per token; each once), which entries are real
-        (not padding), and each token's row among them. [[RFC-0001:C-READ-PATH]]"""
-        rows, inv = torch.unique(req, return_inverse=True)
-        L = int(self.alloc.seq_lens[rows].max()) if rows.numel() else 0
-        read = self.pool.read_index(self.table[rows, :L])
-        return read.clamp(min=0), read >= 0, inv
-
-    def _read_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_context_index` of this rank's tokens, translated once per batch."""
-        if self._read_all is None:
-            self._read_all = self._context_index(self.req)
-        return self._read_all
-
-    def _gather(self, layer: int, index: torch.Tensor, valid: torch.Tensor, names: tuple[str, ...],
+    def _gather(self, layer: int, index: torch.Tensor, count, names: tuple[str, ...],
                 own: bool = False) -> list[torch.Tensor]:
-        """Entries of each family in ``names`` at rank-major ``index``,
-        ``[*index.shape, *shape]``; entries where ``valid`` is False are read
-        from slot 0 and must be masked by the caller. Counts the entries read
-        (valid ones). ``own``: only this rank's segment is read, so no fence."""
+        """Entries of each family in ``names`` at rank-major ``index`` (clamped),
+        ``[*index.shape, *shape]``; ``count`` valid entries are counted (an
+        int, or a device tensor read at :meth:`finish`). ``own``: only this
+        rank's segment is read, so no fence."""
         if not own:  # another rank's segment: its writes of this layer must have landed
             self._fence_if_dirty()
-        n = int(valid.sum())
-        self.kv_read += n
-        for name in names:
-            self.reads[name] = self.reads.get(name, 0) + n
+        self._counted.append((names, count))
         return list(self.pool.gather(layer, index, *names))
 
-    def _values(self, layer, index, valid, key, value, value_dims, own=False):
+    def _values(self, layer, index, count, key, value, value_dims, own=False):
         """Keys and values for attention, ``[*index.shape, Hkv, D]`` (a one-head
         family such as the MLA latent gets a head axis of 1)."""
         if key == value:
-            (k,) = self._gather(layer, index, valid, (key,), own)
+            (k,) = self._gather(layer, index, count, (key,), own)
             v = k
         else:
-            k, v = self._gather(layer, index, valid, (key, value), own)
+            k, v = self._gather(layer, index, count, (key, value), own)
         if k.dim() == index.dim() + 1:
             k, v = k.unsqueeze(-2), v.unsqueeze(-2)
         return k, (v if value_dims is None else v[..., :value_dims])
@@ -173,13 +192,12 @@ class ForwardBatch:
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's whole context in ``family`` through the shared view:
         ``(values [T, L, *shape], visible [T, L])``."""
-        return self._context(layer, family, self._read_index(), self.positions)
+        self._replan(layer)
+        return self._context(layer, family, self.plan.context)
 
-    def _context(self, layer, family, index, positions):
-        read, valid, inv = index
-        (ctx,) = self._gather(layer, read, valid, (family,))
-        visible = torch.arange(read.shape[1])[None, :] <= positions[:, None]
-        return (ctx if _identity(inv, ctx.shape[0]) else ctx[inv]), visible
+    def _context(self, layer: int, family: str, c: ContextIndex):
+        (ctx,) = self._gather(layer, c.read, c.count, (family,))
+        return (ctx if c.identity else ctx[c.inv]), c.visible
 
     def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
                *queries: torch.Tensor) -> torch.Tensor:
@@ -192,78 +210,96 @@ class ForwardBatch:
         shared view; one all-gather of the ``[T', K]`` positions (int32) gives
         every rank every selection, ``K = min(k, longest context)``. Elsewhere
         the rank scores its own tokens. The set is the one scoring every
-        token's whole row would pick (the same rows, the same ``topk``)."""
+        token's whole row would pick (the same rows, the same ``topk``). With
+        the triton kernels, an :class:`~cpkv.models.attention.IndexerScore`
+        is computed by ``cpkv.kernels.index_scores`` over the view."""
+        self._replan(layer)
+        p = self.plan
         if self.mode != "lse":
-            keys, visible = self.context(layer, family)
-            return topk_positions(score(*queries, keys), visible, k)
-        mine, order, sizes, index, width = self._selection_plan()
-        keys, visible = self._context(layer, family, index, self.positions[mine])
-        sel = topk_positions(score(*(x[mine] for x in queries), keys), visible, k)
-        packed = torch.full((mine.numel(), min(k, width)), -1, dtype=torch.int32)
-        packed[:, : sel.shape[1]] = sel
-        parts = self.comm.all_gather(packed, sizes)
-        self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
-        out = torch.empty((self.num_tokens, packed.shape[1]), dtype=torch.int64)
-        out[order] = torch.cat(parts).to(torch.int64)
+            return self._select(layer, family, k, score, queries, p.context, None)
+        lp = p.lse
+        sel = self._select(layer, family, k, score, tuple(x[lp.sel_mine] for x in queries), lp.sel_context,
+                           lp.sel_mine)
+        K = min(k, lp.width)
+        packed = torch.full((lp.sel_mine.numel(), K), -1, dtype=torch.int32, device=p.device)
+        w = min(K, sel.shape[1])
+        packed[:, :w] = sel[:, :w]
+        parts = self.comm.all_gather(packed, lp.sel_sizes)
+        self.moved_bytes += sum(x.numel() * x.element_size() for r, x in enumerate(parts) if r != self.comm.rank)
+        out = torch.empty((self.num_tokens, K), dtype=torch.int64, device=p.device)
+        out[lp.sel_order] = torch.cat(parts).to(torch.int64)
         return out
 
-    def _selection_plan(self):
-        """Under ``lse``, once per batch: the tokens whose selection this rank
-        makes, every token in rank order of who makes it, every rank's count,
-        the read index of this rank's share and the longest context."""
-        if self._selectors is None:
-            ranks = plan.balanced_ranks(self.positions + 1, self.comm.size)
-            mine = torch.nonzero(ranks == self.comm.rank).flatten()
-            width = int(self.positions.max()) + 1 if self.num_tokens else 0
-            self._selectors = (mine, torch.argsort(ranks, stable=True),
-                               torch.bincount(ranks, minlength=self.comm.size).tolist(),
-                               self._context_index(self.req[mine]), width)
-        return self._selectors
+    def _select(self, layer, family, k, score, queries, c: ContextIndex, mine):
+        if self._kernels is not None and isinstance(score, IndexerScore):
+            self._fence_if_dirty()
+            self._counted.append(((family,), c.count))
+            req, pos = (self.req, self.positions) if mine is None else (self.req[mine], self.positions[mine])
+            view = self.pool.view(family, layer)
+            q, w = queries
+            s = self._kernels.index_scores(q.to(view.dtype), w, view, self.table, req, pos, self.layout,
+                                           score.scale, check=False)
+            L = c.visible.shape[1]  # the torch path's context width: the same top-k width
+            return topk_positions(s[:, :L], c.visible, k)
+        keys, visible = self._context(layer, family, c)
+        return topk_positions(score(*queries, keys), visible, k)
 
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
                      value_dims: int | None = None) -> torch.Tensor:
         """Causal attention over each token's whole context (see :class:`cpkv.models.CacheAccess`)."""
+        self._replan(layer)
+        p = self.plan
+        if self._kernels is not None and value_dims is None:
+            only = self.comm.rank if self.mode == "lse" else None
+            if only is None:  # lse reads this rank's own segment only: no fence
+                self._fence_if_dirty()
+            self._counted.append(((key, value), p.lse.own_count if only is not None else p.context.count))
+            kv, vv = self.pool.view(key, layer), self.pool.view(value, layer)
+            out, lse = self._kernels.paged_attention(q.to(kv.dtype), kv, vv, self.table, self.req, self.positions,
+                                                     self.layout, scaling, only_rank=only, check=False)
+            out = out.to(q.dtype)
+            return self._merge(out, lse) if only is not None else out
         if self.mode == "lse":
             return self._attend_own(layer, q, scaling, key, value, value_dims)
-        read, valid, inv = self._read_index()
-        k, v = self._values(layer, read, valid, key, value, value_dims)
-        return paged_attention(q, inv, self.positions, k, v, scaling)
+        c = p.context
+        k, v = self._values(layer, c.read, c.count, key, value, value_dims)
+        return paged_attention(q, c.inv, self.positions, k, v, scaling, p.groups)
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
                         value: str, value_dims: int | None = None) -> torch.Tensor:
         """Attention over the selected context positions of each token, gathered;
         under ``lse``, over the selected slots this rank owns only (packed left,
         so a rank's work is its share of each selection), merged."""
+        self._replan(layer)
         slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
-        if self.mode == "lse":
-            slots = _pack_left(self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank), slots)
+        lse_split = self.mode == "lse"
+        if self._kernels is not None and key == value and value_dims is not None:
+            if not lse_split:
+                self._fence_if_dirty()
+            only = self.comm.rank if lse_split else None
+            seen = slots >= 0 if only is None else self.layout.owned_slot_mask(slots, owner_rank=only, check=False)
+            self._counted.append(((key,), seen.sum()))
+            view = self.pool.view(key, layer)
+            out, lse = self._kernels.sparse_mla_attention(q.to(view.dtype), view, slots, self.layout, scaling,
+                                                          value_dims, only_rank=only, check=False)
+            out = out.to(q.dtype)
+            return self._merge(out, lse) if lse_split else out
+        if lse_split:
+            owned = self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank, check=False)
+            slots = pack_left(owned, slots, slots.shape[1])
         seen = slots >= 0
-        read = self.pool.read_index(torch.where(seen, slots, 0))
-        k, v = self._values(layer, read, seen, key, value, value_dims, own=self.mode == "lse")
+        read = self.layout.translate_read_slots(torch.where(seen, slots, 0), check=False)
+        k, v = self._values(layer, read, seen.sum(), key, value, value_dims, own=lse_split)
         out, lse = attend(q, k, v, seen, scaling)
-        return self._merge(out, lse) if self.mode == "lse" else out
+        return self._merge(out, lse) if lse_split else out
 
     # -- the log-sum-exp decode split ----------------------------------------------------
-    def _own_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per request of the batch, the context positions on pages this rank
-        owns, packed left (``[B, Lown]``, -1 after), and their read index."""
-        if self._read_own is None:
-            L = int(self.alloc.seq_lens.max()) if self.alloc.batch_size else 0
-            table = self.table[:, :L]
-            owned = self.layout.owned_slot_mask(table, owner_rank=self.comm.rank)
-            pos = _pack_left(owned, torch.arange(L).expand_as(table))
-            slots = torch.where(pos >= 0, table.gather(1, pos.clamp(min=0)), 0)
-            self._read_own = (pos, self.pool.read_index(slots))
-        return self._read_own
-
     def _attend_own(self, layer, q, scaling, key, value, value_dims):
-        pos, read = self._own_positions()
-        k, v = self._values(layer, read, pos >= 0, key, value, value_dims, own=True)
-        p = pos[self.req]
-        seen = (p >= 0) & (p <= self.positions[:, None])
-        if not _identity(self.req, pos.shape[0]):  # else a decode batch: one token per request, in order
+        lp = self.plan.lse
+        k, v = self._values(layer, lp.own_read, lp.own_count, key, value, value_dims, own=True)
+        if not lp.req_identity:  # else a decode batch: one token per request, in order
             k, v = k[self.req], v[self.req]
-        out, lse = attend(q, k, v, seen, scaling)
+        out, lse = attend(q, k, v, lp.own_seen, scaling)
         return self._merge(out, lse)
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -280,22 +316,9 @@ class ForwardBatch:
             self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
                                     for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
             outs, lses = torch.stack(outs), torch.stack(lses)
+        if self._kernels is not None:
+            return self._kernels.merge_lse(outs, lses.float())[0]
         return merge_partials(outs, lses)
-
-
-def _identity(index: torch.Tensor, n: int) -> bool:
-    """Whether ``index`` is ``0 .. n - 1`` (indexing with it would only copy)."""
-    return index.numel() == n and torch.equal(index, torch.arange(n, device=index.device))
-
-
-def _pack_left(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The entries of ``values [R, L]`` where ``keep [R, L]``, packed left in
-    their order in each row: ``[R, most kept in a row]``, ``-1`` after."""
-    count = keep.sum(1)
-    out = torch.full((keep.shape[0], int(count.max()) if count.numel() else 0), -1, dtype=values.dtype)
-    row, col = torch.nonzero(keep, as_tuple=True)  # row-major: each row's kept entries in order
-    out[row, (keep.cumsum(1) - 1)[row, col]] = values[row, col]
-    return out
 
 
 def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -66,16 +66,26 @@ class DistComm(Comm):
 
     ``ranks`` lists the global ranks of ``group`` in group order (default
     ``0 .. world_size - 1``); ``rank`` is this process's index among them.
+    ``device``: a CUDA device makes :meth:`barrier` a fence on the device (an
+    NCCL group; untested on hardware).
     """
 
-    def __init__(self, group=None, ranks: Sequence[int] | None = None):
+    def __init__(self, group=None, ranks: Sequence[int] | None = None, device: torch.device | None = None):
         self.group = group
         self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
         self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._one = torch.zeros(1, device=self.device) if self.device.type == "cuda" else None
 
     def barrier(self) -> None:
-        """``dist.barrier`` on the group."""
-        if self.size > 1:
+        """``dist.barrier`` on the group; on a CUDA device, a one-element
+        all-reduce instead: the publish fence after the owners' writes, ordered
+        on the stream (no host wait), as SGLang's shared-KV path does."""
+        if self.size == 1:
+            return
+        if self._one is not None:
+            dist.all_reduce(self._one, group=self.group)
+        else:
             dist.barrier(group=self.group)
 
     def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -85,7 +95,7 @@ class DistComm(Comm):
         if self.size == 1:
             return [x]
         if sizes is None:
-            n = torch.tensor([x.shape[0]], dtype=torch.int64)
+            n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
             got = [torch.zeros_like(n) for _ in range(self.size)]
             dist.all_gather(got, n, group=self.group)
             sizes = got

@@ -29,7 +29,8 @@ Nothing outlives the launcher, however it ends:
 Sizing a group before it starts (memory, cores, start time) is
 :mod:`cpkv.runtime.sizing`.
 
-The group runs on the CPU; a GPU path (NCCL, a CUDA IPC buffer) is not built.
+The group runs on the CPU (gloo) or, with ``device="cuda"``, one GPU per rank
+on NCCL (:mod:`cpkv.runtime.device`; untested on hardware).
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class RankContext:
     when the rank ends.
     """
 
-    def __init__(self, rank: int, world_size: int, prefix: str):
+    def __init__(self, rank: int, world_size: int, prefix: str, device: torch.device | None = None):
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
+        self.device = torch.device("cpu") if device is None else device  # this rank's device
         self._segments = []
 
     @property
@@ -234,14 +236,17 @@ def _send(conn, msg) -> None:
 
 
 def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, launcher_pid: int,
-               lifeline, out, target: Callable, args: tuple) -> None:
+               lifeline, out, target: Callable, args: tuple, device: str = "cpu") -> None:
+    from .device import process_group_backend, rank_device
+
     _guard_rank(launcher_pid, lifeline, prefix, run_dir)
     ctx = RankContext(rank, world_size, prefix)
     try:
         torch.set_num_threads(1)
+        ctx.device = rank_device(device, rank)
         if world_size > 1:
-            dist.init_process_group("gloo", init_method=f"file://{os.path.join(run_dir, 'pg')}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(process_group_backend(device), init_method=f"file://{os.path.join(run_dir, 'pg')}",
+                                    rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = target(ctx, *args)
         if rank == 0:
             _send(out, ("result", result, None))
@@ -357,7 +362,7 @@ class _SigintDeferred:
         return False
 
 
-def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> Any:
+def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0, device: str = "cpu") -> Any:
     """Run ``target(ctx, *args)`` on ``world_size`` spawned ranks; return rank 0's result.
 
     ``target`` must be a module-level function (ranks are spawned) and rank 0's
@@ -366,7 +371,12 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     ``timeout`` seconds, after stopping every other rank. A
     :class:`KeyboardInterrupt` in the launcher stops the group and propagates.
     Whatever happens, the run leaves no process, shared segment or semaphore.
+    ``device="cuda"``: rank r on ``cuda:r``, NCCL (``RuntimeError`` before
+    any process starts without enough GPUs; untested on hardware).
     """
+    from .device import check_devices
+
+    check_devices(device, world_size)
     if int(world_size) != world_size or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not (timeout > 0 and math.isfinite(timeout)):
@@ -378,7 +388,7 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"cpkv-rank-{r}",
                          args=(r, world_size, prefix, run_dir, timeout, os.getpid(), lifelines[r][0], pipes[r][1],
-                               target, args))
+                               target, args, device))
              for r in range(world_size)]
     group, failure = _Group(procs, [rd for rd, _ in pipes], [w for _, w in lifelines]), None
     try:

@@ -18,10 +18,11 @@ import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..consumers.page_table import PageTable
+from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS, ReplicatedKVPool
 from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
-from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
+from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
 from .comm import Comm, LocalComm
 
 
@@ -34,24 +35,37 @@ class CPRunner:
     one, which :meth:`allocate` writes for callers without a scheduler
     (``lens[row]`` then counts each row's positions). ``prefill_split`` and
     ``decode_split`` choose how batches are divided among ranks
-    (:mod:`cpkv.runtime.batch`). ``check_plans`` compares every allocation
+    (:mod:`cpkv.runtime.batch`); over a
+    :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
+    copy) only token splits: ``zigzag`` prefill, ``balanced`` decode. ``kernels`` the data plane, ``"torch"`` or
+    ``"triton"`` (default: triton when the pool is on a GPU, else torch).
+    Each forward plans its batch once (:class:`~cpkv.runtime.forward_plan.ForwardPlan`)
+    and then runs the layers. ``check_plans`` compares every allocation
     across ranks with one collective (debugging only).
     """
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
                  comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
-                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None):
-        if prefill_split not in PREFILL_SPLITS:
-            raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {PREFILL_SPLITS}")
-        if decode_split not in DECODE_SPLITS:
-            raise ValueError(f"unknown decode split {decode_split!r}; choose from {DECODE_SPLITS}")
+                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None,
+                 kernels: str | None = None):
+        replicated = isinstance(pool, ReplicatedKVPool)
+        prefills, decodes = ((REPLICATED_PREFILL_SPLITS, REPLICATED_DECODE_SPLITS) if replicated
+                             else (PREFILL_SPLITS, DECODE_SPLITS))
+        if prefill_split not in prefills:
+            raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {prefills}")
+        if decode_split not in decodes:
+            raise ValueError(f"unknown decode split {decode_split!r}; choose from {decodes}")
         self.adapter, self.pool, self.allocator = adapter, pool, allocator
         self.comm = comm or LocalComm()
-        if self.comm.size != pool.layout.cp_size or self.comm.rank != pool.rank:
-            raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {pool.rank} "
-                             f"of {pool.layout.cp_size}")
-        self.rank, self.cp_size = pool.rank, pool.layout.cp_size
+        rank, size = (pool.group_rank, pool.group_size) if replicated else (pool.rank, pool.layout.cp_size)
+        if self.comm.size != size or self.comm.rank != rank:
+            raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {rank} of {size}")
+        self.rank, self.cp_size = rank, size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
+        self.kernels = default_kernels(pool.device) if kernels is None else kernels
+        self.plan_per_layer = False  # benchmarks only: re-plan every layer (cpkv before the forward plan)
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
         self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
@@ -119,10 +133,11 @@ class CPRunner:
         mode = self.decode_split if decode else self.prefill_split
         if self.check_plans:
             self._agree(alloc)
-        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode)
+        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode, self.kernels,
+                          self.plan_per_layer)
         ad = self.adapter
         with torch.no_grad():
-            h = ad.embed(ids[fb.token_indices])
+            h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
@@ -132,6 +147,8 @@ class CPRunner:
         for n, c in fb.reads.items():
             self.reads[n] = self.reads.get(n, 0) + c
         self.moved_bytes += fb.moved_bytes
+        if logits.device.type != "cpu":  # once per batch: the host samples and collects
+            return fb.token_indices.cpu(), logits.cpu()
         return fb.token_indices, logits
 
     def collect(self, n: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

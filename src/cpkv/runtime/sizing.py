@@ -5,7 +5,12 @@ shared segments); :func:`machine_capacity` reads what this machine can give
 now (memory, cores, cgroup limits included); :func:`check_capacity` refuses,
 before any process starts, a group (or several, e.g. a prefill and a decode
 group) that this machine cannot hold or that would certainly not start within
-its timeout. Nothing here starts or stops a process (that is
+its timeout. The device KV cache is sized from memory here too:
+:func:`parse_size` reads a ``--kv-memory`` value, :func:`default_kv_memory`
+is the budget per rank when none is given (as SGLang's
+``--mem-fraction-static`` and vLLM's ``--gpu-memory-utilization`` derive theirs
+from the device's memory), and :func:`pages_for_memory` is the one conversion
+from bytes to pages. Nothing here starts or stops a process (that is
 :mod:`cpkv.runtime.group`).
 """
 
@@ -33,6 +38,28 @@ MAX_RANKS_PER_CORE = 16
 #: Share of the available memory a launch may plan to use; the rest is left to
 #: the launcher, the page cache and whatever else runs.
 MEMORY_RESERVE = 0.1
+#: Share of the memory left after the ranks' baselines that the default device
+#: KV cache takes, all ranks together (the rest stays for models, activations,
+#: the host tier, the reference check and whatever else runs).
+KV_MEMORY_FRACTION = 0.25
+#: Most bytes per rank the default device KV cache takes: 64 MiB holds 8192
+#: pages of 16 tokens of the built-in Llama (512 bytes a token), 131072 tokens
+#: per rank, and starts in well under a second (zeroing the segments); above
+#: it a run asks with ``--kv-memory``.
+KV_MEMORY_CAP = 64 * 2**20
+
+
+#: Seconds one rank of ``cpkv run`` takes to start (interpreter, imports, model,
+#: first collective): 7.4-8.5 s measured on this project's machine.
+RANK_START_S = 8.0
+#: Seconds of one engine step, the part that does not grow with the group:
+#: fitted with :data:`STEP_FENCE_S` to one request decoding 400 tokens with the
+#: built-in Llama on 2 loaded cores, 17 ms a step at cp 2 and 46 ms at cp 4
+#: (3.4 ms at cp 1, with no collective at all).
+STEP_BASE_S = 7.3e-3
+#: Seconds of one engine step per rank squared per core: every fence and
+#: all-gather waits for each rank to be scheduled (see :data:`MAX_RANKS_PER_CORE`).
+STEP_FENCE_S = 4.8e-3
 
 
 class GroupTooLarge(ValueError):
@@ -78,6 +105,8 @@ class MachineCapacity:
 
     available_bytes: int
     cores: int
+    #: free bytes of the shared-memory file system the KV segments live in (``None``: not known)
+    shm_free_bytes: int | None = None
 
 
 def _read(path: str) -> str | None:
@@ -112,7 +141,8 @@ def _cgroup_cores() -> float | None:
 def machine_capacity() -> MachineCapacity:
     """This machine as a launch sees it: ``MemAvailable`` from ``/proc/meminfo``
     (capped by a cgroup memory limit) and the cores this process may run on
-    (affinity, capped by a cgroup CPU quota)."""
+    (affinity, capped by a cgroup CPU quota), and the free space of the
+    shared-memory file system."""
     avail = None
     meminfo = _read("/proc/meminfo") or ""
     for line in meminfo.splitlines():
@@ -133,7 +163,104 @@ def machine_capacity() -> MachineCapacity:
     quota = _cgroup_cores()
     if quota is not None:
         cores = min(cores, quota)
-    return MachineCapacity(int(avail), max(int(cores), 1))
+    from .shm import SHM_DIR  # where the KV segments live
+
+    try:
+        st = os.statvfs(SHM_DIR)
+        shm = st.f_bavail * st.f_frsize
+    except (OSError, AttributeError):
+        shm = None
+    return MachineCapacity(int(avail), max(int(cores), 1), shm)
+
+
+# -- the device KV cache, sized from memory ------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,
+          "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count from ``"64MiB"``, ``"2GiB"``, ``"1.5 GiB"``, ``"500MB"`` or
+    a plain integer (bytes): binary units ``KiB MiB GiB TiB``, decimal units
+    ``kB MB GB TB`` (case does not matter). Returns an int >= 1. Raises
+    ``ValueError`` saying what is accepted for anything else (no number, an
+    unknown unit, zero, a negative or a fractional count of bytes)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m and _UNITS.get(m.group(2).lower())
+    if not unit:
+        raise ValueError(f"{text!r} is not a size: a number of bytes, or a number with a unit "
+                         "(KiB, MiB, GiB, TiB, kB, MB, GB, TB), e.g. 64MiB or 2GiB")
+    value = float(m.group(1)) * unit
+    if value < 1 or (unit == 1 and not value.is_integer()):
+        raise ValueError(f"{text!r}: a size must be a whole number of bytes >= 1")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"64.0 MiB"``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def pages_for_memory(kv_bytes: int, page_bytes: int) -> int:
+    """KV pages per rank that ``kv_bytes`` of memory per rank hold: the one
+    conversion from a memory budget to ``pages_per_rank`` (``--kv-memory``
+    and the default budget both go through it): ``kv_bytes // page_bytes``.
+
+    ``page_bytes`` is one page of the device cache, every cache family
+    together (``slot_bytes`` of each family times the page size). The count
+    is the same for the shared cache (the rank's lane) and a replicated one
+    (the rank's full copy), so both modes compare at equal memory; the group
+    holds :func:`group_pages` of them. Raises ``ValueError`` for non-positive
+    sizes or a budget that holds no page."""
+    for name, v in (("kv_bytes", kv_bytes), ("page_bytes", page_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    pages = kv_bytes // page_bytes
+    if pages < 1:
+        raise ValueError(f"{format_size(kv_bytes)} per rank holds no page of {format_size(page_bytes)}")
+    return pages
+
+
+def default_kv_memory(world_size: int, *, other_bytes: int = 0, capacity: MachineCapacity | None = None,
+                      fraction: float = KV_MEMORY_FRACTION, cap: int = KV_MEMORY_CAP,
+                      reserve: float = MEMORY_RESERVE, baseline_bytes: int = RANK_BASELINE_BYTES) -> int:
+    """The device KV budget per rank (bytes) when none is given: ``fraction``
+    of the memory a launch may use (``(1 - reserve)`` of what is available)
+    less every rank's baseline and ``other_bytes`` (models, host tier), split
+    over ``world_size`` ranks; at most ``cap``, and at most half of the free
+    shared memory split over the ranks (the segments live there). Can be 0 on
+    a machine with nothing left (the caller then takes a floor and
+    :func:`check_capacity` refuses what does not fit). ``capacity`` defaults to
+    :func:`machine_capacity` now, so two calls can differ: compute it once,
+    on one process, and hand the pages to every rank."""
+    if int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not 0 < fraction <= 1 or cap < 1 or other_bytes < 0:
+        raise ValueError(f"need 0 < fraction <= 1, cap >= 1, other_bytes >= 0; got {fraction}, {cap}, {other_bytes}")
+    cap_ = capacity or machine_capacity()
+    left = cap_.available_bytes * (1 - reserve) - world_size * baseline_bytes - other_bytes
+    budget = min(cap, fraction * max(left, 0) / world_size)
+    if cap_.shm_free_bytes is not None:
+        budget = min(budget, cap_.shm_free_bytes / 2 / world_size)
+    return int(budget)
+
+
+def expected_run_seconds(world_size: int, steps: int, cores: int) -> float:
+    """About how long a run of ``steps`` engine steps on ``world_size`` ranks
+    takes on ``cores`` cores: the ranks' start (:data:`RANK_START_S` each,
+    spread over the cores) plus each step's :data:`STEP_BASE_S` and
+    :data:`STEP_FENCE_S` times ``world_size ** 2 / cores``. Measured rates of
+    the built-in tiny models on the CPU: an estimate to tell a user how long
+    to wait, not a limit. ``ValueError`` for a world or cores below 1 or
+    negative steps."""
+    if min(world_size, cores) < 1 or steps < 0:
+        raise ValueError(f"need world_size >= 1, cores >= 1, steps >= 0; got {world_size}, {cores}, {steps}")
+    start = RANK_START_S * max(world_size / cores, 1.0)
+    return start + steps * (STEP_BASE_S + STEP_FENCE_S * world_size**2 / cores)
 
 
 def _gib(n: int) -> str:
@@ -182,3 +309,11 @@ def check_capacity(*groups: GroupFootprint, timeout: float, capacity: MachineCap
         raise GroupTooLarge(
             f"{what} need at least {start:.0f} s to start on {cap.cores} core{'s' if cap.cores > 1 else ''} "
             f"({rank_start_cpu_s:g} CPU seconds each), more than the timeout of {timeout:g} s")
+
+
+def group_pages(pages_per_rank: int, *, replicated: bool = False, cp_size: int = 1) -> int:
+    """Distinct pages a CP group of ``cp_size`` ranks holds with ``pages_per_rank``
+    pages of memory each (page 0, reserved, included): ``cp_size`` times them
+    when shared (each page on its owner only), once when ``replicated`` (every
+    page on every rank)."""
+    return pages_per_rank * (1 if replicated else cp_size)

@@ -20,9 +20,9 @@ import os
 import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
-                       cmd_simulate, validate_run, validate_simulate)
-from .flags import (add_group_flags, comma_choices, disagg_arg, finite_float, non_negative, output_file, positive,
-                    positive_list, workload_arg)
+                       cmd_simulate, validate_bench, validate_run, validate_simulate)
+from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float,
+                    non_negative, output_file, positive, positive_list, size_arg, workload_arg, zmq_endpoint)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,29 +53,35 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "scheduler", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
-                        "by name only; scheduler: the scheduler alone, by name only)")
+                        "by name only; plan: host synchronisations per layer and step time before and after "
+                        "the forward plan; scheduler: the scheduler alone, by name only)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
-                   help="splits: ranks in the group (default 4); scheduler: lanes (default 8)")
+                   help="splits, kvdtype, capacity: ranks in the group (default 4); scheduler: lanes (default 8)")
     b.add_argument("--tokens", type=positive, default=None,
-                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2)")
+                   help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2); kv: tokens of "
+                        "the batch (default 65536)")
     b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
     b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
     b.add_argument("--page", "--page-size", dest="page", type=positive, default=None, metavar="S",
-                   help="splits: tokens per page (default 16); scheduler: (default 64)")
+                   help="splits, capacity: tokens per page (default 16); scheduler: (default 64)")
     b.add_argument("--batches", type=positive_list, default=None, metavar="B,..",
                    help="scheduler: running requests per case (default 64,256,1024)")
     b.add_argument("--contexts", type=positive_list, default=None, metavar="T,..",
                    help="scheduler: context tokens per case (default 4096,32768,131072)")
     b.add_argument("--steps", type=positive, default=None, help="scheduler: decode steps per case (default 64)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
-    b.set_defaults(func=cmd_bench)
+    add_kv_dtype_flag(b, "all")
+    b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
+                   help="capacity: device KV bytes per rank of both modes (default 256KiB)")
+    add_device_flags(b)
+    b.set_defaults(func=cmd_bench, validate=validate_bench)
 
 
 def _add_bytes(sub) -> None:
@@ -95,10 +101,13 @@ def _add_bytes(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    from ..engine.config import EngineConfig
+    from types import SimpleNamespace
+
+    from ..engine.config import EngineConfig, field_defaults
     from ..engine.scheduler import ADMISSION
-    from ..engine.trace import WORKLOADS
+    from ..engine.trace import TRACE_LIMITS, WORKLOADS
     from ..models import MODELS
+    from ..runtime.sizing import KV_MEMORY_CAP, KV_MEMORY_FRACTION, format_size
     from ..runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
 
     r = sub.add_parser(
@@ -110,9 +119,14 @@ def _add_run(sub) -> None:
         "scheduler; each computes the tokens of its split and writes only its own segment. With --check, every "
         "computed logit is compared with transformers' forward of the request's full sequence and every "
         "request's tokens with its greedy decoding. With --disagg M:N, M ranks prefill and N other ranks decode, "
-        "the KV moving between the two groups point to point. A group this machine cannot hold is refused "
-        "before any process starts. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
-    D = EngineConfig()  # the defaults, written once in cpkv.engine.config
+        "the KV moving between the two groups point to point. A group this machine cannot hold, and a trace with "
+        "a request the device cache could never hold, are refused before any process starts. The device cache is "
+        "sized from memory unless --device-pages is given. A trace file: " + TRACE_LIMITS + ". A run expected to "
+        "take over a minute says so on stderr before it starts; a run stopped by --timeout or Ctrl-C says what it "
+        "finished. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
+    D = SimpleNamespace(**field_defaults(EngineConfig))  # the defaults, written once in cpkv.engine.config
+    from ..engine.config import KV_MODES
+
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=D.page_size, metavar="S",
                    help=f"tokens per page (default {D.page_size})")
@@ -120,15 +134,29 @@ def _add_run(sub) -> None:
                    help="model family, small random weights (default llama; deepseek-v3.2 and glm-5 are the DSA models)")
     r.add_argument("--workload", type=workload_arg, default=D.workload,
                    help=f"a built-in trace ({', '.join(WORKLOADS)}) or a JSONL file, one request a line "
-                        f"(default {D.workload})")
+                        f"(default {D.workload}; the file's format is in the description above)")
     r.add_argument("--requests", type=positive, default=D.requests,
                    help=f"built-in traces: sessions, questions or documents (default {D.requests})")
     r.add_argument("--scale", type=finite_float(0, inclusive=False), default=D.scale,
                    help=f"built-in traces: lengths times this (default {D.scale:g})")
     r.add_argument("--chunk", type=positive, default=D.chunk,
                    help=f"prefill tokens per step, all requests together (default {D.chunk})")
-    r.add_argument("--device-pages", type=positive, default=D.device_pages,
-                   help=f"device KV pages per rank (default {D.device_pages})")
+    cache = r.add_mutually_exclusive_group()
+    cache.add_argument("--kv-memory", type=size_arg, default=D.kv_memory, metavar="SIZE",
+                       help="device KV cache bytes per rank, e.g. 64MiB or 2GiB (binary units KiB MiB GiB TiB, "
+                            "decimal kB MB GB TB, or a plain number of bytes); pages per rank = SIZE // bytes per "
+                            "page. Default, as SGLang's --mem-fraction-static or vLLM's --gpu-memory-utilization: "
+                            f"{KV_MEMORY_FRACTION:g} of the memory this machine has left once the ranks have "
+                            f"started, split over the ranks, at most {format_size(KV_MEMORY_CAP)} per rank and half "
+                            "of the free shared memory")
+    cache.add_argument("--device-pages", type=positive, default=D.device_pages,
+                       help="device KV pages per rank, instead of --kv-memory (lane 0 holds one fewer: page 0 is "
+                            "reserved)")
+    r.add_argument("--kv", choices=KV_MODES, default=D.kv,
+                   help="the device cache: shared (one owner-lane cache for the group) or replicated (the "
+                        "baseline: every rank a full copy, zigzag prefill and balanced decode token splits with an "
+                        f"all-gather of the new K/V; the split flags then do not apply; --kv-memory gives both "
+                        f"modes the same pages per rank, so a shared group holds N times the pages) (default {D.kv})")
     r.add_argument("--host-pages", type=non_negative, default=D.host_pages,
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,
@@ -142,6 +170,7 @@ def _add_run(sub) -> None:
     r.add_argument("--decode-split", choices=DECODE_SPLITS, default=D.decode_split,
                    help="owner (the owner of the new slot computes the token; default) or lse (every rank "
                         "attends over its own pages, partials merged by log-sum-exp)")
+    add_kv_dtype_flag(r, D.kv_dtype)
     r.add_argument("--seed", type=non_negative, default=D.seed, help=f"trace and weights seed (default {D.seed})")
     r.add_argument("--check", action="store_true",
                    help="compare every logit and every request's greedy tokens with transformers")
@@ -150,15 +179,19 @@ def _add_run(sub) -> None:
     r.add_argument("--check-plans", action="store_true",
                    help="debug: one collective per batch checks that every rank allocated alike")
     r.add_argument("--disagg", type=disagg_arg, default=None, metavar="M:N",
-                   help="prefill on M ranks and decode on N other ranks, one world of M+N processes (--cp is "
-                        "not used): each request's KV moves from the prefill owners to the decode owners, one "
+                   help="prefill on M ranks and decode on N other ranks, one world of M+N processes (it sets both "
+                        "group sizes, so it refuses --cp): each request's KV moves from the prefill owners to the decode owners, one "
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
+    r.add_argument("--kv-events", type=zmq_endpoint, default=None, metavar="tcp://HOST:PORT",
+                   help="publish the prefix cache's KV events (vLLM's format: device pages as GPU, host tier as "
+                        "CPU) on a ZMQ PUB socket that rank 0 binds there; routers subscribe")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_flags(r)
     r.set_defaults(func=cmd_run, validate=validate_run)
 
 
@@ -183,6 +216,14 @@ def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentPa
     return action.choices[cmd]
 
 
+def _what_it_finished(name: str, e: BaseException) -> None:
+    """A stopped run's line of what it finished, when the run said (``e.progress``)."""
+    if hasattr(e, "requests"):
+        from ..runtime.progress import describe_progress
+
+        print(f"{name}: {describe_progress(e.progress, e.requests)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpkv`` console command (and ``python -m cpkv``);
     returns the exit code (see the module docstring)."""
@@ -196,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "validate", None):
             args.validate(args, _subparser(parser, args.cmd))
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        _what_it_finished(name, e)
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RankFailure as e:
+        _what_it_finished(name, e)
         print(f"{name}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of ours

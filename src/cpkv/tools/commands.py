@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_unless_fits
+from .flags import refuse_cuda_unless_available, refuse_unless_fits
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -72,12 +72,82 @@ def cmd_bench(args) -> int:
         return cmd_bench_splits(args)
     if args.what == "scheduler":
         return cmd_bench_scheduler(args)
+    if args.what == "kvdtype":
+        return cmd_bench_kvdtype(args)
+    if args.what == "capacity":
+        return cmd_bench_capacity(args)
+    if args.what == "plan":
+        from .bench import bench_plan
+
+        n = args.repeats or 7
+        rows = bench_plan(repeats=n)
+        print(json.dumps(rows, indent=2) if args.json else format_rows(
+            rows, f"plan: a Llama of 4 layers on one rank, torch path, CPU; prefill 4 x 256 tokens, decode 32 at "
+                  f"512; median of {n} interleaved rounds; syncs = host synchronisations counted in each layer"))
+        return EXIT_OK
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
-            print(format_rows(bench(repeats=n), title.format(n=n)))
+            if what == "kv":
+                kw = dict(device=args.device, kernels=args.kernels, **({"tokens": args.tokens} if args.tokens else {}))
+                title = title.replace("64K tokens", f"{kw.get('tokens', 65536)} tokens") + \
+                    f"; device {args.device}, kernels {args.kernels}"
+                rows = bench(repeats=n, **kw)
+                if args.json:
+                    print(json.dumps(rows, indent=2))
+                    continue
+            else:
+                rows = bench(repeats=n)
+            print(format_rows(rows, title.format(n=n)))
             print()
     return EXIT_OK
+
+
+def cmd_bench_kvdtype(args) -> int:
+    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces."""
+    from .bench.kvdtype import bench_kvdtype, format_kvdtype
+
+    report = bench_kvdtype(args.kv_dtype, cp=args.cp)
+    print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
+    return EXIT_OK
+
+
+def cmd_bench_capacity(args) -> int:
+    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
+    from ..engine.config import EngineConfig
+    from .bench.capacity import CheckFailed, bench_capacity
+    from .table import format_rows
+
+    try:
+        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory))
+    except ValueError as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckFailed as e:
+        print(f"cpkv bench capacity: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
+                            "TinyLlama, ranks as threads; longest request by the scheduler's up-front refusal, then "
+                            "run to the end; longdoc trace; every run checked against transformers"))
+    return EXIT_OK
+
+
+def validate_bench(args, parser) -> None:
+    """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
+    sets ``args.kernels`` to its default when not given, and ``--cp``/``--page`` to 4/16 for every bench but
+    scheduler (whose defaults are 8/64)."""
+    if args.what != "scheduler":
+        args.cp, args.page = args.cp or 4, args.page or 16
+    refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
+    if args.kernels is None:
+        from ..runtime.batch import default_kernels
+
+        args.kernels = default_kernels(args.device)
+    if args.what in ("kv", "all") and args.kernels == "triton" and args.device == "cpu":
+        parser.error("bench kv --kernels triton needs --device cuda: it times bf16, which Triton's interpreter "
+                     "(the CPU) does not run")
+    if args.what == "plan" and args.device != "cpu":
+        parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
 
 
 def cmd_bench_splits(args) -> int:
@@ -89,7 +159,7 @@ def cmd_bench_splits(args) -> int:
     sizes = dict(cp=args.cp or 4, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
                  page=args.page or 16, repeats=args.repeats or 5)
     try:
-        report = bench_splits(models, **sizes)
+        report = bench_splits(models, **sizes, device=args.device, kernels=args.kernels)
     except ValueError as e:
         print(f"cpkv bench splits: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -141,17 +211,21 @@ def cmd_bytes(args) -> int:
 
 
 def run_config(args):
-    """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags."""
-    from ..engine.config import EngineConfig
+    """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
+    (``--cp`` not given: the default group size). ``ValueError`` for a
+    ``--kv-memory`` that holds no page."""
+    from ..engine.config import EngineConfig, field_defaults
     from ..models import model_config
 
     return EngineConfig(
-        cp_size=args.cp, page_size=args.page, device_pages=args.device_pages, host_pages=args.host_pages,
+        cp_size=field_defaults(EngineConfig)["cp_size"] if args.cp is None else args.cp, page_size=args.page,
+        device_pages=args.device_pages, kv_memory=args.kv_memory, host_pages=args.host_pages,
         chunk=args.chunk, max_running=args.max_running, admission=args.admission,
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
-        check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress),
+        kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events, device=args.device,
+        kernels=args.kernels,
     )
 
 
@@ -169,11 +243,13 @@ def engine_footprint(cfg):
         adapter = build_adapter(cfg.model)
     model = adapter.model
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    slot = sum(f.slot_bytes() for f in adapter.families())
-    shared = slot * cfg.page_size * (cfg.cp_size * cfg.device_pages + cfg.host_pages + 1)
+    page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
+    copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
+    shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
     specs = cfg.trace()
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
     private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
+    private += copy if cfg.replicated else 0
     return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
 
 
@@ -183,44 +259,101 @@ def validate_disagg(args, parser, cfg) -> None:
 
     from ..engine.config import DisaggConfig
     from ..engine.disagg import DisaggControl
-    from ..engine.trace import TraceError
+    from ..engine.trace import CacheTooSmall, TraceError
 
     if args.plot:
         parser.error("--plot draws one group's occupancy; it does not take --disagg")
     M, N = args.disagg
     d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
+    if args.device_pages is None:  # sized from memory for this world of M + N ranks
+        d = dataclasses.replace(d, device_pages=None)
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
+    except CacheTooSmall as e:
+        parser.error(f"--workload: {e}; raise --kv-memory or --device-pages")
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
     prefill = dataclasses.replace(cfg, cp_size=M)
     decode = dataclasses.replace(cfg, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
     refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
+    say_how_long(d, d.trace(), d.world_size)
     args.config = d
 
 
 def validate_run(args, parser) -> None:
     """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
     sets ``args.config`` (an engine or a disaggregated configuration)."""
-    from ..engine.trace import TraceError
+    from ..engine.config import EngineConfig, field_defaults
+    from ..engine.trace import CacheTooSmall, TraceError
 
+    if args.disagg is not None and args.cp is not None:
+        parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
+                     f"decode ranks); it does not take --cp {args.cp}")
+    refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
+                                 else args.cp or field_defaults(EngineConfig)["cp_size"])
+    if args.device == "cuda" and args.disagg:
+        parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
-    ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (args.cp, "--cp")
+    if args.kv_events is not None and args.disagg is not None:
+        parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
+    try:
+        cfg = run_config(args)
+    except ValueError as e:  # a --kv-memory that holds no page
+        parser.error(f"--kv-memory: {e}")
+    ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (cfg.cp_size, "--cp")
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
                      "than ranks cannot be interleaved")
-    cfg = run_config(args)
+    if args.disagg and args.kv == "replicated":
+        parser.error("--kv replicated runs one CP group; --disagg moves a shared cache's pages")
     if args.disagg:
         return validate_disagg(args, parser, cfg)
     try:
         from ..engine.engine import build_scheduler
 
         build_scheduler(cfg, cfg.trace())  # a trace that cannot run is refused before any process starts
+    except CacheTooSmall as e:
+        parser.error(f"--workload: {e}; {raise_the_cache(e, cfg)}")
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
     refuse_unless_fits(parser, engine_footprint(cfg), timeout=args.timeout)
+    say_how_long(cfg, cfg.trace(), cfg.cp_size)
     args.config = cfg
+
+
+def raise_the_cache(e, cfg) -> str:
+    """The flag to raise, and by how much, for the trace ``e``
+    (:class:`~cpkv.engine.trace.CacheTooSmall`) refused by ``cfg``'s device cache."""
+    from ..runtime.sizing import format_size
+
+    need = e.pages_per_rank_needed
+    now = (f"now {cfg.device_pages} pages per rank" + (f" from --kv-memory {format_size(cfg.kv_memory)}"
+                                                        if cfg.kv_memory else ""))
+    return (f"give --kv-memory {format_size(need * cfg.page_bytes())} or more, or --device-pages {need} or more "
+            f"({now}, {format_size(cfg.page_bytes())} a page)")
+
+
+#: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.
+SAY_HOW_LONG_S = 60.0
+
+
+def say_how_long(cfg, specs, world_size: int) -> float:
+    """Print on stderr how long a run expects to take, when that is over
+    :data:`SAY_HOW_LONG_S` (steps from :func:`~cpkv.engine.trace.expected_steps`,
+    seconds from :func:`~cpkv.runtime.sizing.expected_run_seconds`); returns
+    the estimate."""
+    from ..engine.trace import expected_steps
+    from ..runtime.sizing import expected_run_seconds, machine_capacity
+
+    steps = expected_steps(specs, cfg.chunk, cfg.max_running)
+    cores = machine_capacity().cores
+    secs = expected_run_seconds(world_size, steps, cores)
+    if secs > SAY_HOW_LONG_S:
+        over = f"; that is past --timeout {cfg.timeout:g} s: raise it" if secs > cfg.timeout else ""
+        print(f"cpkv run: expect about {secs / 60:.0f} min: about {steps} steps on {world_size} ranks and "
+              f"{cores} cores{over}", file=sys.stderr)
+    return secs
 
 
 def cmd_run(args) -> int:
@@ -231,6 +364,10 @@ def cmd_run(args) -> int:
         from ..engine.disagg import format_disagg, run_disagg
 
         r = run_disagg(args.config)
+        if args.json and isinstance(r.get("config"), dict):  # without the test-only fault hooks
+            from ..engine.config import FAULT_HOOKS
+
+            r = {**r, "config": {k: v for k, v in r["config"].items() if k not in FAULT_HOOKS}}
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
         return check_exit(r, args)

@@ -1,8 +1,9 @@
 """The ``cpkv`` command's flag checkers and shared flags.
 
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
-  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`) are ``type=``
+  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`) are ``type=``
   callables: a bad value is refused while parsing, by argparse itself, naming the flag;
+* :func:`add_kv_dtype_flag` adds ``--kv-dtype``;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
   (``--cp``/``--ranks``, ``--timeout``), and :func:`refuse_unless_fits` refuses,
   with the reason, groups this machine cannot hold
@@ -102,8 +103,10 @@ non_negative = int_at_least(0)
 
 
 def add_group_flags(p: argparse.ArgumentParser, *, cp: int = 4, timeout: float = 300.0) -> None:
-    """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and ``--timeout``."""
-    p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=cp, metavar="N",
+    """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and
+    ``--timeout``. ``--cp`` parses to ``None`` when not given (so a rule can
+    tell it was not asked for); the command takes ``cp`` then."""
+    p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help=f"ranks in the CP group, one process each (default {cp})")
     p.add_argument("--timeout", type=finite_float(0, inclusive=False), default=timeout, metavar="SECONDS",
                    help=f"seconds before the group is stopped (default {timeout:g})")
@@ -131,6 +134,27 @@ def workload_arg(text: str) -> str:
                                      "nor a file")
 
 
+def size_arg(text: str) -> int:
+    """A ``type=`` for a byte count: ``64MiB``, ``2GiB``, a plain integer
+    (:func:`cpkv.runtime.sizing.parse_size`)."""
+    from ..runtime.sizing import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+size_arg.__name__ = "size"
+
+
+def zmq_endpoint(text: str) -> str:
+    """A ``type=`` for ``--kv-events``: a ZMQ endpoint to bind, ``tcp://HOST:PORT`` (or ``ipc://PATH``)."""
+    if not (text.startswith("tcp://") and ":" in text[6:] or text.startswith("ipc://") and len(text) > 6):
+        raise argparse.ArgumentTypeError(f"must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {text!r}")
+    return text
+
+
 def disagg_arg(text: str) -> tuple[int, int]:
     """A ``type=`` for ``--disagg``: ``M:N`` prefill and decode ranks, both >= 1."""
     from ..engine.config import parse_disagg
@@ -139,3 +163,44 @@ def disagg_arg(text: str) -> tuple[int, int]:
         return parse_disagg(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_kv_dtype_flag(p: argparse.ArgumentParser, default: str) -> None:
+    """``--kv-dtype``: what the KV caches store (``float32``, ``bfloat16``,
+    ``fp8``: the model's FP8 formats); ``default`` ``"all"`` (``cpkv bench``)
+    takes a comma list of them, else one value. [[RFC-0001:C-KV-FORMAT]]"""
+    from ..models import KV_DTYPES
+
+    if default == "all":
+        p.add_argument("--kv-dtype", type=comma_choices(KV_DTYPES), default=list(KV_DTYPES), metavar="LIST",
+                       help=f"kvdtype: the KV dtypes to compare, a comma list of {', '.join(KV_DTYPES)} (default all)")
+        return
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=default,
+                   help="what the KV caches store, in the pools, the host tier and transfers: float32, bfloat16, "
+                        "or fp8 (DeepSeek's formats for the DSA models: 656-byte latent, 132-byte indexer key; "
+                        f"Llama: fp8 with a float32 scale per token and head) (default {default})")
+
+
+def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """``--kernels torch|triton`` (default: triton on a GPU, torch on the CPU)
+    and, with ``device``, ``--device cpu|cuda`` (default cpu)."""
+    p.add_argument("--kernels", choices=["torch", "triton"], default=None,
+                   help="the data plane: torch (the reference) or triton (cpkv.kernels: store and attention "
+                        "translate logical slots in the kernel; on the CPU in Triton's interpreter, slow); "
+                        "default triton on a GPU, torch on the CPU")
+    if device:
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the model and the KV cache live (default cpu); cuda: one GPU per rank, NCCL, "
+                            "buffers mapped across the ranks (untested on hardware)")
+
+
+def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, ranks: int = 1) -> None:
+    """``parser.error`` (exit 2, before any process starts) for ``--device
+    cuda`` on a machine where torch sees no CUDA device, or fewer GPUs than
+    ``ranks`` (:func:`cpkv.runtime.device.check_devices`)."""
+    from ..runtime.device import check_devices
+
+    try:
+        check_devices(device, ranks)
+    except RuntimeError as e:
+        parser.error(f"refused before starting: {e}")

@@ -27,20 +27,41 @@ def format_engine(r: dict) -> str:
         ("host backups: pages / bytes", f"{r['backup_pages']} / {r['backup_bytes']}"),
         ("host loads: pages / bytes", f"{r['load_pages']} / {r['load_bytes']}"),
         ("preemptions / refused allocations", f"{r['preemptions']} / {r['refusals']}"),
+        ("KV dtype, bytes a token (all layers)", f"{r['kv_dtype']}, {r['kv_bytes_per_token']}"),
         ("peak KV per rank vs a replicated cache", f"{kib(max(peak))} vs {kib(rep)} "
                                                    f"({max(peak) / rep:.3f} of it)"),
         ("max lane gap", f"{r['max_lane_gap_pct']:.2f} % of a lane"),
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
+    rows += latency_rows(r.get("latency"))
     if ck is not None:
-        rows += [("max |logit - transformers|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
+        ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
+        rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
                  ("requests matching greedy decoding", f"{ck['requests_matched']} of {ck['requests']}")]
+        u = ck.get("unquantized")
+        if u and r["kv_dtype"] != "float32":
+            rows += [("vs unquantized: max |logit diff| / greedy agreement",
+                      f"{u['max_abs_diff']:.3g} / {u['greedy_agreement']} of {ck['requests']} requests")]
     width = max(len(k) for k, _ in rows)
-    head = (f"CP group of {c['cp_size']} ranks, page {c['page_size']}, {c['device_pages']} device pages per rank, "
+    head = (f"CP group of {c['cp_size']} ranks, {c.get('kv', 'shared')} KV, page {c['page_size']}, {c['device_pages']} device pages per rank, "
             f"{c['host_pages']} host pages; {m['family']} ({m.get('layers', '?')} layers), {c['workload']} trace, "
-            f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}")
+            f"chunk {c['chunk']}, prefill split {c['prefill_split']}, decode split {c['decode_split']}, "
+            f"device {c.get('device', 'cpu')}, kernels {c.get('kernels', 'torch')}")
     return "\n".join([head, "", *(f"{k.ljust(width)}  {v}" for k, v in rows), "",
                       format_rows(ranks, "per rank:")])
+
+
+def latency_rows(lat: dict | None) -> list[tuple[str, str]]:
+    """The TTFT and TPOT rows of a report (p50 / p99, steps and milliseconds); none without figures."""
+    if not lat:
+        return []
+    out = []
+    for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
+        st, sec = lat[f"{key}_steps"], lat[f"{key}_s"]
+        if st["count"]:
+            out.append((f"{name} p50 / p99 ({st['count']} requests)",
+                        f"{st['p50']:.1f} / {st['p99']:.1f} steps, {1e3 * sec['p50']:.1f} / {1e3 * sec['p99']:.1f} ms"))
+    return out
 
 
 def plot_engine(r: dict, path: str) -> None:

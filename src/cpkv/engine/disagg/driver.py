@@ -9,13 +9,15 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+from ...consumers.transfer import check_formats
 from ...models import build_adapter
 from ...runtime.comm import Comm, DistComm, run_threads, thread_group
 from ...runtime.group import RankContext, RankFailure, launch
 from ...runtime.p2p import DistP2P, thread_p2p
 from ...runtime.progress import progress_bar
 from ..config import DisaggConfig
-from ..engine import RankExecutor, check
+from ..check import check
+from ..engine import RankExecutor
 from ..rank import SharedBuffers, build_rank, thread_buffers
 from .control import DisaggControl
 from .figures import disagg_report
@@ -53,7 +55,8 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     M = cfg.prefill_size
-    fams = adapter.families()
+    fams = adapter.kv_families(cfg.kv_dtype if side == "prefill" else cfg.d_kv_dtype)
+    agree(world, side, fams, cfg.prefill_size)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
     parts = build_rank(cfg, adapter, mine.layout, group, shared, ctl.max_len + 1,
@@ -105,8 +108,19 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
                 continue
             for idx, by_pos in x["logits"].items():
                 merged.setdefault(ctl.origin[idx] if x["side"] == "prefill" else idx, {}).update(by_pos)
-        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged))
+        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged), fams)
     return disagg_report(cfg, ctl, ranks, seconds, checked)
+
+
+def agree(world: Comm, side: str, families, prefill_size: int) -> None:
+    """Every rank of both groups, at the start: one all-gather of each rank's
+    cache families, then :func:`~cpkv.consumers.transfer.check_formats`
+    between the prefill side's (world rank 0) and the decode side's (world
+    rank ``prefill_size``). Groups that store their KV differently (another kv
+    dtype) are refused on every rank alike with ``UnsupportedPagePlan``
+    before any byte moves. [[RFC-0001:C-KV-FORMAT]]"""
+    got = world.all_gather_object((side, list(families)))
+    check_formats(got[0][1], got[prefill_size][1])
 
 
 # -- the two ways to run it -------------------------------------------------------------------

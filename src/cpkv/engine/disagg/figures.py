@@ -31,6 +31,8 @@ def disagg_report(cfg: DisaggConfig, ctl: DisaggControl, ranks: list[dict], seco
         "config": {**asdict(cfg), "model": {"family": type(cfg.model).__name__, **asdict(cfg.model)}},
         "prefill_ranks": M, "decode_ranks": N, "prefill_page": cfg.page_size, "decode_page": cfg.d_page,
         "units": sorted(ctl.units),
+        "kv_dtype": cfg.kv_dtype,
+        "kv_bytes_per_token": ctl.slot_bytes,
         "requests": len(ctl.decode.requests),
         "finished": D.finished,
         "steps": D.steps,
@@ -68,7 +70,7 @@ def format_disagg(r: dict) -> str:
     """Human-readable summary of a disaggregated run: the bytes-per-pair table and the transfer time."""
     M, N = r["prefill_ranks"], r["decode_ranks"]
     lines = [f"prefill group {M} ranks (page {r['prefill_page']}) -> decode group {N} ranks (page {r['decode_page']}),"
-             f" by {'/'.join(r['units']) or 'nothing'}",
+             f" by {'/'.join(r['units']) or 'nothing'}; KV in {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes a token",
              f"{r['finished']}/{r['requests']} requests, {r['steps']} steps, {r['transfers']} transfers, "
              f"{r['transferred_tokens']} tokens moved in {r['messages']} messages, {r['bytes_moved']:,} bytes, "
              f"transfer time {r['transfer_seconds'] * 1e3:.1f} ms",
@@ -84,6 +86,10 @@ def format_disagg(r: dict) -> str:
     if c:
         lines.append(f"check: {c['requests_matched']}/{c['requests']} requests' greedy tokens equal transformers', "
                      f"{c['logits_checked']} logits within {c['max_abs_diff']:.2e}")
+        u = c.get("unquantized")
+        if u and r["kv_dtype"] != "float32":
+            lines.append(f"vs the unquantized model: max logit difference {u['max_abs_diff']:.3g}, greedy tokens "
+                         f"equal for {u['greedy_agreement']}/{c['requests']} requests")
     return "\n".join(lines)
 
 

@@ -50,7 +50,8 @@ class SplitsSpec:
     Decode contexts are filled with seeded random entries, written by their
     owners, instead of being prefilled (the timing does not depend on them).
     ``repeats`` timed rounds for prefill, ``decode_repeats`` (default ``4 *
-    repeats``) for decode, each after two warm-up rounds.
+    repeats``) for decode, each after two warm-up rounds. ``device`` and
+    ``kernels`` as ``cpkv run``'s (``--device``, ``--kernels``).
     """
 
     model: object
@@ -64,6 +65,8 @@ class SplitsSpec:
     ragged: bool = True
     seed: int = 0
     decode_repeats: int | None = None
+    device: str = "cpu"  # cuda: one GPU per rank, KV over CUDA IPC (untested on hardware)
+    kernels: str = "torch"
 
     def decode_rounds(self) -> int:
         """Timed decode rounds."""
@@ -163,12 +166,19 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     layout = SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank())
     fams = adapter.families()
     tag = f"{type(spec.model).__name__}_"  # one pool per model in the one group
-    bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype))
+    if spec.device == "cuda":
+        from ...runtime.device import share_device_buffer
+
+        adapter.model.to(ctx.device)
+        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: share_device_buffer(ctx, tag + name, shape,
+                                                                                             dtype, ctx.device))
+    else:
+        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype))
     pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * spec.page, spec.page, spec.cp, layout=layout)
     contexts = spec.decode_contexts()
     runner = CPRunner(adapter, pool, alloc, comm, max_requests=max(spec.bs, spec.decode_bs),
-                      max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)))
+                      max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
     g = torch.Generator().manual_seed(spec.seed)
     vocab = spec.model.vocab
     out = {}
@@ -220,7 +230,7 @@ def _splits_rank(ctx, specs: list[SplitsSpec]) -> list[dict] | None:
     """One rank of the split benchmark: every model's matrix, one after the other, in this one group."""
     from ...runtime.comm import DistComm, LocalComm
 
-    comm = DistComm() if ctx.distributed else LocalComm()
+    comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
     results = [_splits_matrix(ctx, comm, spec) for spec in specs]
     return results if comm.rank == 0 else None
 
@@ -245,7 +255,7 @@ def measure_splits(*specs: SplitsSpec, timeout: float = 3600.0) -> list[dict]:
         raise ValueError("one spec per model family: their pools share the group")
     for s in specs:
         s.check()
-    return launch(_splits_rank, specs[0].cp, list(specs), timeout=timeout)
+    return launch(_splits_rank, specs[0].cp, list(specs), timeout=timeout, device=specs[0].device)
 
 
 def _ratio(values: list[int]) -> float:
@@ -261,7 +271,8 @@ def default_split_tokens(model: str) -> int:
 
 
 def bench_splits(models=SPLIT_MODELS, cp: int = 4, tokens: int | None = None, bs: int = 4, decode_bs: int = 64,
-                 context: int = 4096, page: int = 16, repeats: int = 5, ragged: bool = True) -> dict[str, dict]:
+                 context: int = 4096, page: int = 16, repeats: int = 5, ragged: bool = True, device: str = "cpu",
+                 kernels: str = "torch") -> dict[str, dict]:
     """Prefill and decode splits of each of ``models`` (:func:`splits_model`;
     a name or a sequence of names), medians of interleaved rounds, on one
     process group of ``cp`` ranks (:class:`SplitsSpec`, :func:`measure_splits`);
@@ -284,7 +295,7 @@ def bench_splits(models=SPLIT_MODELS, cp: int = 4, tokens: int | None = None, bs
         n = tokens or default_split_tokens(model)
         longest = max(-(-n // max(bs, 1)), context + context // 2 + 1 if ragged else context)
         specs.append(SplitsSpec(splits_model(model, max(longest, 512)), cp, n, bs, decode_bs, context, page,
-                                repeats, ragged))
+                                repeats, ragged, device=device, kernels=kernels))
     raws = measure_splits(*specs)
     return {model: {"rows": _split_rows(model, spec, raw), "raw": raw} for model, spec, raw in zip(models, specs, raws)}
 

@@ -1,0 +1,75 @@
+"""The forward plan benchmark: host synchronisations per layer and the torch
+path's step time, with the batch planned once (now) against re-planned in
+every layer (cpkv before :class:`~cpkv.runtime.forward_plan.ForwardPlan`:
+translation, ownership check and attention metadata per layer), same run."""
+
+from __future__ import annotations
+
+import torch
+
+from .timing import median_seconds
+
+
+def bench_plan(repeats: int = 7, layers: int = 4, prefill_bs: int = 4, prefill_len: int = 256, decode_bs: int = 32,
+               context: int = 512, page: int = 16) -> list[dict]:
+    """Prefill (``prefill_bs`` x ``prefill_len`` new tokens) and decode
+    (``decode_bs`` requests at ``context`` tokens) forwards of a small Llama
+    (``layers`` layers, fp32) on one rank, torch path: per phase and mode,
+    host synchronisations per layer (:class:`~cpkv.runtime.syncs.SyncCounter`
+    around each layer; the per-batch plan is outside the layers), the median
+    step time over ``repeats`` interleaved rounds, and the ratio to the
+    per-layer plan. Every row carries its layer count."""
+    from ...consumers.kv_pool import SharedKVPool, allocate_buffers
+    from ...contract.allocator import OwnerLaneAllocator
+    from ...contract.layout import SharedKVLayout
+    from ...models import LlamaAdapter, TinyLlama
+    from ...runtime.runner import CPRunner
+    from ...runtime.syncs import SyncCounter
+
+    adapter = LlamaAdapter(TinyLlama(layers=layers, max_positions=context + prefill_len + 8).build())
+    rows_total = prefill_bs + decode_bs
+    pages = -(-(prefill_bs * prefill_len + decode_bs * (context + 1)) // page) + rows_total + 2
+    layout = SharedKVLayout(1, page, pages)
+    fams = adapter.families()
+    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
+    run = CPRunner(adapter, pool, OwnerLaneAllocator((layout.num_pages - 1) * page, page, 1, layout=layout),
+                   max_requests=rows_total, max_len=context + prefill_len + 2, kernels="torch")
+    g = torch.Generator().manual_seed(0)
+    pre_rows = list(range(prefill_bs))
+    pre = run.allocate(pre_rows, [prefill_len] * prefill_bs)
+    pre_ids = torch.randint(0, 256, (prefill_bs * prefill_len,), generator=g)
+    dec_rows = list(range(prefill_bs, rows_total))
+    run.allocate(dec_rows, [context] * decode_bs)
+    dec = run.allocate(dec_rows, [1] * decode_bs, decode=True)
+    dec_ids = torch.randint(0, 256, (decode_bs,), generator=g)
+    cases = {"prefill": (pre_rows, pre, pre_ids, False), "decode": (dec_rows, dec, dec_ids, True)}
+
+    def forward(phase, per_layer):
+        rows, alloc, ids, decode = cases[phase]
+        run.plan_per_layer = per_layer
+        return run.forward(rows, alloc, ids, decode)
+
+    syncs, layer = {}, adapter.layer
+
+    def counted(i, h, cache, key):
+        with SyncCounter() as c:
+            out = layer(i, h, cache)
+        syncs.setdefault(key, []).append(c.total)
+        return out
+
+    for phase in cases:
+        for per_layer in (True, False):
+            adapter.layer = lambda i, h, cache, k=(phase, per_layer): counted(i, h, cache, k)
+            forward(phase, per_layer)
+    adapter.layer = layer
+    t = median_seconds({(ph, pl): ((lambda ph=ph, pl=pl: forward(ph, pl)), None)
+                        for ph in cases for pl in (True, False)}, repeats)
+    out = []
+    for phase in cases:
+        for per_layer in (True, False):
+            c = syncs[(phase, per_layer)]
+            out.append({"phase": phase, "plan": "every layer (before)" if per_layer else "once per batch",
+                        "layers": layers, "syncs per layer": round(sum(c) / len(c), 2),
+                        "step ms": t[(phase, per_layer)] * 1e3,
+                        "vs before": t[(phase, per_layer)] / t[(phase, True)]})
+    return out

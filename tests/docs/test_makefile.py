@@ -1,0 +1,40 @@
+"""The Makefile's TORCH_INDEX: the CPU build of torch for a CPU-only machine, one variable.
+
+``make -n`` prints the recipe without running it; a fresh checkout has no
+``.venv``, so the install recipe is what it shows (here a scratch copy of the
+Makefile and pyproject.toml, so nothing of this checkout's own ``.venv``
+counts)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def _dry_run(tmp_path, *variables) -> list[str]:
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    r = subprocess.run(["make", "-n", "demo", *variables], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [line for line in r.stdout.splitlines() if "pip install" in line and "torch==" in line]
+
+
+def test_torch_comes_from_the_configured_index_by_default(tmp_path):
+    lines = _dry_run(tmp_path)
+    assert len(lines) == 1 and "torch==2.13.0" in lines[0] and "--index-url" not in lines[0], lines
+
+
+def test_torch_index_sets_pip_index_url(tmp_path):
+    url = "https://download.pytorch.org/whl/cpu"
+    lines = _dry_run(tmp_path, f"TORCH_INDEX={url}")
+    assert len(lines) == 1 and f"--index-url {url} torch==2.13.0" in lines[0], lines
+
+
+def test_demo_passes_its_small_cache_explicitly(tmp_path):
+    _dry_run(tmp_path)
+    r = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "cpkv run --check --device-pages 8" in r.stdout

@@ -1,0 +1,17 @@
+"""``cpkv bench kvdtype``: bytes of each kv dtype measured on the same trace,
+the DSA goal (fp8 at most 0.57x bf16 at DeepSeek's cache shapes), and the
+accuracy rows exact against the same-format reference. [[RFC-0001:C-KV-FORMAT]]"""
+
+from cpkv.tools.bench.kvdtype import bench_kvdtype, format_kvdtype
+
+
+def test_kvdtype_bench_measures_the_dsa_goal_and_exact_accuracy_rows():
+    r = bench_kvdtype(("bfloat16", "fp8"), cp=2, models=("deepseek-v3.2",), traces=("multiturn",))
+    bf16, fp8 = r["bytes"]
+    assert (bf16["kv dtype"], fp8["kv dtype"]) == ("bfloat16", "fp8")
+    assert fp8["bytes/token"] == 3 * (656 + 132) and bf16["bytes/token"] == 3 * (1152 + 256)  # 3 layers
+    assert r["dsa_fp8_vs_bf16"] == fp8["peak KV/rank"] / bf16["peak KV/rank"] <= 0.57
+    assert fp8["vs bfloat16"] == " / ".join(f"{(656 + 132) / (1152 + 256):.3f}" for _ in range(3))
+    for row in r["accuracy"]:
+        assert float(row["max |dlogit| vs same-format ref"]) < 1e-4 and row["greedy = same-format ref"] == row["requests"]
+    assert "goal <= 0.57: met" in format_kvdtype(r)

@@ -1,0 +1,120 @@
+"""``cpkv run`` on a user's own trace with no cache flag: the device cache sized
+from memory, every request that can never fit named in one refusal with the
+flag to raise, a run stopped early saying what it finished, a long run saying
+how long it expects, ``--json`` without the test-only fault hooks."""
+
+import json
+
+import pytest
+
+import cpkv.engine.engine
+import cpkv.runtime.sizing as sizing_mod
+import cpkv.tools.commands as commands_mod
+from cpkv.engine.config import FAULT_HOOKS, EngineConfig
+from cpkv.engine.engine import build_scheduler, run_engine_threads
+from cpkv.engine.trace import CacheTooSmall
+from cpkv.runtime.group import RankFailure
+from cpkv.runtime.sizing import KV_MEMORY_CAP, MachineCapacity
+from cpkv.tools.cli import main
+
+GiB = 2**30
+
+
+def _trace(tmp_path, *lengths, new=2):
+    p = tmp_path / "mine.jsonl"
+    p.write_text("".join(json.dumps({"id": f"r{i}", "arrival": 0, "tokens": [(7 * j) % 256 for j in range(n)],
+                                     "max_new_tokens": new}) + "\n" for i, n in enumerate(lengths)))
+    return str(p)
+
+
+def _validated(argv, monkeypatch, gib=21):
+    """The configuration ``cpkv run argv`` would start (validation only: nothing runs)."""
+    seen = {}
+    monkeypatch.setattr(sizing_mod, "machine_capacity", lambda: MachineCapacity(gib * GiB, 2, 24 * GiB))
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda cfg: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(commands_mod, "check_exit", lambda r, args: 0)
+    monkeypatch.setattr(commands_mod, "cmd_run", lambda args: seen.setdefault("cfg", args.config) and 0)
+    import cpkv.tools.cli as cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", *argv])
+    args.validate(args, cli._subparser(parser, "run"))
+    return args.config
+
+
+@pytest.mark.parametrize("argv", [["--cp", "1"], ["--page", "1"], ["--model", "deepseek-v3.2", "--cp", "1"]])
+def test_the_builtin_trace_is_accepted_with_no_cache_flag(argv, monkeypatch):
+    cfg = _validated(argv, monkeypatch)
+    assert cfg.kv_memory is None
+    assert cfg.device_pages * cfg.page_bytes() == pytest.approx(KV_MEMORY_CAP, rel=1e-3)  # 21 GiB: the cap binds
+
+
+def test_the_default_budget_follows_the_machine_and_kv_memory_sets_it(monkeypatch, tmp_path):
+    small = _validated(["--workload", _trace(tmp_path, 1500)], monkeypatch, gib=2)
+    budget = (2 * GiB * 0.9 - 4 * sizing_mod.RANK_BASELINE_BYTES - 96 * 8192) * 0.25 / 4
+    assert small.device_pages == int(budget) // 8192 < KV_MEMORY_CAP // 8192
+    assert _validated(["--kv-memory", "2MiB"], monkeypatch).device_pages == 256  # 8 KiB a page of 16 tokens
+    assert _validated(["--kv-memory", "1GB", "--page", "1"], monkeypatch).device_pages == 10**9 // 512
+
+
+def test_every_request_that_can_never_fit_is_named_with_the_flag_to_raise(tmp_path, capsys):
+    path = _trace(tmp_path, 1500, 20, 600)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--workload", path, "--device-pages", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert ("2 requests can never fit the device cache: request 'r0' needs 94 pages of 16 tokens for 1501 tokens of "
+            "KV (24, 24, 23 and 23 per lane); request 'r2' needs 38 pages") in err, err
+    assert "'r1'" not in err
+    assert ("holds at most 448 tokens per request: its 4 lanes hold 7, 8, 8 and 8 pages (page 0, on lane 0, is "
+            "reserved)") in err
+    assert "give --kv-memory 200.0 KiB or more, or --device-pages 25 or more (now 8 pages per rank" in err
+    # the pages it names are enough, and one fewer is not
+    build_scheduler(EngineConfig(device_pages=25, workload=path), EngineConfig(device_pages=25, workload=path).trace())
+    with pytest.raises(CacheTooSmall):
+        build_scheduler(EngineConfig(device_pages=24, workload=path), EngineConfig(device_pages=24, workload=path).trace())
+
+
+@pytest.mark.parametrize("lengths", [(1500,), (4000,)])
+def test_a_long_prompt_runs_with_no_cache_flag(lengths, tmp_path):
+    """The engine itself (ranks as threads), 1,500 and 4,000-token prompts, sized from memory, exact."""
+    cfg = EngineConfig(cp_size=2, workload=_trace(tmp_path, *lengths, new=2), chunk=512, host_pages=0, check=True)
+    r = run_engine_threads(cfg)
+    assert r["finished"] == 1 and r["check"]["max_abs_diff"] < 1e-4 and r["check"]["requests_matched"] == 1
+
+
+def test_json_has_no_fault_hooks(tmp_path, capsys, monkeypatch):
+    cfg = EngineConfig(cp_size=1, device_pages=16, workload=_trace(tmp_path, 20), host_pages=0, fail_rank=3)
+    r = run_engine_threads(cfg)
+    assert not set(FAULT_HOOKS) & set(r["config"]) and r["config"]["device_pages"] == 16
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda c: r)
+    assert main(["run", "--cp", "1", "--workload", cfg.workload, "--device-pages", "16", "--json"]) == 0
+    assert not set(FAULT_HOOKS) & set(json.loads(capsys.readouterr().out)["config"])
+
+
+@pytest.mark.parametrize("exc,code,last", [(KeyboardInterrupt(), 130, "cpkv run: interrupted"),
+                                           (RankFailure(None, "did not finish within 5 s"), 2,
+                                            "cpkv run: CP group failed: did not finish within 5 s")])
+def test_a_stopped_run_says_what_it_finished(exc, code, last, monkeypatch, capsys):
+    def stopped(cfg):
+        exc.progress, exc.requests = {"step": 41, "finished": 3, "requests": 24, "generated_tokens": 57,
+                                      "computed_tokens": 900}, 24
+        raise exc
+
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", stopped)
+    assert main(["run", "--cp", "2", "--device-pages", "8"]) == code
+    assert capsys.readouterr().err.splitlines() == [
+        "cpkv run: stopped at step 41: 3 of 24 requests finished, 57 tokens generated (900 computed)", last]
+
+
+def test_a_long_run_says_how_long_it_expects(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sizing_mod, "machine_capacity", lambda: MachineCapacity(21 * GiB, 2, 24 * GiB))
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda cfg: (_ for _ in ()).throw(KeyboardInterrupt()))
+    short = _trace(tmp_path, 40, new=8)
+    main(["run", "--cp", "2", "--workload", short])
+    assert "expect about" not in capsys.readouterr().err
+    long = _trace(tmp_path, 40, new=3000)  # 3000 steps at cp 4 on 2 cores: 16 s to start, 3000 x 45.7 ms
+    main(["run", "--workload", long, "--timeout", "100"])
+    err = capsys.readouterr().err
+    assert ("cpkv run: expect about 3 min: about 3000 steps on 4 ranks and 2 cores; that is past --timeout 100 s: "
+            "raise it") in err
