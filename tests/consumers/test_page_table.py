@@ -28,8 +28,10 @@ def test_rows_are_written_once_from_each_allocation_and_grow_on_demand():
     d = alloc.allocate_decode([4, 7], torch.stack([t.req_to_token[0, 2], t.req_to_token[1, 5]]))
     t.write_allocation(rows, d)
     assert t.req_to_token[0, 3] == d.out_cache_loc[0] and t.req_to_token[1, 6] == d.out_cache_loc[1]
-    t.free_row(0)
-    assert (t.slots(0) == -1).all() and t.take_row() == 0
+    t.free_row(0, 4)  # O(1): the four written positions are reset when the row is taken again
+    assert t.take_row() == 0 and (t.slots(0) == -1).all() and (t.slots(1, 0, 7) >= 0).all()
+    t.free_row(1)  # by default the whole row
+    assert t.take_row() == 1 and (t.slots(1) == -1).all()
 
 
 def test_page_table_refuses_what_it_cannot_mean():
@@ -63,7 +65,8 @@ def test_the_scheduler_keeps_one_table_and_a_row_per_request():
                 assert r.row == row and r.slots.data_ptr() == sched.table.slots(row).data_ptr()
                 assert (r.slots[: r.computed] >= 0).all() and (r.slots[r.computed :] == -1).all()
         sched.complete(plan, [[7] * len(f.requests) for f in plan.forwards()])
-    assert (sched.table.req_to_token == -1).all()  # every row given back
+    rows = [sched.table.take_row() for _ in range(sched.table.req_to_token.shape[0])]  # every row given back,
+    assert (sched.table.req_to_token[rows] == -1).all()  # and all padding when taken again
 
 
 def test_admission_is_one_question_and_one_verb():

@@ -17,7 +17,7 @@ CASES = {
     # N, page, device pages per lane, host pages, chunk, admission: what the case must exercise
     "n1-host": (1, 16, 12, 48, 24, "lanes"),
     "n2-page1-host": (2, 1, 120, 400, 40, "lanes"),
-    "n4-host": (4, 16, 6, 48, 40, "lanes"),
+    "n4-host": (4, 16, 5, 48, 40, "lanes"),  # 6 pages: live sharing hits it all on the device
     "n2-preempt": (2, 16, 8, 0, 40, "none"),
 }
 

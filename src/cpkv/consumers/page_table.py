@@ -4,7 +4,9 @@
 ``pos`` of the request in ``row``; padding where nothing is written. A row is
 taken per request (:meth:`PageTable.take_row`), written once from each
 allocation (:meth:`PageTable.write`, :meth:`PageTable.write_allocation`) and
-given back when the request ends (:meth:`PageTable.free_row`). The scheduler
+given back when the request ends (:meth:`PageTable.free_row`, O(1): the
+positions it held are reset to padding when the row is next taken, so a
+step in which many long requests end costs nothing per token). The scheduler
 keeps each request's row index and length; the forward reads the rows it
 computes. Nothing else holds a request's slots, so nothing copies them
 between tables. Every rank keeps the same table, as it keeps the same
@@ -22,8 +24,8 @@ class PageTable:
     """``rows`` x ``width`` slots, padding ``padding`` (negative) where unwritten.
 
     Rows and width grow on demand (a request longer than ``width``, more live
-    requests than ``rows``); growth keeps every row's content. A free row is
-    all padding. [[RFC-0001:C-DOWNSTREAM-CONTRACT]]
+    requests than ``rows``); growth keeps every row's content. A row is all
+    padding when it is taken. [[RFC-0001:C-DOWNSTREAM-CONTRACT]]
     """
 
     def __init__(self, rows: int, width: int, padding: int = -1):
@@ -34,6 +36,8 @@ class PageTable:
         self.padding = padding
         self.req_to_token = torch.full((rows, width), padding, dtype=torch.int64)
         self._free = list(range(rows - 1, -1, -1))  # lowest row on top
+        self._dirty = [0] * rows  # per row: positions a freed row still holds (reset when taken)
+        self._taken = [False] * rows
 
     @property
     def width(self) -> int:
@@ -46,13 +50,27 @@ class PageTable:
             n = self.req_to_token.shape[0]
             self._grow(2 * n, self.width)
             self._free = list(range(2 * n - 1, n - 1, -1))
-        return self._free.pop()
+            self._dirty += [0] * n
+            self._taken += [False] * n
+        row = self._free.pop()
+        if self._dirty[row]:
+            self.req_to_token[row, : self._dirty[row]] = self.padding
+            self._dirty[row] = 0
+        self._taken[row] = True
+        return row
 
-    def free_row(self, row: int) -> None:
-        """Give ``row`` back, reset to padding. Raises ``ValueError`` for a row that is free."""
-        if row in self._free or not 0 <= row < self.req_to_token.shape[0]:
+    def free_row(self, row: int, used: int | None = None) -> None:
+        """Give ``row`` back. ``used``: how many leading positions were
+        written (the whole row by default); they are reset to padding when the
+        row is next taken, so this is O(1). Raises ``ValueError`` for a row that
+        is not taken or a ``used`` outside ``0 .. width``."""
+        if not (isinstance(row, int) and 0 <= row < len(self._taken) and self._taken[row]):
             raise ValueError(f"row {row} is not taken")
-        self.req_to_token[row] = self.padding
+        used = self.width if used is None else used
+        if not 0 <= used <= self.width:
+            raise ValueError(f"used must lie in 0..{self.width}, got {used}")
+        self._taken[row] = False
+        self._dirty[row] = used
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

@@ -75,6 +75,7 @@ from ..contract.allocator import Allocation, OwnerLaneAllocator
 from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_of_last_loc
 from .prefix_match import Admission, PrefixHit, PrefixMatch
+from .prefix_live import LivePages
 from .prefix_rules import PrefixCacheMisuse, _as_key, _as_limit, _as_tokens, _int_vector, check_end, refuse_cached_growth
 from .radix_tree import RadixTree, _Node
 
@@ -237,7 +238,7 @@ class PrefixCacheQuestions:
         return self.alloc.is_allocated(pages)
 
 
-class PrefixCache(PrefixCacheQuestions):
+class PrefixCache(LivePages, PrefixCacheQuestions):
     """Radix prefix cache over an :class:`OwnerLaneAllocator`.
 
     Use: ``hit = lookup(tokens)`` to rank, ``a = can_allocate(tokens, end,
@@ -406,20 +407,27 @@ class PrefixCache(PrefixCacheQuestions):
         if tokens[: match.length] != match.tokens:
             raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
         # -- nothing refuses past this line
+        self._end_insert(match, tokens, torch.from_numpy(arr.copy()), 0, match.shared)
+
+    def _end_insert(self, match: PrefixMatch, tokens: tuple, slots: torch.Tensor, offset: int, own: int) -> None:
+        """End ``match`` by caching ``tokens``/``slots``: positions ``offset ..``
+        of the request (0: the whole sequence, walked from the root; else
+        from ``match.node``); ``slots[own:]`` are the request's own pages."""
+        S, n = self.S, len(tokens)
         match._ended = "inserted"
         self.open_matches -= 1
-        slots, n = torch.from_numpy(arr.copy()), len(tokens)
         self.tree.pin(match.node, -1)
-        w = self.tree.walk(tokens, n, match.ns)
-        node, i, spare = self.tree.root_of(match.ns, create=n > w.shared), w.shared, []
-        assert i >= match.shared, "a held path left the tree"
+        start = match.node if offset else None
+        w = self.tree.walk(tokens, n, match.ns, start)
+        node, i, spare = start or self.tree.root_of(match.ns, create=n > w.shared), w.shared, []
+        assert offset + i >= match.shared, "a held path left the tree"
         if w.path:
             node, m = w.path[-1]
             if m * S < len(node.key):
                 node = self.tree.split(node, m)
             self.tree.pin(node, 0)  # used now
-            spare.append(slots[match.shared : i])  # the tree has these tokens already
-        keep = i + self.tree.graft_length(node, i, slots[i:])  # a tail of another lane base stops here
+            spare.append(slots[own:i])  # the tree has these tokens already
+        keep = i + self.tree.graft_length(node, offset + i, slots[i:])  # a tail of another lane base stops here
         spare.append(slots[keep:])
         slots, n = slots[:keep], keep
         if n - i >= S:

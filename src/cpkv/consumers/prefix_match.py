@@ -75,6 +75,7 @@ class PrefixMatch:
     _owner: "PrefixCache | None" = field(default=None, repr=False)
     _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
     ns: bytes = b""
+    live: bool = True  # its full pages still enter the cache as they are computed
 
     @property
     def last_loc(self) -> int:

@@ -80,25 +80,57 @@ def _as_limit(max_length, n: int) -> int:
 def check_end(cache: "PrefixCache", match: PrefixMatch, slots: np.ndarray, what: str) -> None:
     """Every rule :meth:`PrefixCache.insert` and :meth:`PrefixCache.release`
     share, checked before anything changes (reads ``cache``, changes nothing)."""
-    from .prefix_cache import PrefixMatch
+    _check_match(cache, match, what)
+    S, n, L = cache.S, slots.size, match.length
+    if n < L or not np.array_equal(slots[:L], match.slots.numpy()):
+        raise PrefixCacheMisuse("slots-do-not-extend-match",
+                                f"{what}: the first {L} slots must be the match's own slots")
+    _check_private(cache, slots, match.shared, what)
 
+
+def _check_match(cache: "PrefixCache", match: PrefixMatch, what: str) -> None:
+    """``match`` is a live match of ``cache``, or raise."""
     if not isinstance(match, PrefixMatch):
         raise PrefixCacheMisuse("not-a-match", f"{what} takes the PrefixMatch of acquire(), got {type(match).__name__}")
     if match._owner is not cache:
         raise PrefixCacheMisuse("foreign-match", f"{what}: the match was not acquired from this cache")
     if match.consumed:
         raise PrefixCacheMisuse("match-consumed", f"{what}: the match was already {match._ended}; a match ends once")
-    S, n, L = cache.S, slots.size, match.length
-    if n < L or not np.array_equal(slots[:L], match.slots.numpy()):
-        raise PrefixCacheMisuse("slots-do-not-extend-match",
-                                f"{what}: the first {L} slots must be the match's own slots")
+
+
+def check_tail(cache: "PrefixCache", match: PrefixMatch, tokens: tuple, slots: np.ndarray, what: str,
+               whole_pages: bool) -> None:
+    """The rules of :meth:`PrefixCache.cache_pages` (``whole_pages``) and
+    :meth:`PrefixCache.insert_tail`: ``tokens`` and ``slots`` are the
+    request's positions from ``match.shared`` on, equally many (whole pages,
+    at least one, for ``cache_pages``, whose match must be live), starting
+    with the match's private copy if it has one, on the request's own
+    allocated, uncached pages, a page chain. O(len(slots)): nothing before
+    ``match.shared`` is read."""
+    _check_match(cache, match, what)
+    if len(tokens) != slots.size:
+        raise PrefixCacheMisuse("length-mismatch", f"{what}: {len(tokens)} tokens but {slots.size} slots")
+    if whole_pages and (slots.size == 0 or slots.size % cache.S):
+        raise PrefixCacheMisuse("not-whole-pages", f"{what}: {slots.size} slots are not whole pages (>= 1)")
+    if whole_pages and not match.live:
+        raise PrefixCacheMisuse("match-not-live", f"{what}: the match stopped caching pages; it ends with insert_tail")
+    copied = match.slots[match.shared :].numpy()  # the private copy's slots, while not cached yet
+    if slots.size < copied.size or not np.array_equal(slots[: copied.size], copied):
+        raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")
+    _check_private(cache, slots, 0, what)
+
+
+def _check_private(cache: "PrefixCache", slots: np.ndarray, shared: int, what: str) -> None:
+    """``slots`` (positions from a page boundary) are a page chain, and its
+    pages past ``shared`` are allocated and not the cache's, or raise."""
+    S, n = cache.S, slots.size
     pages = page_of(slots, S)
     first = pages[np.arange(n) // S * S]  # the page each position's page starts on
     if n and (pages.min() < 1 or pages.max() > cache.alloc.num_pages or (slots % S != np.arange(n) % S).any()
               or (pages != first).any() or np.unique(first[::S]).size != first[::S].size):
         raise PrefixCacheMisuse("not-a-page-chain", f"{what}: slot j must sit at offset j % {S} of the request's "
                                 f"own page j // {S}, every page a usable one, none twice")
-    private = np.unique(pages[match.shared :])
+    private = np.unique(pages[shared:])
     if private.size and not cache.alloc.is_allocated(private).all():
         bad = int(private[~cache.alloc.is_allocated(private)][0])
         raise PrefixCacheMisuse("private-page-not-allocated", f"{what}: page {bad} of the request is free")

@@ -104,14 +104,17 @@ class RadixTree:
         return self.now
 
     # -- questions ------------------------------------------------------------------
-    def walk(self, tokens: tuple, limit: int, ns: bytes = b"") -> _Walk:
+    def walk(self, tokens: tuple, limit: int, ns: bytes = b"", start: _Node | None = None) -> _Walk:
         """How far ``tokens[:limit]`` follows the chains of namespace ``ns``:
         whole pages, then the child (or next page of the same edge) sharing the
-        longest run of the next page's tokens. Pure: nothing is split or touched."""
+        longest run of the next page's tokens. From the root of ``ns``, or from
+        the end of node ``start`` (``tokens`` then continue its path, in its
+        namespace). Pure: nothing is split or touched."""
         S = self.S
-        node, off, i, path = self.roots.get(ns), 0, 0, []
+        node = self.roots.get(ns) if start is None else start
         if node is None:
-            return _Walk(path, 0)
+            return _Walk([], 0)
+        off, i, path = len(node.key), 0, []
         while i + S <= limit:
             page = tokens[i : i + S]
             if off < len(node.key):  # inside an edge: its next page
@@ -268,6 +271,15 @@ class RadixTree:
         self.cached_lanes -= leaf.lanes
         self.evictable_lanes -= leaf.lanes
         self.page_cached[leaf.pages] = False
+
+    def hold_child(self, child: _Node) -> None:
+        """One live request whose path ends at ``child``'s parent (and holds
+        it) now ends at ``child``, a new unreferenced leaf: ``child`` gets the
+        reference, the ancestors keep theirs. O(1), unlike :meth:`pin`, which
+        walks every ancestor."""
+        assert child.ref == 0 and child.parent is not None and (child.parent.parent is None or child.parent.ref > 0)
+        child.ref = 1
+        self.evictable_lanes -= child.lanes
 
     def pin(self, node: _Node | None, delta: int) -> None:
         """Add ``delta`` to the reference count of ``node`` and every ancestor

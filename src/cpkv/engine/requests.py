@@ -19,7 +19,7 @@ import torch
 from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache, PrefixMatch
 from ..contract import layout
-from ..contract.layout import owner_of, page_of
+from ..contract.layout import lane_base_of_last_loc, owner_of
 from .step_plan import StepPlan
 from .trace import CacheTooSmall, RequestSpec, TraceError, validate
 
@@ -46,6 +46,9 @@ class Request:
     host_hit: int = 0  # tokens loaded from the host tier at the last admission
     ready: bool = False  # remote prefill: its KV waits elsewhere, ready to arrive (Scheduler.arrive)
     table: PageTable | None = field(default=None, repr=False)
+    need: np.ndarray | None = field(default=None, repr=False)  # pages per lane still reserved (Scheduler)
+    prefix_lanes: np.ndarray | None = field(default=None, repr=False)  # pages per lane of the shared prefix
+    _ids: np.ndarray | None = field(default=None, repr=False)  # token ids, int32 (see ids())
     key: str | int | None = None  # namespace in the prefix cache: the spec's, else the parent's
 
     def __post_init__(self):
@@ -54,8 +57,41 @@ class Request:
 
     @property
     def seq(self) -> tuple:
-        """Every token known: the prompt, then the generated tokens."""
+        """Every token known: the prompt, then the generated tokens. Builds a
+        tuple of ``length`` ints on every call (O(context)): the scheduler's
+        steps read :meth:`ids` instead."""
         return self.prompt + tuple(self.generated)
+
+    @property
+    def length(self) -> int:
+        """How many tokens are known (prompt and generated); O(1)."""
+        return len(self.prompt) + len(self.generated)
+
+    def ids(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Token ids of positions ``start .. end - 1`` (int32, a read-only view
+        of the request's buffer; to ``length`` by default). The buffer is
+        built once from the prompt, sized for every token the request will
+        have (it grows by doubling past that), so a step costs O(its
+        tokens), never O(context)."""
+        if self._ids is None:
+            n, p = self.length, len(self.prompt)
+            self._ids = np.empty(max(p + self.spec.max_new_tokens, n, 1), dtype=np.int32)
+            self._ids[:p] = self.prompt
+            self._ids[p:n] = self.generated
+        v = self._ids[: self.length][start:end]
+        v.flags.writeable = False
+        return v
+
+    def append(self, token: int) -> None:
+        """A sampled token: appended to ``generated`` and to the id buffer (amortised O(1))."""
+        self.generated.append(int(token))
+        if self._ids is not None:
+            n = self.length
+            if n > self._ids.size:
+                grown = np.empty(2 * self._ids.size, dtype=np.int32)
+                grown[: n - 1] = self._ids[: n - 1]
+                self._ids = grown
+            self._ids[n - 1] = token
 
     @property
     def final_len(self) -> int:
@@ -211,28 +247,47 @@ class RequestLifecycle:
 
     def _give_back(self, r: Request) -> None:
         """``r`` holds KV no more: its page-table row goes back."""
-        self.table.free_row(r.row)
+        self.table.free_row(r.row, r.computed)
         r.row = -1
+
+    def _track(self, r: Request, leaving: bool = False) -> None:
+        """Keep ``_need_sum`` (pages per lane the running requests with pages
+        still need) exact: ``r``'s share is recomputed after its page count
+        changed, and dropped when it leaves the running set (or has no page
+        yet: :meth:`Scheduler._reserved` asks for those each step)."""
+        if r.need is not None:
+            self._need_sum -= r.need
+        r.need = None if leaving or r.computed == 0 else self.cache.chain_need(r.last_loc, r.computed, r.final_len)
+        if r.need is not None:
+            self._need_sum += r.need
 
     # -- completion -------------------------------------------------------------------------------
     def complete(self, plan: StepPlan, tokens: list[list[int]]) -> list[Request]:
         """Close a step: ``tokens[i]`` are the greedy tokens of the requests of
         ``plan.forwards()[i]`` (entries where ``sample`` is False are ignored).
         Finishes requests at ``max_new_tokens``; returns them."""
-        finished = []
+        finished, S = [], self.S
         for b, toks in zip(plan.forwards(), tokens):
             for r, t, s in zip(b.requests, toks, b.sample):
                 if s:
-                    r.generated.append(int(t))
+                    r.append(t)
                     self.stats.generated_tokens += 1
                     if len(r.generated) == r.spec.max_new_tokens:
                         finished.append(r)
+                        continue
+                m = r.match
+                if m is not None and m.live and r.computed - m.shared >= S:  # full pages with KV: into the cache
+                    end = r.computed // S * S
+                    self.cache.cache_pages(m, r.ids(m.shared, end), r.slots[m.shared : end])
             self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
         for a in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
             a.request.ready = False
             self.stats.arrived_tokens += a.slots.numel()
         for r in finished:
             self._finish(r)
+        if finished:
+            gone = set(finished)
+            self.running = [r for r in self.running if r not in gone]
         if self.host is not None:
             self.host.step_done()
         self._record()
@@ -241,15 +296,21 @@ class RequestLifecycle:
         return finished
 
     def _finish(self, r: Request) -> None:
-        kv = r.slots[: r.computed]
-        pages = np.unique(page_of(kv.numpy(), self.S))
-        per_lane = np.bincount(owner_of(pages, self.N), minlength=self.N)
+        """``r`` has its tokens (the caller takes it off ``running``): its
+        pages per lane into the skew figure, then its KV past what
+        :meth:`PrefixCache.cache_pages` cached into the cache (or held).
+        O(its uncached tail + N): nothing reads its whole sequence."""
+        first, stop = r.match.shared // self.S, -(-r.computed // self.S)  # its own pages: one lane base
+        own = layout.chain_lane_pages(lane_base_of_last_loc(r.last_loc, r.computed, self.S, self.N), first,
+                                      stop - first, self.N)
+        per_lane = r.prefix_lanes + own
         self.stats.max_request_skew = max(self.stats.max_request_skew, int(per_lane.max() - per_lane.min()))
-        self.running.remove(r)
+        self._track(r, leaving=True)
         if self.hold_finished:  # the row stays with the held KV until release_finished
             self.held[r.index] = r
         else:
-            self.cache.insert(r.seq[: r.computed], kv, r.match)
+            m = r.match
+            self.cache.insert_tail(m, r.ids(m.shared, r.computed), r.slots[m.shared : r.computed])
             r.match = None
             self._give_back(r)
         r.finished_at = self.step
@@ -266,8 +327,13 @@ class RequestLifecycle:
 
     def _record(self) -> None:
         self.stats.evicted_nodes, self.stats.evicted_pages = self.cache.evicted_nodes, self.cache.evicted_pages
-        used = np.flatnonzero(self.cache.is_allocated(self._all_pages))
-        self.stats.occupancy.append(np.bincount(owner_of(used, self.report_lanes), minlength=self.report_lanes).tolist())
+        if self.report_lanes == self.N:  # from the allocator's counters, O(N)
+            used = self.cache.lane_pages - np.asarray(self.cache.lane_free_pages())
+            self.stats.occupancy.append(used.tolist())
+        else:  # lanes the allocator does not keep (the owner-oblivious baseline): count the pages
+            used = np.flatnonzero(self.cache.is_allocated(self._all_pages))
+            self.stats.occupancy.append(np.bincount(owner_of(used, self.report_lanes),
+                                                    minlength=self.report_lanes).tolist())
         if self.host is not None:
             self.stats.host_occupancy.append(self.host.used_pages())
         self.stats.steps = self.step + 1
@@ -294,7 +360,7 @@ class RequestLifecycle:
         r = self.requests[index] if 0 <= index < len(self.requests) else None
         if r is None or r not in self.waiting or r.ready or r.due is None or r.due > self.step:
             raise ValueError(f"request {index} is not waiting for its KV")
-        r.generated.append(int(token))
+        r.append(token)
         self.stats.generated_tokens += 1
         if len(r.generated) == r.spec.max_new_tokens:
             self.waiting.remove(r)
@@ -312,11 +378,11 @@ class RequestLifecycle:
         if index not in self.held:
             raise KeyError(f"request {index} is not held")
         r = self.held.pop(index)
-        kv = r.slots[: r.computed]
-        if cache:
-            self.cache.insert(r.seq[: r.computed], kv, r.match)
+        m = r.match
+        if cache:  # what cache_pages has not cached yet: O(the tail)
+            self.cache.insert_tail(m, r.ids(m.shared, r.computed), r.slots[m.shared : r.computed])
         else:
-            self.cache.release(r.match, kv)
+            self.cache.release(m, r.slots[: r.computed])
         r.match = None
         self._give_back(r)
 
@@ -332,6 +398,7 @@ class RequestLifecycle:
             self._plan.drop(r)
         self.cache.release(r.match, r.slots[: r.computed])
         self.running.remove(r)
+        self._track(r, leaving=True)
         self._give_back(r)
         r.match, r.finished_at = None, self.step
         self._conclude(r)

@@ -98,6 +98,7 @@ class Scheduler(RequestLifecycle):
         self.chunk, self.max_running, self.admission, self.headroom = chunk, max_running, admission, headroom
         super().__init__(specs, cache, max_running, remote_prefill, hold_finished, host, report_lanes)
         self._serial = 0
+        self._need_sum = np.zeros(self.N, dtype=np.int64)  # what the running requests with pages still need
         cache.on_evict = self._on_evict if host is not None else None
 
     @property
@@ -122,9 +123,14 @@ class Scheduler(RequestLifecycle):
         return p
 
     def _reserved(self) -> np.ndarray:
-        need = np.zeros(self.N, dtype=np.int64)
+        """Pages per lane the running requests still need: the kept sum of
+        their needs (each recomputed only when its page count changes), plus
+        the requests with no page yet, whose lanes the allocator picks later
+        (asked now). O(N) per request without a page, O(1) for the others."""
+        need = self._need_sum.copy()
         for r in self.running:
-            need += self.cache.chain_need(r.last_loc, r.computed, r.final_len)
+            if r.computed == 0:
+                need += self.cache.chain_need(-1, 0, r.final_len)
         return need
 
     def _admit(self, p: StepPlan) -> None:
@@ -135,7 +141,7 @@ class Scheduler(RequestLifecycle):
                 continue  # its KV is still being computed elsewhere
             if len(self.running) >= self.max_running:
                 break
-            adm = self.cache.can_allocate(r.seq, r.final_len, self.host, key=r.key)
+            adm = self.cache.can_allocate(r.ids(), r.final_len, self.host, key=r.key)
             if reserved is not None and self.running and not adm.fits(reserved + headroom):
                 break
             if not self._start(p, r, adm):
@@ -176,6 +182,8 @@ class Scheduler(RequestLifecycle):
         r.host_hit = loaded
         self.waiting.remove(r)
         self.running.append(r)
+        self._track(r)
+        r.prefix_lanes = self.cache.tree.pages_of(m.slots[: m.shared : self.S])[1]
         if m.copy_dst.numel():
             p.copies.append(Copy(m.copy_src, m.copy_dst, r))
             self.stats.copies += 1
@@ -202,6 +210,7 @@ class Scheduler(RequestLifecycle):
         p.drop(r)
         self.cache.release(r.match, r.slots[: r.computed])
         self.running.remove(r)
+        self._track(r, leaving=True)
         self._give_back(r)
         r.match, r.computed, r.target = None, 0, 0
         r.preemptions += 1
@@ -215,17 +224,19 @@ class Scheduler(RequestLifecycle):
             reqs = [r for r in self.running if not r.prefilling and r.generated]
             if not reqs:
                 return None
-            seq_lens = torch.tensor([r.computed + 1 for r in reqs])
-            last = torch.tensor([r.last_loc for r in reqs])
-            a = self.cache.allocate_decode(seq_lens, last)
+            rows = torch.tensor([r.row for r in reqs])
+            computed = torch.tensor([r.computed for r in reqs])
+            last = self.table.req_to_token[rows, computed - 1]  # one gather: every request has KV
+            a = self.cache.allocate_decode(computed + 1, last)
             if a is not None:
                 break
             self._refused()
             self._preempt(p)
-        rows = torch.tensor([r.row for r in reqs])
         self.table.write_allocation(rows, a)
         for r in reqs:
             r.computed += 1
+        for i in (computed % self.S == 0).nonzero().flatten().tolist():  # a new page: the need changed
+            self._track(reqs[i])
         ids = torch.tensor([r.generated[-1] for r in reqs], dtype=torch.int64)
         self.stats.served_tokens += len(reqs)
         return Forward(reqs, rows, a, ids, [True] * len(reqs), True, self.table)
@@ -261,8 +272,9 @@ class Scheduler(RequestLifecycle):
             if r.computed > r.match.length + r.host_hit:
                 self.stats.chunk_continuations += 1
                 self.stats.mid_page_continuations += r.computed % self.S != 0
-            ids.append(torch.tensor(r.seq[r.computed : r.computed + c], dtype=torch.int64))
+            ids.append(torch.from_numpy(r.ids(r.computed, r.computed + c).astype(np.int64)))
             r.computed += c
+            self._track(r)
         self.stats.served_tokens += sum(chunks)
         return Forward(reqs, rows, a, torch.cat(ids), [not r.prefilling for r in reqs], False, self.table)
 

@@ -22,7 +22,7 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
 from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, comma_choices, disagg_arg, finite_float,
-                    non_negative, output_file, positive, size_arg, workload_arg, zmq_endpoint)
+                    non_negative, output_file, positive, positive_list, size_arg, workload_arg, zmq_endpoint)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -53,24 +53,29 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only; plan: host synchronisations per layer and step time before and after "
-                        "the forward plan)")
+                        "the forward plan; scheduler: the scheduler alone, by name only)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
-    b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=4, metavar="N",
-                   help="splits: ranks in the group (default 4)")
+    b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
+                   help="splits, kvdtype, capacity: ranks in the group (default 4); scheduler: lanes (default 8)")
     b.add_argument("--tokens", type=positive, default=None,
                    help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2); kv: tokens of "
                         "the batch (default 65536)")
     b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
     b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
     b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
-    b.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
-                   help="splits: tokens per page (default 16)")
+    b.add_argument("--page", "--page-size", dest="page", type=positive, default=None, metavar="S",
+                   help="splits, capacity: tokens per page (default 16); scheduler: (default 64)")
+    b.add_argument("--batches", type=positive_list, default=None, metavar="B,..",
+                   help="scheduler: running requests per case (default 64,256,1024)")
+    b.add_argument("--contexts", type=positive_list, default=None, metavar="T,..",
+                   help="scheduler: context tokens per case (default 4096,32768,131072)")
+    b.add_argument("--steps", type=positive, default=None, help="scheduler: decode steps per case (default 64)")
     b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",

@@ -70,6 +70,8 @@ def cmd_bench(args) -> int:
     }
     if args.what == "splits":
         return cmd_bench_splits(args)
+    if args.what == "scheduler":
+        return cmd_bench_scheduler(args)
     if args.what == "kvdtype":
         return cmd_bench_kvdtype(args)
     if args.what == "capacity":
@@ -132,7 +134,10 @@ def cmd_bench_capacity(args) -> int:
 
 def validate_bench(args, parser) -> None:
     """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
-    sets ``args.kernels`` to its default when not given."""
+    sets ``args.kernels`` to its default when not given, and ``--cp``/``--page`` to 4/16 for every bench but
+    scheduler (whose defaults are 8/64)."""
+    if args.what != "scheduler":
+        args.cp, args.page = args.cp or 4, args.page or 16
     refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
     if args.kernels is None:
         from ..runtime.batch import default_kernels
@@ -151,8 +156,8 @@ def cmd_bench_splits(args) -> int:
     from .table import format_rows
 
     models = list(SPLIT_MODELS) if args.model == "all" else [args.model]
-    sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
-                 page=args.page, repeats=args.repeats or 5)
+    sizes = dict(cp=args.cp or 4, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
+                 page=args.page or 16, repeats=args.repeats or 5)
     try:
         report = bench_splits(models, **sizes, device=args.device, kernels=args.kernels)
     except ValueError as e:
@@ -165,6 +170,17 @@ def cmd_bench_splits(args) -> int:
             print()
     if args.json:
         print(json.dumps(report, indent=2))
+    return EXIT_OK
+
+
+def cmd_bench_scheduler(args) -> int:
+    """``cpkv bench scheduler``: the scheduler alone, one row per batch and context."""
+    from .bench.scheduler import BATCHES, CONTEXTS, bench_scheduler, scheduler_title
+    from .table import format_rows
+
+    sizes = dict(batches=args.batches or BATCHES, contexts=args.contexts or CONTEXTS, steps=args.steps or 64,
+                 cp_size=args.cp or 8, page_size=args.page or 64)
+    print(format_rows(bench_scheduler(**sizes), scheduler_title(**sizes)))
     return EXIT_OK
 
 

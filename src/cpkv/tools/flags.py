@@ -68,6 +68,19 @@ def comma_choices(choices):
     return parse
 
 
+def positive_list(text: str) -> list[int]:
+    """A ``type=`` for a comma list of integers ``>= 1`` (``64,256``)."""
+    parse = int_at_least(1)
+    items = [t.strip() for t in text.split(",")]
+    try:
+        return [parse(t) for t in items]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"a comma list of integers >= 1: {e}") from None
+
+
+positive_list.__name__ = "comma list of integers >= 1"
+
+
 def output_file(*suffixes: str):
     """A ``type=`` for a file to write: its folder must exist, its suffix be one of ``suffixes``."""
 

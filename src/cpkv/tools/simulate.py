@@ -63,8 +63,8 @@ SIM_WORKLOADS = {"multiturn": multiturn, "shared-prompt": shared_prompt, "longdo
 
 def pseudo_token(r, vocab: int = 50_000) -> int:
     """The simulator's stand-in for a sampled token: a fixed function of the
-    request and how many tokens it has."""
-    return (r.index * 7919 + len(r.seq) * 104729) % vocab
+    request and how many tokens it has (its ``length``: O(1), no sequence built)."""
+    return (r.index * 7919 + r.length * 104729) % vocab
 
 
 def null_execute(plan: StepPlan) -> list[list[int]]:

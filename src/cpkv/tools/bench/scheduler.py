@@ -1,0 +1,90 @@
+"""``cpkv bench scheduler``: the scheduler alone (no model, as the simulator
+runs it), its decode step timed at a batch and a context.
+
+One case: ``batch`` requests on one ``context``-token document (the prompt
+every request has but its last token: a shared system prompt or document,
+the serving pattern the prefix cache is for). The first request prefills it in one step; its
+full pages enter the prefix cache as they are computed, so the others,
+arriving a step later, share all but its last page (a mid-page copy each)
+and prefill one token. Then every request decodes ``steps`` tokens (pseudo
+tokens, distinct per request, so their decode pages never coincide) and all
+finish in the same step, which is timed with the rest: median, p99 and the
+slowest decode step, and microseconds per running request at the median.
+A decode step must not grow with the context (the issue's goal: <= 2 us per
+running request at the median, no step over 5 ms at batch 256 and 128K).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ...consumers.prefix_cache import PrefixCache
+from ...contract.allocator import OwnerLaneAllocator
+from ...engine.scheduler import Scheduler
+from ...engine.trace import RequestSpec
+
+BATCHES = (64, 256, 1024)
+CONTEXTS = (4096, 32768, 131072)
+
+
+def _token(r) -> int:
+    """A pseudo sampled token: a fixed function of the request and its length (O(1))."""
+    return (r.index * 7919 + (len(r.prompt) + len(r.generated)) * 104729) % 50_000
+
+
+def scheduler_case(batch: int, context: int, *, steps: int = 64, cp_size: int = 8, page_size: int = 64,
+                   seed: int = 0) -> dict:
+    """Time the decode steps of one case (see the module doc). Returns its
+    table row: median, p99 and max step in ms (wall clock), us per running
+    request at the median, the same from the thread's CPU time (a loaded
+    machine's waits left out), decode steps timed, prefix hit rate. Raises ``ValueError`` for a
+    batch, context or steps below 1."""
+    if min(batch, context, steps) < 1:
+        raise ValueError(f"batch, context and steps must be >= 1, got {batch}, {context}, {steps}")
+    S, N = page_size, cp_size
+    doc = tuple(np.random.default_rng(seed).integers(0, 50_000, context - 1).tolist())
+    specs = [RequestSpec(f"r{i}", int(i > 0), doc + (i,), steps + 2 - int(i > 0)) for i in range(batch)]
+    pages = -(-context // S) + batch * (2 + -(-(steps + 2) // S)) + 2 * N
+    alloc = OwnerLaneAllocator((-(-pages // N) + 1) * N * S, S, N)
+    sched = Scheduler(specs, PrefixCache(alloc), chunk=max(context, batch), max_running=batch)
+    times, cpu = [], []
+    while not sched.done:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        plan = sched.plan()
+        tokens = [[_token(r) for r in f.requests] for f in plan.forwards()]
+        sched.complete(plan, tokens)
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+        if plan.prefill is None and plan.decode is not None and len(plan.decode.requests) == batch:
+            times.append(dt)
+            cpu.append(dc)
+    t, c = np.array(times) * 1e3, np.array(cpu) * 1e3
+    st = sched.stats
+    return {"batch": batch, "context": context, "steps timed": t.size,
+            "median ms": round(float(np.median(t)), 3), "p99 ms": round(float(np.percentile(t, 99)), 3),
+            "max ms": round(float(t.max()), 3), "us/request": round(float(np.median(t)) * 1e3 / batch, 2),
+            # CPU time of the step's thread: what the step costs, less the waits of a loaded machine
+            "cpu median ms": round(float(np.median(c)), 3), "cpu max ms": round(float(c.max()), 3),
+            "cpu us/request": round(float(np.median(c)) * 1e3 / batch, 2),
+            "hit rate": round(st.hit_tokens / max(st.prompt_tokens, 1), 4)}
+
+
+def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8,
+                    page_size: int = 64) -> list[dict]:
+    """One row per (batch, context) case of :func:`scheduler_case`."""
+    return [scheduler_case(b, c, steps=steps, cp_size=cp_size, page_size=page_size) for b in batches
+            for c in contexts]
+
+
+def scheduler_title(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8, page_size: int = 64) -> str:
+    """The table title of :func:`bench_scheduler` with these settings (and the load average, which moves the figures)."""
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"scheduler: no model, N {cp_size}, page {page_size}, {steps} decode steps per case on one shared "
+            f"document, every request finishing in the last; load average {load}")
+
+
+if __name__ == "__main__":  # a quick look: python -m cpkv.tools.bench.scheduler
+    for row in bench_scheduler():
+        print(row, flush=True)

@@ -1,0 +1,105 @@
+"""Prefixes shared while requests run: a request's full pages enter the prefix
+cache as soon as their KV is computed, so a request arriving while another
+with the same prefix still runs shares them; and a decode step reads no
+O(context) data. [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-NO-PLANNER-COLLECTIVE]]"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cpkv.consumers import prefix_cache as pc
+from cpkv.consumers import prefix_live
+from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
+from cpkv.contract.allocator import OwnerLaneAllocator
+from cpkv.engine import EngineConfig, run_engine_threads
+from cpkv.engine.requests import Request
+from cpkv.engine.scheduler import Scheduler
+from cpkv.engine.trace import RequestSpec
+from support.engine_checks import assert_exact as exact
+
+SYSTEM = [int(x) for x in np.random.default_rng(7).integers(1, 200, 50)]
+
+
+def test_requests_arriving_while_the_first_decodes_share_its_pages(llama, tmp_path):
+    """Three requests on one 50-token system prompt (page 16: three full
+    pages, then two tokens on a fourth), the second and third arriving while
+    the first still decodes: each hits the three full pages; the third, which
+    arrives once the first's fourth page is full (step 4), also copies the two
+    system tokens on it. Exact against transformers."""
+    rng = np.random.default_rng(8)
+    lines = [{"id": f"r{i}", "arrival": a, "max_new_tokens": 12,
+              "tokens": SYSTEM + [int(x) for x in rng.integers(1, 200, 10)]} for i, a in enumerate((0, 3, 5))]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = run_engine_threads(EngineConfig(cp_size=2, page_size=16, device_pages=40, host_pages=0, chunk=64,
+                                        workload=str(path), check=True), llama)
+    exact(r)
+    assert r["device_hit_rate"] == pytest.approx((48 + 50) / (3 * 60))
+
+
+def _decode_cost_run(context: int, monkeypatch) -> list[int]:
+    """One request of ``context`` prompt tokens through the scheduler (no
+    model); during its decode steps ``Request.seq`` and ``check_end`` (both
+    O(context)) refuse to run and every token conversion of the prefix cache
+    is measured. Returns those conversions' lengths."""
+    S, N = 64, 8
+    spec = RequestSpec("long", 0, tuple(int(x) for x in np.random.default_rng(0).integers(0, 1000, context)), 130)
+    alloc = OwnerLaneAllocator((context // S // N + 4) * N * S, S, N)
+    sched = Scheduler([spec], PrefixCache(alloc), chunk=context, max_running=1)
+    sched.complete(sched.plan(), [[1]])  # the prefill
+    seen, convert = [], pc._as_tokens
+
+    def measured(tokens):
+        seen.append(len(tokens))
+        return convert(tokens)
+
+    def refuse(*a):
+        raise AssertionError("a decode step read the whole sequence")
+
+    monkeypatch.setattr(pc, "_as_tokens", measured)
+    monkeypatch.setattr(prefix_live, "_as_tokens", measured)
+    monkeypatch.setattr(pc, "check_end", refuse)
+    monkeypatch.setattr(Request, "seq", property(refuse))
+    while not sched.done:  # 129 decode steps, the last one finishing the request
+        plan = sched.plan()
+        assert plan.prefill is None and len(plan.decode.requests) == 1
+        sched.complete(plan, [[2 + sched.step % 50]])
+    monkeypatch.undo()
+    assert sched.cache.cached_pages() == -(-(context + 129) // S)  # all of it cached, page by page
+    return seen
+
+
+def test_a_decode_step_reads_no_context(monkeypatch):
+    """A 128K-token request decodes and finishes without a step reading its
+    sequence: the prefix cache is fed its new pages only (each conversion at
+    most a page), as for a 1K-token request."""
+    long = _decode_cost_run(131072, monkeypatch)
+    short = _decode_cost_run(1024, monkeypatch)
+    assert long and max(long) <= 64 and max(short) <= 64 and len(long) == len(short)
+
+
+def test_cache_pages_refuses_what_it_cannot_mean():
+    """cache_pages: partial pages, a foreign or ended match, and pages already
+    cached raise PrefixCacheMisuse and change nothing."""
+    S, N = 4, 2
+    cache = PrefixCache(OwnerLaneAllocator(16 * N * S, S, N))
+    m = cache.acquire((1, 2, 3, 4, 5, 6, 7, 8, 9))
+    a = cache.allocate_extend([0], [8], torch.tensor([-1]))
+    before = cache.snapshot()
+    for tokens, slots, rule in [((1, 2, 3), a.out_cache_loc[:3], "not-whole-pages"),
+                                ((1, 2, 3, 4), a.out_cache_loc[:3], "length-mismatch")]:
+        with pytest.raises(PrefixCacheMisuse, match=rule):
+            cache.cache_pages(m, tokens, slots)
+        assert cache.snapshot() == before
+    assert cache.cache_pages(m, (1, 2, 3, 4), a.out_cache_loc[:4]) and m.shared == 4
+    with pytest.raises(PrefixCacheMisuse, match="private-page-cached"):
+        cache.cache_pages(m, (1, 2, 3, 4), a.out_cache_loc[:4])
+    other = PrefixCache(OwnerLaneAllocator(16 * N * S, S, N))
+    with pytest.raises(PrefixCacheMisuse, match="foreign-match"):
+        other.cache_pages(m, (5, 6, 7, 8), a.out_cache_loc[4:])
+    cache.insert_tail(m, (5, 6, 7, 8), a.out_cache_loc[4:])
+    with pytest.raises(PrefixCacheMisuse, match="match-consumed"):
+        cache.cache_pages(m, (5, 6, 7, 8), a.out_cache_loc[4:])
+    assert cache.cached_pages() == 2 and cache.open_matches == 0

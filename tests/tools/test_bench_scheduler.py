@@ -1,0 +1,40 @@
+"""``cpkv bench scheduler``: the scheduler alone, timed per decode step, on a
+tiny configuration (the figures are timings: only their shape and the
+workload's own counts are checked). [[RFC-0001:C-PREFIX-CACHE]]"""
+
+import pytest
+
+from cpkv.tools.bench.scheduler import bench_scheduler, scheduler_case
+from cpkv.tools.cli import main
+
+
+def test_a_case_times_every_decode_step_and_shares_the_document():
+    row = scheduler_case(6, 200, steps=5, cp_size=4, page_size=16)
+    # every decode step with the whole batch running is timed: the first request decodes alone while the
+    # others arrive (one step), then all six decode together until they finish in the same step
+    assert row["batch"] == 6 and row["context"] == 200 and row["steps timed"] >= 4
+    assert 0 < row["median ms"] <= row["p99 ms"] <= row["max ms"]
+    assert row["us/request"] == pytest.approx(row["median ms"] * 1e3 / 6, rel=0.01)
+    assert 0 < row["cpu median ms"] <= row["cpu max ms"]
+    assert row["cpu us/request"] == pytest.approx(row["cpu median ms"] * 1e3 / 6, rel=0.01)
+    # the five later requests share the document's full pages, cached while the first request ran
+    assert row["hit rate"] >= 5 * (199 // 16 * 16) / (6 * 200)
+
+
+def test_one_row_per_batch_and_context():
+    rows = bench_scheduler(batches=(2, 3), contexts=(40, 70), steps=2, cp_size=2, page_size=8)
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 40), (2, 70), (3, 40), (3, 70)]
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="batch, context and steps"):
+        scheduler_case(0, 100)
+
+
+def test_the_command_prints_the_table(capsys):
+    assert main(["bench", "scheduler", "--batches", "2,4", "--contexts", "100", "--steps", "3", "--cp", "2",
+                 "--page", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("scheduler: no model, N 2, page 16, 3 decode steps") and "load average" in out[0]
+    assert out[1].split()[:2] == ["batch", "context"] and "median" in out[1] and "us/request" in out[1]
+    assert [line.split()[:2] for line in out[2:4]] == [["2", "100"], ["4", "100"]]
