@@ -228,6 +228,10 @@ def test_late_subscriber_recovers_the_gap_through_replay():
     with KVEventPublisher(LOCAL, LOCAL) as pub:
         for i in range(5):
             pub.publish(batch_of(i))
+        for _ in deadline_loop(3):  # sent before anyone listens (publish only queues): the subscriber must replay
+            if pub.sent == 5:
+                break
+            time.sleep(0.01)
         with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, from_seq=0) as sub:
             got = []
             for _ in deadline_loop(3):  # a live batch at a time until the subscriber hears one
