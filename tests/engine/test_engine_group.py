@@ -56,3 +56,19 @@ def test_a_rank_killed_mid_trace_ends_the_group_and_leaves_nothing(tmp_path, mon
     assert time.time() - float(marker.read_text()) < 30  # from the fault to the launcher's report
     assert e.value.rank == 1
     assert not shm_segments(os.getpid())
+
+
+def test_triton_kernels_on_a_process_group_read_what_the_other_ranks_wrote():
+    """``--kernels triton`` on two processes (Triton's interpreter on the CPU):
+    each rank's store kernel writes its own segment, its attention kernel reads
+    the whole context through the rank-major view, the other rank's pages
+    included (under the page split each rank computes only the tokens on its
+    own pages, so every context read crosses segments). Exact against
+    transformers. [[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-READ-PATH]]"""
+    r = run_engine(EngineConfig(cp_size=2, device_pages=8, host_pages=0, requests=2, scale=0.05, kernels="triton",
+                                check=True))
+    c = r["check"]
+    assert r["config"]["kernels"] == "triton"
+    assert c["requests_matched"] == c["requests"] == r["finished"] and c["max_abs_diff"] < 1e-4
+    assert all(x["tokens_computed"] > 0 for x in r["ranks"])  # both ranks computed (and wrote) tokens
+    holds_its_share(r)
