@@ -4,7 +4,7 @@ workload's own counts are checked). [[RFC-0001:C-PREFIX-CACHE]]"""
 
 import pytest
 
-from cpkv.tools.bench.scheduler import bench_scheduler, scheduler_case
+from cpkv.tools.bench.scheduler_step import bench_scheduler, scheduler_case
 from cpkv.tools.cli import main
 
 

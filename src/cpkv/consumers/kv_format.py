@@ -194,7 +194,7 @@ class ScaledFp8Format(KVFormat):
         return torch.cat(parts, 1)
 
     def _decode(self, raw):
-        n, b, t = raw.shape[0], self.body, self.tiles
+        b, t = self.body, self.tiles
         q = raw[:, :b].contiguous().view(FP8_DTYPE).float()
         scale = _from_bytes(raw[:, b : b + 4 * t], torch.float32)
         body = q * scale.repeat_interleave(self.tile, 1)[:, :b]

@@ -81,7 +81,7 @@ def check_end(cache: "PrefixCache", match: PrefixMatch, slots: np.ndarray, what:
     """Every rule :meth:`PrefixCache.insert` and :meth:`PrefixCache.release`
     share, checked before anything changes (reads ``cache``, changes nothing)."""
     _check_match(cache, match, what)
-    S, n, L = cache.S, slots.size, match.length
+    n, L = slots.size, match.length
     if n < L or not np.array_equal(slots[:L], match.slots.numpy()):
         raise PrefixCacheMisuse("slots-do-not-extend-match",
                                 f"{what}: the first {L} slots must be the match's own slots")

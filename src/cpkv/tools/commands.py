@@ -175,7 +175,7 @@ def cmd_bench_splits(args) -> int:
 
 def cmd_bench_scheduler(args) -> int:
     """``cpkv bench scheduler``: the scheduler alone, one row per batch and context."""
-    from .bench.scheduler import BATCHES, CONTEXTS, bench_scheduler, scheduler_title
+    from .bench.scheduler_step import BATCHES, CONTEXTS, bench_scheduler, scheduler_title
     from .table import format_rows
 
     sizes = dict(batches=args.batches or BATCHES, contexts=args.contexts or CONTEXTS, steps=args.steps or 64,

@@ -5,7 +5,7 @@ same run (the machine is noisy; timed tests are not used). One module per benchm
   (:mod:`~cpkv.tools.bench.baseline`), cp 1 and a floor;
 * :mod:`~cpkv.tools.bench.kv` - the shared KV pool's write and read paths;
 * :mod:`~cpkv.tools.bench.kvdtype` - bytes and accuracy of each ``--kv-dtype``;
-* :mod:`~cpkv.tools.bench.plan` - host synchronisations per layer and step time, batch planned once or per layer;
+* :mod:`~cpkv.tools.bench.layer_syncs` - host synchronisations per layer and step time, batch planned once or per layer;
 * :mod:`~cpkv.tools.bench.serving` - the engine against ``transformers``' ``generate()``;
 * :mod:`~cpkv.tools.bench.splits` - prefill and decode splits on a process group;
 * :mod:`~cpkv.tools.bench.timing` - interleaved rounds and their medians.
@@ -17,7 +17,7 @@ from .alloc import bench_alloc
 from .baseline import BlockListBaseline
 from .kv import bench_kv
 from .kvdtype import bench_kvdtype, format_kvdtype
-from .plan import bench_plan
+from .layer_syncs import bench_plan
 from .serving import bench_engine
 from .splits import (SPLIT_MODELS, SplitsSpec, bench_splits, default_split_tokens, measure_splits, splits_model,
                      splits_title)

@@ -85,6 +85,6 @@ def scheduler_title(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size
             f"document, every request finishing in the last; load average {load}")
 
 
-if __name__ == "__main__":  # a quick look: python -m cpkv.tools.bench.scheduler
+if __name__ == "__main__":  # a quick look: python -m cpkv.tools.bench.scheduler_step
     for row in bench_scheduler():
         print(row, flush=True)
