@@ -122,3 +122,34 @@ def test_rank_failure_is_one_line_with_the_traceback_kept():
 
 
 # -- sizing a group -------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how", ["kill", "timeout"])
+def test_a_rank_creating_segments_while_stopped_leaves_no_name(how, tmp_path):
+    """A rank creates one new segment after another when its launcher is
+    SIGKILLed (``kill``: the rank's watchdog alone cleans up) or stops it
+    (``timeout``): no name of the run is left, however the stop meets a
+    creation in progress."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from support import launch_targets
+        from cpkv.runtime import launch
+        launch(launch_targets.create_forever, 1, {str(tmp_path)!r}, timeout={300 if how == "kill" else 2})
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: (tmp_path / "0").exists() or p.poll() is not None, 60), "the rank never started"
+        kids = children(p.pid)
+        if how == "kill":
+            time.sleep(0.2)  # let names pile up
+            p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stderr.close()
+    assert p.returncode == (-signal.SIGKILL if how == "kill" else 1)
+    assert not shm_segments(p.pid)

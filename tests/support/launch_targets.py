@@ -47,3 +47,20 @@ def hang(ctx, marker_dir):
     while True:
         ctx.barrier()
         time.sleep(0.05)
+
+
+def create_forever(ctx, marker_dir):
+    """Write ``<marker_dir>/<rank>`` holding this pid once the first segment
+    exists, then create (and close) segments of the run, one new name after
+    another, until the rank is stopped; never unlinks one itself."""
+    from cpkv.runtime import shm
+
+    i = 0
+    while True:
+        shm.close(shm.create(f"{ctx.prefix}r{ctx.rank}_{i}", 4096))
+        if i == 0:
+            path = os.path.join(marker_dir, str(ctx.rank))
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+        i += 1

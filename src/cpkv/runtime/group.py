@@ -18,13 +18,15 @@ Nothing outlives the launcher, however it ends:
   launcher's death, a byte on it as the launcher's stop. The watchdog also
   handles ``SIGTERM``. It unlinks the run's segments (and, for an orphaned
   rank, the run's folder) and ends the rank, even while the rank's main thread
-  is blocked in a collective.
+  is blocked in a collective; from that unlink on, the rank creates no segment
+  (:func:`~cpkv.runtime.shm.stop_creating`), so a creation racing the stop
+  cannot leave a name behind an orphaned rank.
 * Ranks ignore ``SIGINT`` (from the moment they are forked): Ctrl-C reaches
   the launcher, which stops the group and re-raises :class:`KeyboardInterrupt`.
 * A shared segment's name is unlinked as soon as every rank of its group has
   mapped it (:meth:`RankContext.shared`); the memory lives while a rank maps it
   and goes with the last one. The launcher unlinks the run's name prefix again
-  in a ``finally``.
+  in a ``finally``, once every rank has been reaped.
 
 Sizing a group before it starts (memory, cores, start time) is
 :mod:`cpkv.runtime.sizing`.
@@ -202,7 +204,7 @@ def _watch(lifeline, wake_fd: int, prefix: str, run_dir: str) -> None:
                 deadline = time.monotonic() + _SIGTERM_GRACE_S
         elif deadline is not None and time.monotonic() >= deadline:
             orphaned = False  # a SIGTERM from someone else
-    shm_mod.unlink_prefix(prefix)
+    shm_mod.stop_creating(prefix)  # no thread of this rank creates a name after this unlink
     if orphaned:  # nobody else will remove the run directory
         shutil.rmtree(run_dir, ignore_errors=True)
     _die(signal.SIGTERM)
@@ -324,7 +326,10 @@ class _Group:
 
     def stop(self) -> None:
         """Ask every rank still running to stop (a byte on its lifeline, and
-        SIGTERM), then SIGKILL any still there after 5 s."""
+        SIGTERM), SIGKILL any still there after 5 s, and reap every rank
+        (waiting up to :data:`_REAP_S` more for a killed one), so that the
+        launcher's last unlink of the run's names comes after the last rank
+        that could create one has ended."""
         started = [p for p in self.procs if p.pid is not None]
         for p, life in zip(self.procs, self.lifelines):
             if p.pid is not None and p.is_alive():
@@ -337,7 +342,12 @@ class _Group:
             p.join(5)
             if p.is_alive():
                 p.kill()
-                p.join(5)
+            end = time.monotonic() + _REAP_S
+            while p.is_alive() and time.monotonic() < end:
+                p.join(1)
+
+
+_REAP_S = 60.0  # a SIGKILLed rank is gone within moments; this only bounds a process stuck in the kernel
 
 
 class _SigintDeferred:

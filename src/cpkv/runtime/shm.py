@@ -6,6 +6,11 @@ whatever happened to its ranks. A name is needed only while the group's ranks
 attach; :meth:`~cpkv.runtime.group.RankContext.shared` unlinks it right after.
 cpkv owns these lifetimes; Python's resource tracker is kept out of them (it
 would unlink a segment when the first process that touched it exits).
+
+A process that ends its run (a rank's watchdog, before it kills the rank)
+calls :func:`stop_creating`: under the same lock as :func:`create`, it waits
+for a creation in progress, refuses every later one and unlinks the run's
+names, so no thread of the process can leave a name behind the last unlink.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
 SHM_PREFIX = "cpkv_"
 SHM_DIR = "/dev/shm"
+
+_create_lock = threading.Lock()  # held by create() and stop_creating(): no creation straddles the stop
+_stopped: list[str] = []  # prefixes this process may no longer create names under
 
 
 @contextlib.contextmanager
@@ -42,9 +51,31 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def create(name: str, size: int) -> shared_memory.SharedMemory:
-    """Create a segment of ``size`` bytes (``size >= 1``)."""
-    with _untracked():
-        return shared_memory.SharedMemory(name=name, create=True, size=max(int(size), 1))
+    """Create a segment of ``size`` bytes (``size >= 1``).
+
+    Raises ``RuntimeError`` naming the segment once :func:`stop_creating` has
+    covered ``name`` in this process (the run is stopping: nothing is created)."""
+    with _create_lock:
+        if any(name.startswith(p) for p in _stopped):
+            raise RuntimeError(f"shared segment {name!r} refused: its run is stopping")
+        with _untracked():
+            return shared_memory.SharedMemory(name=name, create=True, size=max(int(size), 1))
+
+
+def stop_creating(prefix: str, wait_s: float = 5.0) -> list[str]:
+    """Refuse, in this process, every later :func:`create` of a name starting
+    with ``prefix``, then unlink the names with that prefix; returns them.
+
+    Waits up to ``wait_s`` seconds for a creation in progress in another
+    thread, so a name it makes is unlinked here too (past that wait it unlinks
+    anyway: a thread stuck inside a creation for that long is not expected)."""
+    got = _create_lock.acquire(timeout=wait_s)
+    try:
+        _stopped.append(prefix)
+        return unlink_prefix(prefix)
+    finally:
+        if got:
+            _create_lock.release()
 
 
 def attach(name: str) -> shared_memory.SharedMemory:

@@ -270,7 +270,7 @@ class _StopGuard:
             sig = next((s for s in got if s in STOP_SIGNALS), None)
             if sig is not None:
                 if self.prefix:
-                    shm_mod.unlink_prefix(self.prefix)
+                    shm_mod.stop_creating(self.prefix)
                 _die(signal.Signals(sig))
 
     def uninstall(self) -> None:
