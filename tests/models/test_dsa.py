@@ -17,8 +17,9 @@ from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
 from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output, attend,
                          glm_indexer_types, real_shape, topk_positions)
-from cpkv.runtime.comm import run_threads
 from cpkv.runtime.runner import CPRunner
+
+from support.groups import run_group as support_run_group
 
 # (cached prefix, prompt): mid-page at 16 and 5, page-aligned at 16 (16) and at 5 (10), fresh; 9 < index_topk
 REQUESTS = [(21, 45), (16, 40), (10, 27), (0, 9)]
@@ -36,11 +37,6 @@ def run_group(ad, N, S, prefill, decode, steps=4, requests=REQUESTS, seed=0):
     N thread ranks. Returns the prompts, every rank's ``(logits per request,
     generated tokens, runner)`` and each selection a rank made: ``(layer,
     request, position, selected positions)``."""
-    layout = SharedKVLayout(N, S, 160 // S + 8)
-    fams = ad.families()
-    bufs = allocate_buffers(layout, fams)
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, ad.model.config.vocab_size, (n,), generator=g) for _, n in requests]
     picks, select = [], ad.select
 
     def recording_select(layer, q, w, cache):
@@ -49,37 +45,12 @@ def run_group(ad, N, S, prefill, decode, steps=4, requests=REQUESTS, seed=0):
         picks.extend((layer, int(r), int(p), o) for r, p, o in zip(rows, cache.positions, out))
         return out
 
-    def rank(comm):
-        pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-        alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
-        run = CPRunner(ad, pool, alloc, comm, max_requests=len(requests), max_len=128,
-                       prefill_split=prefill, decode_split=decode)
-        out = {r: [] for r in range(len(requests))}
-
-        def step(rows, parts, dec=False):
-            _batch.rows = rows
-            a, idx, lg = run.extend(rows, parts, dec)
-            full = run.collect(a.out_cache_loc.numel(), idx, lg)
-            for i, r in enumerate(rows):
-                s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])
-                out[r].append(full[s : s + n])
-
-        warm = [r for r, (c, _) in enumerate(requests) if c]
-        if warm:
-            step(warm, [prompts[r][: requests[r][0]] for r in warm])
-        rows = list(range(len(requests)))
-        step(rows, [prompts[r][requests[r][0] :] for r in rows])
-        gen = {r: [] for r in rows}
-        for _ in range(steps):
-            nxt = [out[r][-1][-1].argmax().view(1) for r in rows]
-            for r, t in zip(rows, nxt):
-                gen[r].append(int(t))
-            step(rows, nxt, dec=True)
-        return {r: torch.cat(out[r]) for r in rows}, gen, run
-
     ad.select = recording_select
     try:
-        return prompts, run_threads(N, rank), picks
+        prompts, results = support_run_group(ad, N, S, prefill, decode, steps=steps, requests=requests,
+                                             pages_per_rank=160 // S + 8, seed=seed,
+                                             on_rows=lambda rows: setattr(_batch, "rows", rows))
+        return prompts, results, picks
     finally:
         del ad.select
 

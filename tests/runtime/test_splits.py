@@ -8,12 +8,10 @@ process over one shared buffer; the process group runs the same code
 import pytest
 import torch
 
-from cpkv import OwnerLaneAllocator, SharedKVLayout
-from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
 from cpkv.contract.plan import balanced_ranks, zigzag_ranks
 from cpkv.models import LlamaAdapter, TinyLlama
-from cpkv.runtime.comm import run_threads
-from cpkv.runtime.runner import CPRunner
+
+from support.groups import run_group as support_run_group
 
 MODEL = TinyLlama()
 REQUESTS = [(37, 61), (0, 50), (5, 13), (0, 9), (16, 40)]  # (cached prefix, prompt): mid-page, aligned, fresh
@@ -26,41 +24,10 @@ def llama():
 
 def run_group(adapter, N, S, prefill, decode, steps=5, requests=REQUESTS):
     """Prefill cached prefixes, then the batch, then ``steps`` greedy decode
-    steps, on N thread ranks; returns every request's logits and the runners."""
-    layout = SharedKVLayout(N, S, 64)
-    fams = adapter.families()
-    bufs = allocate_buffers(layout, fams)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, MODEL.vocab, (n,), generator=g) for _, n in requests]
-
-    def rank(comm):
-        pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-        alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
-        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(requests), max_len=128,
-                       prefill_split=prefill, decode_split=decode)
-        out = {r: [] for r in range(len(requests))}
-
-        def step(rows, parts, dec=False):
-            a, idx, lg = run.extend(rows, parts, dec)
-            full = run.collect(a.out_cache_loc.numel(), idx, lg)
-            for i, r in enumerate(rows):
-                s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])
-                out[r].append(full[s : s + n])
-
-        warm = [r for r, (c, _) in enumerate(requests) if c]
-        step(warm, [prompts[r][: requests[r][0]] for r in warm])
-        rows = list(range(len(requests)))
-        step(rows, [prompts[r][requests[r][0] :] for r in rows])
-        gen = {r: [] for r in rows}
-        run.kv_read = run.tokens_computed = 0  # from here on: decode work only
-        for _ in range(steps):
-            nxt = [out[r][-1][-1].argmax().view(1) for r in rows]
-            for r, t in zip(rows, nxt):
-                gen[r].append(int(t))
-            step(rows, nxt, dec=True)
-        return {r: torch.cat(out[r]) for r in rows}, gen, run
-
-    return prompts, run_threads(N, rank)
+    steps, on N thread ranks; returns every request's logits and the runners
+    (their work counters count the decode steps only)."""
+    return support_run_group(adapter, N, S, prefill, decode, steps=steps, requests=requests, pages_per_rank=64,
+                             decode_counters_only=True)
 
 
 @pytest.mark.parametrize("N,S", [(1, 16), (2, 4), (3, 16), (4, 1)])
