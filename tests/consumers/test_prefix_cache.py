@@ -294,17 +294,18 @@ def test_lane_aware_eviction_frees_the_short_lane_first():
     for i, s in enumerate(seqs):
         e.start(i, s + (0,))  # two tokens: one cached page each after finish... keep 1 page
         e.finish(i)
+    key = lambda n: tuple(n.key.tolist())  # noqa: E731
     for n, _ in tree_nodes(e.cache):
-        lanes[n.key] = _lanes_of(n, S, N)
+        lanes[key(n)] = _lanes_of(n, S, N)
     # the least recently used leaf overall is seqs[0]; ask for a lane it does not hold
     oldest = min((n for n, _ in tree_nodes(e.cache)), key=lambda n: n.last_access)
     target = next(l for l in range(N) if l not in _lanes_of(oldest, S, N))
-    before = {n.key for n, _ in tree_nodes(e.cache)}
+    before = {key(n) for n, _ in tree_nodes(e.cache)}
     deficit = np.zeros(N, dtype=np.int64)
     deficit[target] = 1
     assert e.cache.evict(deficit)
-    gone = before - {n.key for n, _ in tree_nodes(e.cache)}
-    assert oldest.key not in gone
+    gone = before - {key(n) for n, _ in tree_nodes(e.cache)}
+    assert key(oldest) not in gone
     assert all(target in lanes[k] for k in gone)
     assert len(gone) == 1
 

@@ -177,7 +177,8 @@ def test_on_evict_sees_tokens_and_slots_before_the_pages_are_freed():
     seen = []
 
     def backup(tokens, slots, key):
-        seen.append((tokens, slots.tolist(), bool(e.alloc.is_allocated(np.unique(slots.numpy() // S)).all())))
+        assert tokens.dtype == np.int64
+        seen.append((tuple(tokens.tolist()), slots.tolist(), bool(e.alloc.is_allocated(np.unique(slots.numpy() // S)).all())))
 
     e = engine(on_evict=backup)
     _, slots, _ = cached(e, 0, (1, 2, 3, 4, 5, 6))

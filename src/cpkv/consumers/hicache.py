@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..contract.allocator import OwnerLaneAllocator
@@ -95,7 +96,7 @@ class HostTier:
         n = len(tokens) // self.S * self.S
         if n == 0:
             return None
-        tokens = tuple(tokens[:n])
+        tokens = np.asarray(tokens)[:n]
         have = self.index.lookup(tokens, max_length=n, key=key).shared
         m = self.index.acquire(tokens, max_length=have, key=key)  # whole pages only: nothing is copied
         if m.length == n:

@@ -15,6 +15,7 @@ allocator ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..contract.allocation import Allocation
@@ -86,7 +87,22 @@ class PageTable:
         request. [[RFC-0001:C-FLATTENED-ORDER]]"""
         if alloc.batch_size and int(alloc.seq_lens.max()) > self.width:
             self._grow(self.req_to_token.shape[0], max(int(alloc.seq_lens.max()), 2 * self.width))
-        self.req_to_token[rows[alloc.request_of_token], alloc.positions] = alloc.out_cache_loc
+        ext, prefix = alloc.to_host("extend_lens"), alloc.to_host("prefix_lens")
+        req = np.repeat(np.arange(ext.size), ext)
+        pos = np.arange(req.size) - alloc.to_host("extend_start_loc")[req] + prefix[req]
+        rows = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        self.scatter(rows[req], pos, alloc.out_cache_loc.cpu().numpy())
+
+    def scatter(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        """``req_to_token[rows[i], positions[i]] = slots[i]`` for every i (int64
+        ``[n]`` each, within the table's width): one numpy scatter, as a decode
+        step writes one slot per request (torch's ``index_put`` on a host
+        tensor may wake its thread pool for a few slots)."""
+        self.req_to_token.numpy()[rows, positions] = slots
+
+    def gather(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``req_to_token[rows[i], positions[i]]`` for every i (int64 ``[n]``, a copy)."""
+        return self.req_to_token.numpy()[rows, positions]
 
     def slots(self, row: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """A view of positions ``start .. end - 1`` of ``row`` (to the row's end by default)."""

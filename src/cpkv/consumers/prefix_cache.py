@@ -76,7 +76,7 @@ from .prefix_match import Admission, PrefixHit, PrefixMatch
 from .prefix_questions import EvictHook, PrefixCacheQuestions
 from .prefix_live import LivePages
 from .prefix_rules import PrefixCacheMisuse, _as_key, _as_limit, _as_tokens, _int_vector, check_end, refuse_cached_growth
-from .radix_tree import RadixTree, _Node
+from .radix_tree import RadixTree, _Node, page_key
 
 __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "PrefixCacheQuestions", "PrefixHit", "PrefixMatch",
            "RadixTree"]
@@ -91,7 +91,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
     :meth:`allocate_extend` / :meth:`allocate_decode` (which evict on a
     refusal); on finish ``insert(tokens, slots, m)``; on abort or preemption
     ``release(m, slots)``. ``on_evict(tokens, slots, key)``, if given, is called
-    for every evicted node before its pages are freed: ``tokens`` are all
+    for every evicted node before its pages are freed: ``tokens`` (int64) are all
     tokens from the root through the node, ``slots`` (a copy) the slots
     holding them, the ancestors' (still cached) and the node's own (a host
     tier backs the chain up from there), and ``key`` the chain's namespace
@@ -152,7 +152,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         self.hit_tokens += length
         self.open_matches += 1
         return PrefixMatch(length, torch.cat([shared, copy_dst]), copy_src, copy_dst, shared.numel(),
-                           tokens[:length], held, self, ns=ns)
+                           tokens[:length].copy(), held, self, ns=ns)
 
     def _take_copy_page(self, lane: int, fill: int) -> torch.Tensor | None:
         """One page in ``lane`` that will hold ``fill`` copied tokens (``None``:
@@ -248,19 +248,31 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         if len(tokens) != arr.size:
             raise PrefixCacheMisuse("length-mismatch", f"insert: {len(tokens)} tokens but {arr.size} slots")
         check_end(self, match, arr, "insert")
-        if tokens[: match.length] != match.tokens:
+        if not np.array_equal(tokens[: match.length], match.tokens):
             raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
         # -- nothing refuses past this line
-        self._end_insert(match, tokens, torch.from_numpy(arr.copy()), 0, match.shared)
+        self._free_spare(self._end_insert(match, tokens, torch.from_numpy(arr.copy()), 0, match.shared))
 
-    def _end_insert(self, match: PrefixMatch, tokens: tuple, slots: torch.Tensor, offset: int, own: int) -> None:
-        """End ``match`` by caching ``tokens``/``slots``: positions ``offset ..``
-        of the request (0: the whole sequence, walked from the root; else
-        from ``match.node``); ``slots[own:]`` are the request's own pages."""
-        S, n = self.S, len(tokens)
-        match._ended = "inserted"
+    def _free_spare(self, spare: list) -> None:
+        """Free the slots :meth:`_end_insert` did not cache (tensors, some empty), in one call."""
+        spare = [s for s in spare if s.numel()]
+        if spare:
+            self.alloc.free(torch.cat(spare))
+
+    def _end_match(self, match: PrefixMatch, how: str = "inserted") -> None:
+        """``match`` ends (``how``: inserted or released): its path is unpinned (and used now)."""
+        match._ended = how
         self.open_matches -= 1
         self.tree.pin(match.node, -1)
+
+    def _end_insert(self, match: PrefixMatch, tokens: np.ndarray, slots: torch.Tensor, offset: int,
+                    own: int) -> list:
+        """End ``match`` by caching ``tokens``/``slots``: positions ``offset ..``
+        of the request (0: the whole sequence, walked from the root; else
+        from ``match.node``); ``slots[own:]`` are the request's own pages.
+        Returns the slots not cached (for :meth:`_free_spare`, which a batch calls once)."""
+        S, n = self.S, len(tokens)
+        self._end_match(match)
         start = match.node if offset else None
         w = self.tree.walk(tokens, n, match.ns, start)
         node, i, spare = start or self.tree.root_of(match.ns, create=n > w.shared), w.shared, []
@@ -271,32 +283,34 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
                 node = self.tree.split(node, m)
             self.tree.pin(node, 0)  # used now
             spare.append(slots[own:i])  # the tree has these tokens already
-        keep = i + self.tree.graft_length(node, offset + i, slots[i:])  # a tail of another lane base stops here
-        spare.append(slots[keep:])
-        slots, n = slots[:keep], keep
+        if i < n:  # a tail of another lane base stops here
+            keep = i + self.tree.graft_length(node, offset + i, slots[i:])
+            spare.append(slots[keep:])
+            slots, n = slots[:keep], keep
         if n - i >= S:
             end = i + (n - i) // S * S
             node = self._attach(node, tokens[i:end], slots[i:end])
             i = end
         if i < n:  # the trailing partial page: a partial leaf, unless a child already serves it
             rest = tokens[i:n]
-            serving = next((c for k, c in node.children.items() if k[: len(rest)] == rest), None)
+            serving = next((c for k, c in node.children.items() if k.startswith(rest.tobytes())), None)
             if serving is not None:
                 spare.append(slots[i:])
                 self.tree.pin(serving, 0)
             else:
                 self._attach(node, rest, slots[i:])
-        spare = [s for s in spare if s.numel()]
-        if spare:
-            self.alloc.free(torch.cat(spare))
+        return spare
 
-    def _attach(self, parent: _Node, key: tuple, slots: torch.Tensor) -> _Node:
+    def _attach(self, parent: _Node, key: np.ndarray, slots: torch.Tensor) -> _Node:
         """Attach a node, then free the unreferenced partial leaves under
         ``parent`` that it dominates (whose tokens start it): it serves every
         match they could, so their pages are dead weight."""
         new = self.tree.attach(parent, key, slots)
+        if not parent.partials:  # no partial leaf to dominate: O(1)
+            return new
+        first, width = page_key(new.key, self.S), min(self.S, len(key)) * new.key.itemsize
         for k, leaf in list(parent.children.items()):
-            if len(k) < min(self.S, len(key)) and key[: len(k)] == k and leaf.ref == 0 and not leaf.children:
+            if len(k) < width and first.startswith(k) and leaf.ref == 0 and not leaf.children:
                 self._drop(leaf)
         return new
 
@@ -310,9 +324,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
             slots = match.slots if isinstance(match, PrefixMatch) else []
         arr = _int_vector(slots, "slots", "bad-slots")
         check_end(self, match, arr, "release")
-        match._ended = "released"
-        self.open_matches -= 1
-        self.tree.pin(match.node, -1)
+        self._end_match(match, "released")
         private = arr[match.shared :]
         if private.size:
             self.alloc.free(private)

@@ -15,12 +15,15 @@ are never evicted under it; its later pages stay private until cached.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from .prefix_match import PrefixMatch
-from .prefix_rules import _as_tokens, _int_vector, check_tail
+from ..contract.layout import owner_of, page_of
+from .prefix_rules import _as_tokens, _int_vector, check_tails
+from .radix_tree import page_key
 
 if TYPE_CHECKING:
     from .radix_tree import RadixTree
@@ -30,9 +33,10 @@ __all__ = ["LivePages"]
 
 class LivePages:
     """Mixed into :class:`~cpkv.consumers.prefix_cache.PrefixCache` (which
-    provides ``S``, ``tree``, ``_attach`` and ``_end_insert``). [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-OWNER-LANE]]"""
+    provides ``S``, ``N``, ``tree``, ``_attach``, ``_end_insert`` and ``_free_spare``). [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-OWNER-LANE]]"""
 
     S: int
+    N: int
     tree: "RadixTree"
 
     def cache_pages(self, match: PrefixMatch, tokens, slots) -> bool:
@@ -57,21 +61,38 @@ class LivePages:
         :meth:`insert_tail` settles them at its end as :meth:`insert` would
         (a tail of another lane base goes back to the free lists). Raises
         :class:`PrefixCacheMisuse`, nothing changed (see
-        :func:`~cpkv.consumers.prefix_rules.check_tail`). [[RFC-0001:C-PREFIX-CACHE]]"""
-        tokens, arr = _as_tokens(tokens), _int_vector(slots, "slots", "bad-slots")
-        check_tail(self, match, tokens, arr, "cache_pages", whole_pages=True)
-        fresh = match.node is None and self.tree.root_of(match.ns) is None  # the namespace's first chain
-        parent = match.node or self.tree.root_of(match.ns, create=True)
-        slots = torch.from_numpy(arr.copy())
-        if tokens[: self.S] in parent.children or self.tree.graft_length(parent, match.shared, slots) < arr.size:
-            if fresh:
-                del self.tree.roots[match.ns]  # nothing changed: no empty root left behind
-            match.live = False
-            return False
-        node = self._attach(parent, tokens, slots)
-        self.tree.hold_child(node)
-        match.node, match.shared = node, match.shared + arr.size
-        return True
+        :func:`~cpkv.consumers.prefix_rules.check_tails`). [[RFC-0001:C-PREFIX-CACHE]]"""
+        return bool(self.cache_pages_many([match], tokens, slots, [_size(slots)])[0])
+
+    def cache_pages_many(self, matches: Sequence[PrefixMatch], tokens, slots, counts) -> np.ndarray:
+        """:meth:`cache_pages` for a batch, as the calls one by one in order
+        would do (a request may find the page another of the batch cached just
+        before), checked at once: ``tokens`` and ``slots`` (int64) are the
+        runs of the requests back to back, run ``i`` ``counts[i]`` long (whole
+        pages, at least one). Returns a bool ``[len(matches)]``, True where the
+        run was cached. Raises :class:`PrefixCacheMisuse` with nothing changed
+        for any run a single call would refuse, and for a match twice or two
+        runs on one page (``match-twice``, ``not-a-page-chain``). The checks
+        are vectorised over the batch; what is left per request is its node.
+        [[RFC-0001:C-PREFIX-CACHE]]"""
+        tokens, arr, counts = self._runs(matches, tokens, slots, counts, "cache_pages", whole_pages=True)
+        S, tree = self.S, self.tree
+        fresh = [m.node is None and tree.root_of(m.ns) is None for m in matches]  # a namespace's first chain
+        parents = [m.node or tree.root_of(m.ns, create=True) for m in matches]
+        lanes = owner_of(page_of(arr[::S], S), self.N)  # each page's lane, run after run
+        shared = np.fromiter((m.shared for m in matches), np.int64, len(matches))
+        grafts = tree.graft_pages(parents, shared, lanes, counts // S) == counts // S
+        nodes = tree.attach_many([p if ok else None for p, ok in zip(parents, grafts.tolist())], tokens,
+                                 torch.from_numpy(arr), counts, held=True)
+        for m, node, c, new in zip(matches, nodes, counts.tolist(), fresh):
+            if node is None:  # the tree holds a page of it there, or it would change a chain's lane base
+                root = tree.roots.get(m.ns)
+                if new and root is not None and not root.children:
+                    del tree.roots[m.ns]  # nothing changed: no empty root left behind
+                m.live = False
+            else:
+                m.node, m.shared = node, m.shared + c
+        return np.fromiter((n is not None for n in nodes), bool, len(nodes))
 
     def insert_tail(self, match: PrefixMatch, tokens, slots) -> None:
         """A running request finished: cache the rest of its KV and end
@@ -79,8 +100,35 @@ class LivePages:
         only ``tokens`` and ``slots`` ``[n]``, its positions from
         ``match.shared`` on (what :meth:`cache_pages` has not cached):
         O(n + the depth of its path). Raises :class:`PrefixCacheMisuse`,
-        nothing changed (see :func:`~cpkv.consumers.prefix_rules.check_tail`).
+        nothing changed (see :func:`~cpkv.consumers.prefix_rules.check_tails`).
         [[RFC-0001:C-PREFIX-CACHE]]"""
+        self.insert_tails([match], tokens, slots, [_size(slots)])
+
+    def insert_tails(self, matches: Sequence[PrefixMatch], tokens, slots, counts) -> None:
+        """:meth:`insert_tail` for a batch of finished requests, in order,
+        checked at once (runs back to back as in :meth:`cache_pages_many`;
+        a run may be empty), and the slots no node keeps freed in one call.
+        Raises :class:`PrefixCacheMisuse` with nothing changed for any run a
+        single call would refuse, a match twice, or two runs on one page.
+        [[RFC-0001:C-PREFIX-CACHE]]"""
+        tokens, arr, counts = self._runs(matches, tokens, slots, counts, "insert_tail", whole_pages=False)
+        slots_t, spare, a = torch.from_numpy(arr.copy()), [], 0
+        for m, c in zip(matches, counts.tolist()):
+            if c:
+                spare += self._end_insert(m, tokens[a : a + c], slots_t[a : a + c], m.shared, 0)
+            else:  # every page of it is cached already: the match ends, nothing is added
+                self._end_match(m)
+            a += c
+        self._free_spare(spare)
+
+    def _runs(self, matches, tokens, slots, counts, what: str, whole_pages: bool):
+        """The checked inputs of a batch: tokens, slots and counts as int64 arrays."""
         tokens, arr = _as_tokens(tokens), _int_vector(slots, "slots", "bad-slots")
-        check_tail(self, match, tokens, arr, "insert_tail", whole_pages=False)
-        self._end_insert(match, tokens, torch.from_numpy(arr.copy()), match.shared, 0)
+        counts = _int_vector(counts, "counts", "bad-counts")
+        check_tails(self, list(matches), tokens, arr, counts, what, whole_pages)
+        return tokens, arr, counts
+
+
+def _size(x) -> int:
+    """Entries of a 1-D list, array or tensor (its shape is checked later)."""
+    return x.numel() if isinstance(x, torch.Tensor) else len(x)

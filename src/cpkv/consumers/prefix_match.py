@@ -56,7 +56,7 @@ class PrefixMatch:
     it is consumed, exactly once, by :meth:`PrefixCache.insert` or
     :meth:`PrefixCache.release`.
 
-    ``length`` tokens are cached (``tokens``); ``slots`` [length] int64 (host)
+    ``length`` tokens are cached (``tokens``, int64); ``slots`` [length] int64 (host)
     hold them: ``shared`` slots on the cache's pages, then the private copy of
     a partly matched page. ``last_loc`` is the last of them (-1 for none) and
     fixes the request's lane base. ``copy_src`` -> ``copy_dst`` are the KV
@@ -70,7 +70,7 @@ class PrefixMatch:
     copy_src: torch.Tensor
     copy_dst: torch.Tensor
     shared: int
-    tokens: tuple = field(default=(), repr=False)
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
     node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
     _owner: "PrefixCache | None" = field(default=None, repr=False)
     _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
@@ -92,7 +92,7 @@ class PrefixMatch:
 class Admission:
     """The answer of :meth:`PrefixCache.can_allocate`; nothing was taken.
 
-    ``tokens`` the request's sequence; ``hit`` the device match
+    ``tokens`` the request's sequence (int64); ``hit`` the device match
     :meth:`PrefixCache.allocate` would acquire (whole pages only when the host
     tier holds more); ``host_len`` how many leading tokens the host tier holds
     beyond it (0: none; the caller loads them); ``need`` [N] int64 the pages
@@ -102,7 +102,7 @@ class Admission:
     [[RFC-0001:C-PREFIX-CACHE]]
     """
 
-    tokens: tuple
+    tokens: np.ndarray
     end: int
     hit: PrefixHit
     host_len: int

@@ -22,7 +22,7 @@ from .radix_tree import RadixTree
 
 __all__ = ["EvictHook", "PrefixCacheQuestions"]
 
-EvictHook = Callable[[tuple, torch.Tensor, bytes], None]
+EvictHook = Callable[[np.ndarray, torch.Tensor, bytes], None]
 
 
 class PrefixCacheQuestions:

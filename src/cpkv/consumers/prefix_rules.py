@@ -51,12 +51,13 @@ def _int_vector(x, what: str, rule: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _as_tokens(tokens) -> tuple:
-    """Token ids as a tuple of Python ints >= 0 (the tree's keys), or raise."""
+def _as_tokens(tokens) -> np.ndarray:
+    """Token ids as a flat int64 array of ids >= 0 (the tree's keys), or raise.
+    Not copied when already int64: the cache copies what it keeps."""
     a = _int_vector(tokens, "tokens", "bad-tokens")
     if a.size and a.min() < 0:
         raise PrefixCacheMisuse("bad-tokens", f"token ids must be >= 0, got {int(a.min())}")
-    return tuple(a.tolist())
+    return a
 
 
 def _as_key(key) -> bytes:
@@ -98,44 +99,75 @@ def _check_match(cache: "PrefixCache", match: PrefixMatch, what: str) -> None:
         raise PrefixCacheMisuse("match-consumed", f"{what}: the match was already {match._ended}; a match ends once")
 
 
-def check_tail(cache: "PrefixCache", match: PrefixMatch, tokens: tuple, slots: np.ndarray, what: str,
-               whole_pages: bool) -> None:
-    """The rules of :meth:`PrefixCache.cache_pages` (``whole_pages``) and
-    :meth:`PrefixCache.insert_tail`: ``tokens`` and ``slots`` are the
-    request's positions from ``match.shared`` on, equally many (whole pages,
-    at least one, for ``cache_pages``, whose match must be live), starting
-    with the match's private copy if it has one, on the request's own
-    allocated, uncached pages, a page chain. O(len(slots)): nothing before
-    ``match.shared`` is read."""
-    _check_match(cache, match, what)
-    if len(tokens) != slots.size:
-        raise PrefixCacheMisuse("length-mismatch", f"{what}: {len(tokens)} tokens but {slots.size} slots")
-    if whole_pages and (slots.size == 0 or slots.size % cache.S):
-        raise PrefixCacheMisuse("not-whole-pages", f"{what}: {slots.size} slots are not whole pages (>= 1)")
-    if whole_pages and not match.live:
-        raise PrefixCacheMisuse("match-not-live", f"{what}: the match stopped caching pages; it ends with insert_tail")
-    copied = match.slots[match.shared :].numpy()  # the private copy's slots, while not cached yet
-    if slots.size < copied.size or not np.array_equal(slots[: copied.size], copied):
-        raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")
-    _check_private(cache, slots, 0, what)
+def check_tails(cache: "PrefixCache", matches: list, tokens: np.ndarray, slots: np.ndarray, counts: np.ndarray,
+                what: str, whole_pages: bool) -> None:
+    """The rules of :meth:`PrefixCache.cache_pages` / :meth:`PrefixCache.insert_tail`
+    and their batched forms, for a batch of runs: run ``i`` is the next
+    ``counts[i]`` entries of ``tokens`` and ``slots``, request ``matches[i]``'s
+    positions from ``match.shared`` on, equally many (whole pages, at least
+    one, for ``cache_pages``, whose match must be live), starting with the
+    match's private copy if it has one, on the request's own allocated,
+    uncached pages, a page chain, no page in two runs, no match twice.
+    Vectorised over the batch: O(total slots + len(matches)); nothing before
+    a match's ``shared`` is read."""
+    if len(matches) != counts.size:
+        raise PrefixCacheMisuse("length-mismatch", f"{what}: {len(matches)} matches but {counts.size} counts")
+    for m in matches:
+        _check_match(cache, m, what)
+        if whole_pages and not m.live:
+            raise PrefixCacheMisuse("match-not-live", f"{what}: the match stopped caching pages; it ends with insert_tail")
+    if len({id(m) for m in matches}) != len(matches):
+        raise PrefixCacheMisuse("match-twice", f"{what}: a match appears twice in one batch")
+    if counts.size and counts.min() < 0:
+        raise PrefixCacheMisuse("bad-counts", f"{what}: counts must be >= 0, got {int(counts.min())}")
+    total = int(counts.sum())
+    if not tokens.size == slots.size == total:
+        raise PrefixCacheMisuse("length-mismatch", f"{what}: {tokens.size} tokens but {slots.size} slots "
+                                f"({total} counted)")
+    if whole_pages and (counts.size and (counts.min() == 0 or (counts % cache.S).any())):
+        bad = int(counts[(counts == 0) | (counts % cache.S != 0)][0])
+        raise PrefixCacheMisuse("not-whole-pages", f"{what}: {bad} slots are not whole pages (>= 1)")
+    starts = np.cumsum(counts) - counts
+    for i, m in enumerate(matches):
+        if m.shared >= m.length:  # no private copy waiting to be cached
+            continue
+        copied = m.slots[m.shared :]  # the private copy's slots, while not cached yet
+        if copied.numel() and (counts[i] < copied.numel() or not np.array_equal(
+                slots[starts[i] : starts[i] + copied.numel()], copied.numpy())):
+            raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")
+    run_pos = np.arange(total) - np.repeat(starts, counts)
+    _check_chains(cache, slots, run_pos, np.ones(total, dtype=bool), what)
 
 
 def _check_private(cache: "PrefixCache", slots: np.ndarray, shared: int, what: str) -> None:
     """``slots`` (positions from a page boundary) are a page chain, and its
     pages past ``shared`` are allocated and not the cache's, or raise."""
+    pos = np.arange(slots.size)
+    _check_chains(cache, slots, pos, pos >= shared, what)
+
+
+def _check_chains(cache: "PrefixCache", slots: np.ndarray, run_pos: np.ndarray, private: np.ndarray,
+                  what: str) -> None:
+    """Runs of slots, ``run_pos`` each slot's position in its run (a run
+    starts on a page boundary), are page chains (slot j at offset j % S of
+    the run's page j // S, every page a usable one, no page in two places),
+    and the pages of the slots marked ``private`` are allocated and not the
+    cache's, or raise. Vectorised."""
     S, n = cache.S, slots.size
+    if not n:
+        return
     pages = page_of(slots, S)
-    first = pages[np.arange(n) // S * S]  # the page each position's page starts on
-    if n and (pages.min() < 1 or pages.max() > cache.alloc.num_pages or (slots % S != np.arange(n) % S).any()
-              or (pages != first).any() or np.unique(first[::S]).size != first[::S].size):
+    heads = np.flatnonzero(run_pos % S == 0)  # each page's first position
+    first = np.repeat(pages[heads], np.diff(np.append(heads, n)))
+    if (pages.min() < 1 or pages.max() > cache.alloc.num_pages or (slots % S != run_pos % S).any()
+            or (pages != first).any() or np.unique(pages[heads]).size != heads.size):
         raise PrefixCacheMisuse("not-a-page-chain", f"{what}: slot j must sit at offset j % {S} of the request's "
                                 f"own page j // {S}, every page a usable one, none twice")
-    private = np.unique(pages[shared:])
-    if private.size and not cache.alloc.is_allocated(private).all():
-        bad = int(private[~cache.alloc.is_allocated(private)][0])
-        raise PrefixCacheMisuse("private-page-not-allocated", f"{what}: page {bad} of the request is free")
-    if private.size and cache.tree.page_cached[private].any():
-        bad = int(private[cache.tree.page_cached[private]][0])
+    own = np.unique(pages[private])
+    if own.size and not (ok := cache.alloc.is_allocated(own)).all():
+        raise PrefixCacheMisuse("private-page-not-allocated", f"{what}: page {int(own[~ok][0])} of the request is free")
+    if own.size and cache.tree.page_cached[own].any():
+        bad = int(own[cache.tree.page_cached[own]][0])
         raise PrefixCacheMisuse("private-page-cached", f"{what}: page {bad} past the shared prefix is the cache's")
 
 

@@ -14,24 +14,32 @@ import torch
 from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of
 
 
-def _common(a: tuple, b: tuple) -> int:
-    """Length of the common prefix of two token runs (at most one page long)."""
-    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token runs (int64 arrays); vectorised."""
+    n = min(a.size, b.size)
+    d = np.flatnonzero(a[:n] != b[:n])
+    return int(d[0]) if d.size else n
 
 
+def page_key(tokens: np.ndarray, page_size: int) -> bytes:
+    """The children-dict key of a node whose tokens start with ``tokens``: the
+    bytes of its first page (or of the whole key, for a partial leaf)."""
+    return tokens[:page_size].tobytes()
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class _Node:
-    key: tuple  # tokens of this edge: whole pages, or fewer than a page (partial leaf)
+    key: np.ndarray  # int64 tokens of this edge: whole pages, or fewer than a page (partial leaf)
     slots: torch.Tensor  # int64, host
     parent: "_Node | None"
     lanes: np.ndarray  # pages of this node per lane
-    pages: np.ndarray  # the node's logical pages
+    pages: np.ndarray  # the node's logical pages, in chain order
     serial: int  # tie-break in LRU order: older first
-    children: dict = field(default_factory=dict)  # first page (or partial key) -> node
+    children: dict = field(default_factory=dict)  # page_key(first page, or partial key) -> node
     ref: int = 0  # live requests whose prefix runs through this node
     last_access: int = 0
     ns: bytes = b""  # the namespace (request key) of the chain: one root per namespace
+    partials: int = 0  # children that are partial leaves (shorter than a page)
 
 
 @dataclass
@@ -81,8 +89,9 @@ class RadixTree:
         pages = np.unique(page_of(slots.numpy(), self.S))
         return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
 
-    def _node(self, key: tuple, slots: torch.Tensor, parent: _Node | None) -> _Node:
-        pages, lanes = self.pages_of(slots)
+    def _node(self, key: np.ndarray, slots: torch.Tensor, parent: _Node | None) -> _Node:
+        pages = page_of(slots.numpy()[:: self.S], self.S)  # a node's slots are a page chain from a page start
+        lanes = np.bincount(owner_of(pages, self.N), minlength=self.N)
         self._serial += 1
         return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now)
 
@@ -90,7 +99,10 @@ class RadixTree:
         """The root of namespace ``ns`` (made when ``create``; else ``None`` if absent)."""
         root = self.roots.get(ns)
         if root is None and create:
-            root = self.roots[ns] = self._node((), torch.empty(0, dtype=torch.int64), None)
+            # a root takes no serial and no LRU time (it is never evicted): a tree is the same whatever
+            # order its namespaces were opened in
+            root = self.roots[ns] = _Node(np.empty(0, dtype=np.int64), torch.empty(0, dtype=torch.int64), None,
+                                          np.zeros(self.N, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
             root.ref, root.ns = 1, ns
         return root
 
@@ -104,34 +116,38 @@ class RadixTree:
         return self.now
 
     # -- questions ------------------------------------------------------------------
-    def walk(self, tokens: tuple, limit: int, ns: bytes = b"", start: _Node | None = None) -> _Walk:
-        """How far ``tokens[:limit]`` follows the chains of namespace ``ns``:
-        whole pages, then the child (or next page of the same edge) sharing the
-        longest run of the next page's tokens. From the root of ``ns``, or from
-        the end of node ``start`` (``tokens`` then continue its path, in its
-        namespace). Pure: nothing is split or touched."""
+    def walk(self, tokens: np.ndarray, limit: int, ns: bytes = b"", start: _Node | None = None) -> _Walk:
+        """How far ``tokens[:limit]`` (int64) follows the chains of namespace
+        ``ns``: whole pages, then the child (or next page of the same edge)
+        sharing the longest run of the next page's tokens. From the root of
+        ``ns``, or from the end of node ``start`` (``tokens`` then continue its
+        path, in its namespace). Pure: nothing is split or touched. One
+        vectorised comparison per edge and one dict lookup per node: never a
+        step per page or per token."""
         S = self.S
         node = self.roots.get(ns) if start is None else start
         if node is None:
             return _Walk([], 0)
         off, i, path = len(node.key), 0, []
-        while i + S <= limit:
-            page = tokens[i : i + S]
-            if off < len(node.key):  # inside an edge: its next page
-                if node.key[off : off + S] != page:
-                    break
-                off += S
+        whole = limit // S * S
+        while i < whole:
+            if off < len(node.key):  # inside an edge: as many of its next pages as match
+                m = min(len(node.key) - off, whole - i) // S * S
+                eq = _common(node.key[off : off + m], tokens[i : i + m]) // S * S
+                off, i = off + eq, i + eq
                 path[-1] = (node, off // S)
+                if eq < m or m == 0:
+                    break
             else:
-                child = node.children.get(page)
+                child = node.children.get(page_key(tokens[i:], S))
                 if child is None or len(child.key) < S:
                     break
                 node, off = child, S
                 path.append((child, 1))
-            i += S
+                i += S
         w = _Walk(path, i)
         rest = tokens[i : min(i + S, limit)]
-        if rest:
+        if rest.size:
             cands = [(node, off)] if off < len(node.key) else [(c, 0) for c in node.children.values()]
             for c, o in cands:
                 n = _common(c.key[o : o + S], rest)
@@ -159,13 +175,13 @@ class RadixTree:
                 best, best_key = leaf, key
         return best
 
-    def prefix_tokens(self, node: _Node) -> tuple:
-        """Every token from the root through the end of ``node``."""
+    def prefix_tokens(self, node: _Node) -> np.ndarray:
+        """Every token from the root through the end of ``node`` (int64, a copy)."""
         keys = []
         while node.parent is not None:
             keys.append(node.key)
             node = node.parent
-        return tuple(t for k in reversed(keys) for t in k)
+        return np.concatenate(keys[::-1]) if keys else np.empty(0, dtype=np.int64)
 
     def prefix_slots(self, node: _Node) -> torch.Tensor:
         """The slots of every token from the root through the end of ``node`` (a copy)."""
@@ -201,15 +217,29 @@ class RadixTree:
         would join, so every cached chain keeps one lane base at every
         position (SGLang's kv-shard radix cache declines such a graft
         likewise). Vectorised. [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-PREFIX-CACHE]]"""
-        S, N = self.S, self.N
-        lanes = owner_of(page_of(slots[::S].numpy(), S), N)
-        if not lanes.size:
-            return 0
-        first = self.chain_lane(node, start)
-        base = lane_base_of_last_loc(int(slots[0]), start + 1, S, N) if first is None else \
-            (first - start // S) % N
-        bad = np.flatnonzero(lanes != lane_of_position(base, start // S + np.arange(lanes.size), N))
-        return int(slots.numel()) if not bad.size else int(bad[0]) * S
+        lanes = owner_of(page_of(slots[:: self.S].numpy(), self.S), self.N)
+        ok = int(self.graft_pages([node], np.array([start]), lanes, np.array([lanes.size]))[0])
+        return int(slots.numel()) if ok == lanes.size else ok * self.S
+
+    def graft_pages(self, nodes: list, starts: np.ndarray, lanes: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """:meth:`graft_length` in pages for a batch of chains: chain ``i``
+        (``pages[i]`` pages at positions ``starts[i] ..``, a multiple of S,
+        lanes ``lanes`` back to back) would hang under ``nodes[i]``. Returns
+        int64 ``[len(nodes)]``: how many lead pages of each continue the lane
+        base of the chain they join (under a root: the base of the chain's own
+        first page). One vectorised pass over the batch."""
+        S, N, B = self.S, self.N, len(nodes)
+        first_page = np.cumsum(pages) - pages
+        last = np.fromiter((-1 if n.parent is None else int(n.slots[-1]) for n in nodes), np.int64, B)
+        own = lanes[np.minimum(first_page, max(lanes.size - 1, 0))] if lanes.size else np.zeros(B, dtype=np.int64)
+        joined = lane_of_position(lane_base_of_last_loc(np.maximum(last, 0), starts, S, N), starts // S, N)
+        first = np.where(last < 0, own, joined)  # the lane the chain's first page must take
+        run = np.repeat(np.arange(B), pages)
+        q = np.arange(lanes.size) - first_page[run]
+        bad = lanes != lane_of_position(first[run], q, N)
+        ok = np.asarray(pages, dtype=np.int64).copy()
+        np.minimum.at(ok, run[bad], q[bad])
+        return ok
 
     def snapshot(self) -> tuple:
         """The whole tree as nested tuples: per node key, slots, ref, LRU time,
@@ -217,25 +247,60 @@ class RadixTree:
 
         def one(n: _Node) -> tuple:
             kids = tuple((k, one(c)) for k, c in n.children.items())
-            return n.key, tuple(n.slots.tolist()), n.ref, n.last_access, n.serial, kids
+            return tuple(n.key.tolist()), tuple(n.slots.tolist()), n.ref, n.last_access, n.serial, kids
 
         return (tuple((ns, one(r)) for ns, r in self.roots.items()), self.now, self._serial, tuple(self.cached_lanes.tolist()),
                 tuple(self.evictable_lanes.tolist()), self.page_cached.tobytes())
 
     # -- shape changes (counts kept exact) ---------------------------------------------
-    def attach(self, parent: _Node, key: tuple, slots: torch.Tensor) -> _Node:
-        """A new unreferenced node under ``parent``, used now."""
-        node = self._node(key, slots.clone(), parent)
-        node.last_access, node.ns = self.tick(), parent.ns
-        parent.children[key[: self.S]] = node
-        self.leaves.pop(parent, None)
-        self.leaves[node] = None
-        self.cached_lanes += node.lanes
-        self.evictable_lanes += node.lanes
-        self.page_cached[node.pages] = True
-        if self.events is not None:
-            self._announce(node, self.events.stored)
-        return node
+    def attach(self, parent: _Node, key: np.ndarray, slots: torch.Tensor) -> _Node:
+        """A new unreferenced node under ``parent`` (which has no child on
+        its first page), used now (``key`` and ``slots`` are copied)."""
+        return self.attach_many([parent], key, slots, np.array([len(key)]), held=False)[0]
+
+    def attach_many(self, parents: list, tokens: np.ndarray, slots: torch.Tensor, counts: np.ndarray,
+                    held: bool) -> list:
+        """Run ``i`` (``counts[i] >= 1`` tokens and slots, back to back, a page
+        chain from a page start) as a new node under ``parents[i]``, in order,
+        as :meth:`attach` one by one would: skipped (``None`` in the returned
+        list) where ``parents[i]`` is None or already has a child on the run's
+        first page (one of the batch may have put it there). Every new node is
+        used now and, with ``held``, referenced by one live request (as
+        :meth:`hold_child`). Tokens and slots are copied once for the batch;
+        the per-lane counts are updated once. Returns the new nodes."""
+        S, N, B = self.S, self.N, len(parents)
+        tokens, slots = np.array(tokens, dtype=np.int64), slots.clone()
+        starts = np.cumsum(counts) - counts
+        heads = np.arange(slots.numel()) - np.repeat(starts, counts)
+        heads = np.flatnonzero(heads % S == 0)  # each page's first slot
+        pages = page_of(slots.numpy()[heads], S)
+        per_run = -(-np.asarray(counts) // S)
+        run = np.repeat(np.arange(B), per_run)
+        lanes = np.bincount(run * N + owner_of(pages, N), minlength=B * N).reshape(B, N)
+        first_page = np.cumsum(per_run) - per_run
+        nodes, ref = [None] * B, int(held)
+        for i, parent in enumerate(parents):
+            a, b = int(starts[i]), int(starts[i] + counts[i])
+            k = tokens[a : a + S].tobytes()
+            if parent is None or k in parent.children:
+                continue
+            self._serial += 1
+            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lanes[i],
+                                    pages[first_page[i] : first_page[i] + per_run[i]], self._serial, ref=ref,
+                                    last_access=self.tick(), ns=parent.ns)
+            parent.children[k] = node
+            parent.partials += b - a < S
+            self.leaves.pop(parent, None)
+            self.leaves[node] = None
+            if self.events is not None:
+                self._announce(node, self.events.stored)
+        made = np.fromiter((n is not None for n in nodes), bool, B)
+        got = lanes[made].sum(0)
+        self.cached_lanes += got
+        if not held:
+            self.evictable_lanes += got
+        self.page_cached[pages[made[run]]] = True
+        return nodes
 
     def _announce(self, node: _Node, call) -> None:
         """Tell ``events`` about the full pages of ``node`` (none for a partial leaf)."""
@@ -250,10 +315,11 @@ class RadixTree:
         n = pages * self.S
         upper = self._node(node.key[:n], node.slots[:n], node.parent)
         upper.ref, upper.last_access, upper.ns = node.ref, node.last_access, node.ns
-        node.parent.children[upper.key[: self.S]] = upper  # same dict key: keeps the children's order
+        node.parent.children[page_key(upper.key, self.S)] = upper  # same dict key: keeps the children's order
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
-        node.pages, node.lanes = self.pages_of(node.slots)
-        upper.children[node.key[: self.S]] = node
+        node.pages = node.pages[pages:]  # in chain order
+        node.lanes = np.bincount(owner_of(node.pages, self.N), minlength=self.N)
+        upper.children[page_key(node.key, self.S)] = node
         return upper
 
     def detach(self, leaf: _Node) -> None:
@@ -262,7 +328,8 @@ class RadixTree:
         if self.events is not None:
             self._announce(leaf, self.events.removed)
         parent = leaf.parent
-        del parent.children[leaf.key[: self.S]]
+        del parent.children[page_key(leaf.key, self.S)]
+        parent.partials -= len(leaf.key) < self.S
         del self.leaves[leaf]
         if not parent.children and parent.parent is not None:
             self.leaves[parent] = None

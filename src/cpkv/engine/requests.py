@@ -48,6 +48,7 @@ class Request:
     table: PageTable | None = field(default=None, repr=False)
     need: np.ndarray | None = field(default=None, repr=False)  # pages per lane still reserved (Scheduler)
     prefix_lanes: np.ndarray | None = field(default=None, repr=False)  # pages per lane of the shared prefix
+    own_from: int = 0  # its first own page position (the shared prefix's pages at admission)
     _ids: np.ndarray | None = field(default=None, repr=False)  # token ids, int32 (see ids())
     key: str | int | None = None  # namespace in the prefix cache: the spec's, else the parent's
 
@@ -84,14 +85,14 @@ class Request:
 
     def append(self, token: int) -> None:
         """A sampled token: appended to ``generated`` and to the id buffer (amortised O(1))."""
-        self.generated.append(int(token))
-        if self._ids is not None:
-            n = self.length
-            if n > self._ids.size:
-                grown = np.empty(2 * self._ids.size, dtype=np.int32)
-                grown[: n - 1] = self._ids[: n - 1]
-                self._ids = grown
-            self._ids[n - 1] = token
+        g = self.generated
+        g.append(int(token))
+        ids = self._ids
+        if ids is not None:
+            n = len(self.prompt) + len(g)
+            if n > ids.size:
+                ids = self._ids = np.concatenate([ids, np.empty(ids.size, dtype=np.int32)])
+            ids[n - 1] = token
 
     @property
     def final_len(self) -> int:
@@ -265,27 +266,32 @@ class RequestLifecycle:
     def complete(self, plan: StepPlan, tokens: list[list[int]]) -> list[Request]:
         """Close a step: ``tokens[i]`` are the greedy tokens of the requests of
         ``plan.forwards()[i]`` (entries where ``sample`` is False are ignored).
-        Finishes requests at ``max_new_tokens``; returns them."""
-        finished, S = [], self.S
+        Finishes requests at ``max_new_tokens``; returns them. The requests
+        whose KV filled a page cache it in one batched call, and the finished
+        ones end in another: one Python step per request, the rest vectorised."""
+        finished, caching, S, sampled = [], [], self.S, 0
         for b, toks in zip(plan.forwards(), tokens):
             for r, t, s in zip(b.requests, toks, b.sample):
                 if s:
                     r.append(t)
-                    self.stats.generated_tokens += 1
+                    sampled += 1
                     if len(r.generated) == r.spec.max_new_tokens:
                         finished.append(r)
-                        continue
+                        if self.hold_finished:  # its pages stay as they are until release_finished
+                            continue
                 m = r.match
                 if m is not None and m.live and r.computed - m.shared >= S:  # full pages with KV: into the cache
-                    end = r.computed // S * S
-                    self.cache.cache_pages(m, r.ids(m.shared, end), r.slots[m.shared : end])
+                    caching.append(r)
             self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
+        self.stats.generated_tokens += sampled
+        if caching:
+            ends = np.fromiter((r.computed // S * S for r in caching), np.int64, len(caching))
+            self.cache.cache_pages_many([r.match for r in caching], *self._runs(caching, ends))
         for a in plan.arrivals:  # their KV is here now; a later preemption needs it computed again
             a.request.ready = False
             self.stats.arrived_tokens += a.slots.numel()
-        for r in finished:
-            self._finish(r)
         if finished:
+            self._finish(finished)
             gone = set(finished)
             self.running = [r for r in self.running if r not in gone]
         if self.host is not None:
@@ -295,35 +301,58 @@ class RequestLifecycle:
         self._plan = None
         return finished
 
-    def _finish(self, r: Request) -> None:
-        """``r`` has its tokens (the caller takes it off ``running``): its
-        pages per lane into the skew figure, then its KV past what
-        :meth:`PrefixCache.cache_pages` cached into the cache (or held).
-        O(its uncached tail + N): nothing reads its whole sequence."""
-        first, stop = r.match.shared // self.S, -(-r.computed // self.S)  # its own pages: one lane base
-        own = layout.chain_lane_pages(lane_base_of_last_loc(r.last_loc, r.computed, self.S, self.N), first,
-                                      stop - first, self.N)
-        per_lane = r.prefix_lanes + own
-        self.stats.max_request_skew = max(self.stats.max_request_skew, int(per_lane.max() - per_lane.min()))
-        self._track(r, leaving=True)
-        if self.hold_finished:  # the row stays with the held KV until release_finished
-            self.held[r.index] = r
-        else:
-            m = r.match
-            self.cache.insert_tail(m, r.ids(m.shared, r.computed), r.slots[m.shared : r.computed])
-            r.match = None
-            self._give_back(r)
-        r.finished_at = self.step
-        self._conclude(r)
+    def _runs(self, reqs: list[Request], ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Positions ``match.shared .. ends[i] - 1`` of each request, back to
+        back: token ids, slots (one gather from the page table) and counts."""
+        shared = np.fromiter((r.match.shared for r in reqs), np.int64, len(reqs))
+        counts = ends - shared
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+        pos = np.arange(int(counts.sum())) + np.repeat(shared - (np.cumsum(counts) - counts), counts)
+        ids = [r.ids(a, e) for r, a, e in zip(reqs, shared.tolist(), ends.tolist())]
+        tokens = np.concatenate(ids) if ids else np.empty(0, dtype=np.int32)
+        return tokens, self.table.gather(np.repeat(rows, counts), pos), counts
 
-    def _conclude(self, r: Request) -> None:
-        """A request is done: count it and release its follow-ups."""
+    def _finish(self, done: list[Request]) -> None:
+        """``done`` have their tokens (the caller takes them off ``running``):
+        their pages per lane into the skew figure, then their KV past what
+        :meth:`PrefixCache.cache_pages` cached into the cache in one batched
+        call (or held): what is left past their last full page, as
+        :meth:`complete` cached those with the running ones. O(their uncached
+        tails + N) each, vectorised: nothing reads a whole sequence."""
+        S, N, n = self.S, self.N, len(done)
+        computed = np.fromiter((r.computed for r in done), np.int64, n)
+        last = self.table.gather(np.fromiter((r.row for r in done), np.int64, n), computed - 1)
+        first = np.fromiter((r.own_from for r in done), np.int64, n)  # its own pages: one lane base
+        own = layout.chain_lane_pages(lane_base_of_last_loc(last, computed, S, N), first, -(-computed // S) - first, N)
+        per_lane = np.stack([r.prefix_lanes for r in done]) + own
+        self.stats.max_request_skew = max(self.stats.max_request_skew, int((per_lane.max(1) - per_lane.min(1)).max()))
+        needs = [r.need for r in done if r.need is not None]
+        if needs:  # _track(r, leaving=True) for all of them, in one sum
+            self._need_sum -= np.sum(needs, axis=0)
+        for r in done:
+            r.need = None
+        if self.hold_finished:  # the rows stay with the held KV until release_finished
+            self.held.update((r.index, r) for r in done)
+        else:
+            self.cache.insert_tails([r.match for r in done], *self._runs(done, computed))
+            for r in done:
+                r.match = None
+                self._give_back(r)
+        for r in done:
+            r.finished_at = self.step
+            self._conclude(r, sort=False)
+        self.waiting.sort(key=lambda x: (x.due, x.index))
+
+    def _conclude(self, r: Request, sort: bool = True) -> None:
+        """A request is done: count it and release its follow-ups (``sort``:
+        keep ``waiting`` in order now; a batch sorts once after)."""
         self.stats.finished += 1
         for c in self._children.get(r.spec.id, ()):
             c.prompt = r.seq + c.spec.tokens
             c.due = max(c.spec.arrival, self.step + 1 + c.spec.delay)
             self.waiting.append(c)
-        self.waiting.sort(key=lambda x: (x.due, x.index))
+        if sort:
+            self.waiting.sort(key=lambda x: (x.due, x.index))
 
     def _record(self) -> None:
         self.stats.evicted_nodes, self.stats.evicted_pages = self.cache.evicted_nodes, self.cache.evicted_pages

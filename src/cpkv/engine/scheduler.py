@@ -184,6 +184,7 @@ class Scheduler(RequestLifecycle):
         self.running.append(r)
         self._track(r)
         r.prefix_lanes = self.cache.tree.pages_of(m.slots[: m.shared : self.S])[1]
+        r.own_from = m.shared // self.S
         if m.copy_dst.numel():
             p.copies.append(Copy(m.copy_src, m.copy_dst, r))
             self.stats.copies += 1
@@ -220,26 +221,33 @@ class Scheduler(RequestLifecycle):
         return r
 
     def _plan_decode(self, p: StepPlan) -> Forward | None:
+        """One token for every request past its prefill: O(batch) host work,
+        vectorised but for one attribute read and one increment per request."""
         while True:
-            reqs = [r for r in self.running if not r.prefilling and r.generated]
+            reqs = [r for r in self.running if r.computed >= r.target and r.generated]
             if not reqs:
                 return None
-            rows = torch.tensor([r.row for r in reqs])
-            computed = torch.tensor([r.computed for r in reqs])
-            last = self.table.req_to_token[rows, computed - 1]  # one gather: every request has KV
+            n = len(reqs)
+            rows = np.fromiter((r.row for r in reqs), np.int64, n)
+            computed = np.fromiter((r.computed for r in reqs), np.int64, n)
+            last = self.table.gather(rows, computed - 1)  # every request has KV
             a = self.cache.allocate_decode(computed + 1, last)
             if a is not None:
                 break
             self._refused()
             self._preempt(p)
-        self.table.write_allocation(rows, a)
+        rows_t = torch.from_numpy(rows)
+        if int(a.seq_lens.max()) > self.table.width:  # never: the table is as wide as the longest request
+            self.table.write_allocation(rows_t, a)
+        else:
+            self.table.scatter(rows, computed, a.out_cache_loc.numpy())  # position ``computed``: one slot each
         for r in reqs:
             r.computed += 1
-        for i in (computed % self.S == 0).nonzero().flatten().tolist():  # a new page: the need changed
+        for i in np.flatnonzero(computed % self.S == 0).tolist():  # a new page: the need changed
             self._track(reqs[i])
-        ids = torch.tensor([r.generated[-1] for r in reqs], dtype=torch.int64)
-        self.stats.served_tokens += len(reqs)
-        return Forward(reqs, rows, a, ids, [True] * len(reqs), True, self.table)
+        ids = torch.from_numpy(np.fromiter((r.generated[-1] for r in reqs), np.int64, n))
+        self.stats.served_tokens += n
+        return Forward(reqs, rows_t, a, ids, [True] * n, True, self.table)
 
     def _plan_prefill(self, p: StepPlan) -> Forward | None:
         while True:
@@ -279,7 +287,7 @@ class Scheduler(RequestLifecycle):
         return Forward(reqs, rows, a, torch.cat(ids), [not r.prefilling for r in reqs], False, self.table)
 
     # -- host tier ------------------------------------------------------------------------------
-    def _on_evict(self, tokens: tuple, slots: torch.Tensor, key=None) -> None:
+    def _on_evict(self, tokens: np.ndarray, slots: torch.Tensor, key=None) -> None:
         """A device node is evicted: back its whole pages up to the host tier first (same namespace ``key``)."""
         got = self.host.backup(tokens, slots, key=key)
         if got is not None and self._plan is not None:
