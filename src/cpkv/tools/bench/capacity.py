@@ -92,7 +92,7 @@ TIMED_FIGURES = {"tokens_per_second": (("tokens_per_second",), 1.0),
 
 
 def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: float = 0.012, documents: int = 6,
-                     tolerance: float = 1e-4, rounds: int = 3) -> dict:
+                     tolerance: float = 1e-4, rounds: int = 5) -> dict:
     """Both modes of ``base`` (its ``kv_memory``, ``cp_size``, model, pages):
     ``{mode: {"longest": tokens, "longest_run": report, "trace": report,
     "traces": [report per round]}}`` (``trace`` is the first round's), the
