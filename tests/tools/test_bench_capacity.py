@@ -10,14 +10,16 @@ from cpkv.tools.cli import main
 
 def test_capacity_small():
     rows, m = bench_capacity(EngineConfig(cp_size=2, page_size=16, kv_memory=128 * 2**10), documents=3,
-                             trace_scale=0.005)
+                             trace_scale=0.005, rounds=2)
     s, r = m["shared"], m["replicated"]
     assert s["longest"] >= 0.95 * 2 * r["longest"]
     for mode in (s, r):
         assert mode["longest_run"]["check"]["requests_matched"] == 1 == mode["longest_run"]["finished"]
         assert mode["trace"]["finished"] == mode["trace"]["requests"]
+        assert len(mode["traces"]) == 2 and all(t["check"]["requests_matched"] == t["requests"] for t in mode["traces"])
     assert r["trace"]["evicted_pages"] + r["trace"]["preemptions"] > 0
     assert rows[0]["figure"].startswith("longest request") and rows[0]["shared / replicated"] == "2.00"
+    assert any(x["figure"] == "trace: TPOT p99 (ms, median of 2)" for x in rows)
 
 
 def test_longest_prompt_is_the_refusal_edge():

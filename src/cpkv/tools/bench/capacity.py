@@ -14,7 +14,14 @@ and every figure comes from a run that passed ``check`` (every logit against
   finished, generated tokens per second, TTFT and TPOT p50/p99 (steps and
   milliseconds), preemptions, evicted pages, prefix hit rate.
 
-Each row gives both figures and their ratio (shared / replicated).
+Each row gives both figures and their ratio (shared / replicated). The trace
+runs ``rounds`` times per mode, the modes interleaved (shared first in even
+rounds, replicated first in odd ones), so that a slow stretch of a loaded
+machine falls on both. The scheduler's figures (requests, steps, pages, hits)
+are the same in every round (the same trace gives the same schedule; a round
+that differs is refused); a figure in time (tokens per second, TTFT and TPOT
+in ms) is the median over the rounds, and its ratio the median of the
+ratios measured in the same round, not the ratio of the two medians.
 """
 
 from __future__ import annotations
@@ -77,26 +84,83 @@ def _run_specs(cfg: EngineConfig, specs: list[RequestSpec]) -> dict:
         os.unlink(path)
 
 
+#: The figures of a trace run that are the scheduler's (equal in every round of one configuration).
+SCHEDULE_FIGURES = ("requests", "finished", "steps", "preemptions", "evicted_pages", "device_hit_rate")
+#: The figures of a trace run in time, ``(report path, scale)``: the median over the rounds is reported.
+TIMED_FIGURES = {"tokens_per_second": (("tokens_per_second",), 1.0),
+                 **{f"{k}_s_{q}": (("latency", f"{k}_s", q), 1e3) for k in ("ttft", "tpot") for q in ("p50", "p99")}}
+
+
 def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: float = 0.012, documents: int = 6,
-                     tolerance: float = 1e-4) -> dict:
+                     tolerance: float = 1e-4, rounds: int = 5) -> dict:
     """Both modes of ``base`` (its ``kv_memory``, ``cp_size``, model, pages):
-    ``{mode: {"longest": tokens, "longest_run": report, "trace": report}}``.
+    ``{mode: {"longest": tokens, "longest_run": report, "trace": report,
+    "traces": [report per round]}}`` (``trace`` is the first round's), the
+    trace run ``rounds`` times per mode, the modes interleaved.
     Raises :class:`CheckFailed` when a run does not match ``transformers``,
-    ``ValueError`` when ``base`` has no ``kv_memory``."""
+    ``ValueError`` when ``base`` has no ``kv_memory`` or ``rounds < 1``,
+    ``RuntimeError`` when two rounds of one mode scheduled differently."""
     if base.kv_memory is None:
         raise ValueError("the capacity benchmark compares the modes at equal memory: give kv_memory")
-    out = {}
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    out, cfgs = {}, {}
     rng = np.random.default_rng(base.seed)
     for mode in MODES:
-        cfg = dataclasses.replace(base, kv=mode, check=True, host_pages=0)
+        cfg = cfgs[mode] = dataclasses.replace(base, kv=mode, check=True, host_pages=0)
         n = longest_prompt(cfg, new_tokens)
         if n < 1:
             raise ValueError(f"{base.kv_memory} bytes per rank hold no request in the {mode} cache")
         tokens = tuple(rng.integers(0, cfg.model.vocab, n).tolist())
         run = _checked(_run_specs(cfg, [RequestSpec("long", 0, tokens, new_tokens)]), tolerance)
-        trace = _checked(_run_specs(cfg, _trace(base, documents, trace_scale)), tolerance)
-        out[mode] = {"longest": n + new_tokens - 1, "longest_run": run, "trace": trace}
+        out[mode] = {"longest": n + new_tokens - 1, "longest_run": run, "traces": []}
+    specs = _trace(base, documents, trace_scale)
+    for i in range(rounds):
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            out[mode]["traces"].append(_checked(_run_specs(cfgs[mode], specs), tolerance))
+    for mode in MODES:
+        _same_schedule(mode, out[mode]["traces"])
+        out[mode]["trace"] = out[mode]["traces"][0]
     return out
+
+
+def _same_schedule(mode: str, traces: list[dict]) -> None:
+    """Refuse rounds of one mode whose schedules differ (the same trace must give the same steps)."""
+    def key(t):
+        return ({k: t[k] for k in SCHEDULE_FIGURES},
+                [{k: v for k, v in r.items() if not k.endswith("_s")} for r in t["latency"]["requests"]])
+
+    first = key(traces[0])
+    for i, t in enumerate(traces[1:], 1):
+        if key(t) != first:
+            raise RuntimeError(f"{mode}: round {i} scheduled differently from round 0: {key(t)[0]} vs {first[0]}")
+
+
+def timed(shared: list[dict], replicated: list[dict], name: str) -> tuple[float, float, float]:
+    """Figure ``name`` of :data:`TIMED_FIGURES` over the rounds (``shared[i]``
+    and ``replicated[i]`` ran in round ``i``): the median of each mode and the
+    median of the same-round ratios (``inf`` where a replicated figure is 0
+    and the shared one is not, 1 where both are 0). ``ValueError`` for an
+    unknown name or rounds of different counts."""
+    if name not in TIMED_FIGURES:
+        raise ValueError(f"unknown timed figure {name!r}; choose from {sorted(TIMED_FIGURES)}")
+    if len(shared) != len(replicated) or not shared:
+        raise ValueError(f"need the same number of rounds of both modes (>= 1), got {len(shared)} and "
+                         f"{len(replicated)}")
+    path, scale = TIMED_FIGURES[name]
+
+    def values(traces):
+        out = []
+        for t in traces:
+            for k in path:
+                t = t[k]
+            out.append((t or 0.0) * scale)
+        return np.asarray(out, dtype=np.float64)
+
+    s, r = values(shared), values(replicated)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(r > 0, s / np.where(r > 0, r, 1.0), np.where(s > 0, np.inf, 1.0))
+    return float(np.median(s)), float(np.median(r)), float(np.median(ratio))
 
 
 def _trace(base: EngineConfig, documents: int, scale: float, replies: tuple[int, int] = (8, 24)) -> list[RequestSpec]:
@@ -111,29 +175,36 @@ def _trace(base: EngineConfig, documents: int, scale: float, replies: tuple[int,
 
 
 def capacity_rows(m: dict) -> list[dict]:
-    """The benchmark's table: one row per figure, both modes and shared / replicated."""
+    """The benchmark's table: one row per figure, both modes and shared /
+    replicated; a figure in time is the median over the rounds and its ratio
+    the median of the same-round ratios (:func:`timed`)."""
     s, r = m["shared"], m["replicated"]
-    lat = lambda x, k, q, f=1.0: (x["trace"]["latency"][k][q] or 0.0) * f  # noqa: E731
+    traces = s.get("traces", [s["trace"]]), r.get("traces", [r["trace"]])
+    n = len(traces[0])
+    lat = lambda x, k, q: x["trace"]["latency"][k][q] or 0.0  # noqa: E731
     figures = [
-        ("longest request (KV tokens), ran to the end", s["longest"], r["longest"], "higher"),
-        ("trace: requests finished", s["trace"]["finished"], r["trace"]["finished"], "higher"),
-        ("trace: generated tokens per second", s["trace"]["tokens_per_second"], r["trace"]["tokens_per_second"],
-         "higher"),
+        ("longest request (KV tokens), ran to the end", s["longest"], r["longest"], None, "higher"),
+        ("trace: requests finished", s["trace"]["finished"], r["trace"]["finished"], None, "higher"),
+        (f"trace: generated tokens per second (median of {n})", *timed(*traces, "tokens_per_second"), "higher"),
     ]
     for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
         for q in ("p50", "p99"):
             figures.append((f"trace: {name} {q} (steps)", lat(s, f"{key}_steps", q), lat(r, f"{key}_steps", q),
-                            "lower"))
-            figures.append((f"trace: {name} {q} (ms)", lat(s, f"{key}_s", q, 1e3), lat(r, f"{key}_s", q, 1e3),
-                            "lower"))
+                            None, "lower"))
+            figures.append((f"trace: {name} {q} (ms, median of {n})", *timed(*traces, f"{key}_s_{q}"), "lower"))
     figures += [
-        ("trace: preemptions", s["trace"]["preemptions"], r["trace"]["preemptions"], "lower"),
-        ("trace: evicted pages", s["trace"]["evicted_pages"], r["trace"]["evicted_pages"], "lower"),
-        ("trace: prefix hit rate", s["trace"]["device_hit_rate"], r["trace"]["device_hit_rate"], "higher"),
+        ("trace: preemptions", s["trace"]["preemptions"], r["trace"]["preemptions"], None, "lower"),
+        ("trace: evicted pages", s["trace"]["evicted_pages"], r["trace"]["evicted_pages"], None, "lower"),
+        ("trace: prefix hit rate", s["trace"]["device_hit_rate"], r["trace"]["device_hit_rate"], None, "higher"),
     ]
-    return [{"figure": name, "shared": _fmt(a), "replicated": _fmt(b),
-             "shared / replicated": f"{a / b:.2f}" if b else ("=" if a == b else "inf"), "better": better}
-            for name, a, b, better in figures]
+    return [{"figure": name, "shared": _fmt(a), "replicated": _fmt(b), "shared / replicated": _ratio(a, b, ratio),
+             "better": better} for name, a, b, ratio, better in figures]
+
+
+def _ratio(a, b, ratio: float | None) -> str:
+    if ratio is None:  # a figure of the schedule: one ratio
+        return f"{a / b:.2f}" if b else ("=" if a == b else "inf")
+    return f"{ratio:.2f}"
 
 
 def _fmt(x) -> str:
