@@ -81,6 +81,17 @@ class Allocation:
             t = self._tensors[name]
         return t
 
+    @classmethod
+    def concat(cls, first: "Allocation", second: "Allocation") -> "Allocation":
+        """One allocation of ``first``'s requests then ``second``'s (same page
+        size and group), as if made by one call: offsets of the second shifted."""
+        e, p = first.out_cache_loc.numel(), first.to_host("new_pages").size
+        shift = {"extend_start_loc": e, "new_page_start": p}
+        host = {n: np.concatenate([first.to_host(n), second.to_host(n) + shift.get(n, 0)])
+                for n in REQUEST_FIELDS + PAGE_FIELDS}
+        return cls(torch.cat([first.out_cache_loc, second.out_cache_loc]), first.page_size, first.cp_size,
+                   lambda: host)
+
     @property
     def batch_size(self) -> int:
         """Requests in the batch."""

@@ -20,6 +20,7 @@ import torch
 from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
+from ..contract.allocation import Allocation
 from ..models import build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, RankFailure, launch
@@ -67,7 +68,14 @@ class RankExecutor:
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.tier_fence()
-        return [self._forward(b) for b in plan.forwards()]
+        d, f = plan.decode, plan.prefill
+        if d is None or f is None:
+            return [self._forward(b) for b in plan.forwards()]
+        # one forward for the step: the decode tokens as one-token extends before the prefill chunks
+        toks = self._forward(Forward(d.requests + f.requests, torch.cat([d.rows, f.rows]),
+                                     Allocation.concat(d.alloc, f.alloc), torch.cat([d.ids, f.ids]),
+                                     [*d.sample, *f.sample], False, f.table))
+        return [toks[: len(d.requests)], toks[len(d.requests):]]
 
     def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
