@@ -63,26 +63,37 @@ def test_interleave_split(case):
 
 def test_lane_bases_are_request_relative_and_least_full():
     """Fixed bases stay; chosen ones take the fullest lane, on ties the first
-    at or after the cursor, counting earlier requests of the batch.
-    [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    run head at or after the cursor, counting earlier requests of the batch;
+    a tie broken by the cursor outright moves it. [[RFC-0001:C-REQUEST-RELATIVE]]"""
     fixed = np.array([0, 3, 0, 0])
     has = np.array([False, True, False, False])
     first = np.array([0, 2, 0, 0])
     n = np.array([1, 3, 2, 1])
     free = np.array([5, 5, 5, 5])
-    # r0 takes lane 0; r1 (base 3, from q 2) takes lanes 1,2,3; r2 picks lane 0?
-    # after r0, r1: free [4,4,4,4] -> lane 0, takes 0,1; r3: [3,3,4,4] -> lane 2
-    # (only a fresh request moves the cursor: r1 evens the lanes, the cursor stays at 0)
+    # r1 (base 3, from q 2, three pages) splits the batch: no round group is complete.
+    # r0: even lanes, the cursor (0 -> 1); r1 takes lanes 1,2,3 -> [4,4,4,4];
+    # r2: even again, the cursor (1 -> 2), takes 1,2 -> [4,3,3,4]; r3: lanes 3 and 0, one run from 3
     bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4)
-    assert (bases.tolist(), cursor) == ([0, 3, 0, 2], 0)
-    # from cursor 2: r0 takes lane 2 -> [5,5,4,5]; r1 -> [5,4,3,4]; r2 at lane 0, the only
+    assert (bases.tolist(), cursor) == ([0, 3, 1, 3], 2)
+    # from cursor 2: r0 takes lane 2 (2 -> 3) -> [5,5,4,5]; r1 -> [5,4,3,4]; r2 at lane 0, the only
     # most-free one -> [4,3,3,4]; r3: lanes 3 and 0 most free, one run that starts at 3
     bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4, cursor=2)
-    assert (bases.tolist(), cursor) == ([2, 3, 0, 3], 2)
+    assert (bases.tolist(), cursor) == ([2, 3, 0, 3], 3)
     bases, cursor = choose_lane_bases(fixed, has, first, n, free, 4, "lane0", cursor=3)
     assert (bases.tolist(), cursor) == ([0, 3, 0, 0], 3)
     with pytest.raises(ValueError):
         choose_lane_bases(fixed, has, first, n, free, 4, "random")
+
+
+def test_round_groups_start_at_the_cursor():
+    """Lane 0 one page short (balanced, never even): two pages each at N 4.
+    r0, r1 take one round (a group from the cursor 0: lanes 0 and 2; cursor
+    1), r2, r3 the next (lanes 1 and 3; cursor 2); r4 is left over and takes
+    the head of the most-free run, lane 1. The old tie rule laid them all from
+    that head: 1, 3, 1, 3, 1. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    z = np.zeros(5, dtype=np.int64)
+    bases, cursor = choose_lane_bases(z, z.astype(bool), z, np.array([2, 2, 2, 2, 1]), np.array([4, 5, 5, 5]), 4)
+    assert (bases.tolist(), cursor) == ([0, 2, 1, 3, 1], 2)
 
 
 @given(
@@ -109,39 +120,74 @@ def test_lane_take_matches_its_definition(N, reqs):
 
 def sequential_lane_bases(fixed, has, first, n, free, N, cursor=0):
     """The least-full rule one request at a time, written out from its
-    definition: a fresh request with remainder ``k = n % N == 0`` starts at
-    the cursor; otherwise at the first lane at or after the cursor that is
-    most free and whose predecessor is not (any most-free lane when all are
-    equal). The cursor moves one lane after a fresh request with ``k == 0``
-    or one that leaves every lane equally free."""
+    definition. Remainders ``k = n % N``. A stretch is a run of fresh requests
+    that no request with a prefix and ``k != 0`` interrupts; in it a round
+    group starts at each fresh request where the stretch's remainders so far
+    sum to a multiple of N and is complete if the remainders from there sum
+    to a multiple of N again within the stretch. A complete group that is one
+    request with ``k == 0``, or that begins on balanced lanes (any two within
+    one free page, the most-free lanes one cyclic run), goes end to end from
+    the cursor, which moves one lane. Any other fresh request: the cursor if
+    ``k == 0`` or all lanes are equally free (the cursor moves), else the
+    first lane at or after the cursor that is most free and whose
+    predecessor is not."""
     rel, bases, c = list(free), list(fixed), cursor
+    k = [x % N for x in n]
+
+    def balanced():
+        top = [x == max(rel) for x in rel]
+        heads = sum(top[l] and not top[l - 1] for l in range(N))
+        return max(rel) - min(rel) <= 1 and (all(top) or heads == 1)
+
+    def group_end(r):  # a group from r: the index after it if complete, else None
+        total, j = 0, r
+        while j < len(n) and not (has[j] and k[j]):
+            if not has[j]:
+                if j > r and total % N == 0:
+                    return j
+                total += k[j]
+            j += 1
+        return j if total % N == 0 else None
+
+    stretch, until, origin = 0, -1, 0
     for r in range(len(n)):
-        k = n[r] % N
+        if has[r]:
+            if k[r]:
+                stretch = 0
+        elif r < until:
+            bases[r] = (origin + stretch) % N
+        elif stretch % N == 0 and (end := group_end(r)) is not None and (k[r] == 0 or balanced()):
+            until, origin, bases[r], stretch, c = end, c, c, 0, (c + 1) % N
+        elif k[r] == 0 or min(rel) == max(rel):
+            bases[r], c = c, (c + 1) % N
+        else:
+            top = [x == max(rel) for x in rel]
+            ok = [top[l] and (all(top) or not top[l - 1]) for l in range(N)]
+            bases[r] = next(l % N for l in range(c, c + N) if ok[l % N])
         if not has[r]:
-            if k == 0:
-                bases[r] = c
-            else:
-                top = [x == max(rel) for x in rel]
-                ok = [top[l] and (all(top) or not top[l - 1]) for l in range(N)]
-                bases[r] = next(l % N for l in range(c, c + N) if ok[l % N])
+            stretch += k[r]
         start = (bases[r] + first[r]) % N
         for j in range(n[r]):
             rel[(start + j) % N] -= 1
-        if not has[r] and (k == 0 or min(rel) == max(rel)):
-            c = (c + 1) % N
     return bases, c
 
 
 @st.composite
 def lane_batches(draw):
-    N = draw(st.sampled_from([2, 3, 4, 8]))
-    even = draw(st.booleans())  # counts as a cleared allocator leaves them, or disturbed ones
-    free = [100] * N if even else draw(st.lists(st.integers(90, 100), min_size=N, max_size=N))
+    N = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    kind = draw(st.sampled_from(["even", "balanced", "disturbed"]))  # as a cleared allocator leaves them, or not
+    if kind == "even":
+        free = [100] * N
+    elif kind == "balanced":  # within one page, the most-free lanes one run (lane sizes that differ, or batches since)
+        head, run = draw(st.integers(0, N - 1)), draw(st.integers(1, N - 1))
+        free = [100 if (lane - head) % N < run else 99 for lane in range(N)]
+    else:
+        free = draw(st.lists(st.integers(90, 100), min_size=N, max_size=N))
     reqs = draw(st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 3), st.integers(0, 20)),
                          min_size=1, max_size=40))
-    has = np.array([h for h, *_ in reqs])
-    fixed = np.array([b % N if h else 0 for h, b, _, _ in reqs])
-    first = np.array([f if h else 0 for h, _, f, _ in reqs])
+    has = np.array([h for h, *_ in reqs]) & (not draw(st.booleans()))  # or fresh requests only
+    fixed = np.where(has, np.array([b for _, b, _, _ in reqs]) % N, 0)
+    first = np.where(has, np.array([f for _, _, f, _ in reqs]), 0)
     n = np.array([k for *_, k in reqs])
     if draw(st.booleans()):  # whole sweeps, or equal lengths
         n = n - n % N if draw(st.booleans()) else np.full(n.size, n[0])
@@ -150,9 +196,10 @@ def lane_batches(draw):
 
 @given(lane_batches())
 def test_lane_bases_equal_the_sequential_rule(case):
-    """The vectorised choice (checked sweep) gives exactly the bases of the
-    request-by-request rule, from even and from disturbed lane counts, with
-    fixed-base requests interleaved. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    """The vectorised choice (closed form from balanced lanes, checked sweep
+    otherwise) gives exactly the bases and cursor of the request-by-request
+    rule, from even, balanced and disturbed lane counts, with fixed-base
+    requests interleaved or none. [[RFC-0001:C-REQUEST-RELATIVE]]"""
     N, free, has, fixed, first, n, cursor = case
     want = sequential_lane_bases(fixed, has, first, n, free, N, cursor)
     default = plan.MAX_PASSES

@@ -15,9 +15,9 @@ class BlockListBaseline:
     use; a reference count per block, reset on allocation and dropped on free,
     the block returning to the free list at zero), as vLLM v1's ``BlockPool``
     keeps a free queue and per-block reference counts. It follows the same
-    owner-lane rule (lane bases least-full, ties by the rotating cursor of
-    :func:`~cpkv.contract.plan.fresh_lane`, request by request), so it returns
-    the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
+    owner-lane rule (lane bases least-full, round groups from the rotating
+    cursor, :func:`~cpkv.contract.plan.choose_lane_bases`, request by request),
+    so it returns the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
 
     def __init__(self, num_pages: int, page_size: int, cp_size: int):
         self.num_pages, self.S, self.N = num_pages, page_size, cp_size
@@ -35,24 +35,34 @@ class BlockListBaseline:
         come from one broadcast (and, when a last page is partial, one mask)."""
         S, N, lanes, used, ref = self.S, self.N, self.lanes, self.used, self.ref
         pages, used_in_page = [], []
-        for n in seq_lens:
+        rems = [-(-n // S) % N for n in seq_lens]
+        heads, at = [], 0  # round groups: where the remainders so far make whole rounds
+        for i, k in enumerate(rems):
+            if at % N == 0:
+                heads.append(i)
+            at += k
+        ends = dict(zip(heads, heads[1:] + ([len(rems)] if at % N == 0 else [None])))
+        c, until, origin, at = self.cursor, -1, 0, 0
+        for i, n in enumerate(seq_lens):
             free = [len(q) for q in lanes]
-            k = -(-n // S)
-            c, top = self.cursor, max(free)
-            if k % N == 0:
-                b = c
+            k, top, low = -(-n // S), max(free), min(free)
+            r = k % N
+            if i < until:
+                b = (origin + at) % N
+            elif ends.get(i) is not None and (r == 0 or _balanced(free, top, low)):
+                until, origin, b, at, c = ends[i], c, c, 0, (c + 1) % N
+            elif r == 0 or low == top:
+                b, c = c, (c + 1) % N
             else:
-                even = min(free) == top
-                b = next(l % N for l in range(c, c + N)
-                         if free[l % N] == top and (even or free[l % N - 1] != top))
+                b = next(l % N for l in range(c, c + N) if free[l % N] == top and free[l % N - 1] != top)
+            at += r
             for q in range(k):
                 p = lanes[(b + q) % N].popleft()
                 ref[p] = 1
                 used.add(p)
                 pages.append(p)
             used_in_page += [S] * (k - 1) + [n - (k - 1) * S]
-            if k % N == 0 or min(len(q) for q in lanes) == max(len(q) for q in lanes):
-                self.cursor = (c + 1) % N
+        self.cursor = c
         full = (np.array(pages)[:, None] * S + np.arange(S)).reshape(-1)
         if all(n % S == 0 for n in seq_lens):
             return torch.from_numpy(full)
@@ -81,3 +91,8 @@ class BlockListBaseline:
             if ref[p] == 0:
                 used.remove(p)
                 lanes[p % N].append(p)
+
+
+def _balanced(free: list[int], top: int, low: int) -> bool:
+    """Free counts within one page, the most-free lanes one cyclic run (or all)."""
+    return top - low <= 1 and (low == top or sum(free[l] == top and free[l - 1] != top for l in range(len(free))) == 1)
