@@ -51,7 +51,11 @@ class RankExecutor:
         self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
 
     def run(self, plan: StepPlan) -> list[list[int]]:
-        """Execute ``plan``; the greedy token of every request of every batch, identical on every rank."""
+        """Execute ``plan``; the greedy token of every request of every batch, identical on every rank.
+        A step with both a decode and a prefill batch runs one forward: the
+        decode tokens as one-token extends before the prefill chunks (SGLang's
+        mixed chunk), so the step pays one pass, not two; ``--decode-split``
+        then governs the steps without a prefill."""
         pool = self.pool
         if plan.backups:
             pool.tier_fence()
