@@ -14,7 +14,7 @@ from cpkv.consumers import prefix_live
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 from cpkv.contract.allocator import OwnerLaneAllocator
 from cpkv.engine import EngineConfig, run_engine_threads
-from cpkv.engine.requests import Request
+from cpkv.engine.records import Request
 from cpkv.engine.scheduler import Scheduler
 from cpkv.engine.trace import RequestSpec
 from support.engine_checks import assert_exact as exact

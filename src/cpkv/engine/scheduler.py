@@ -63,7 +63,8 @@ import torch
 
 from ..consumers.prefix_cache import Admission, PrefixCache
 from ..contract.allocation import Allocation
-from .requests import Request, RequestLifecycle, Stats
+from .records import Request, Stats
+from .requests import RequestLifecycle
 from .step_plan import Arrival, Backup, Copy, Forward, Load, StepPlan
 from .trace import RequestSpec
 

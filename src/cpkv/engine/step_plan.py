@@ -19,7 +19,7 @@ from ..consumers.page_table import PageTable
 from ..contract.allocation import Allocation
 
 if TYPE_CHECKING:
-    from .requests import Request
+    from .records import Request
 
 
 class _Entry:
