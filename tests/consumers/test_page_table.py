@@ -50,6 +50,24 @@ def test_page_table_refuses_what_it_cannot_mean():
             PageTable(*args)
 
 
+def test_free_rows_is_free_row_for_many_and_refuses_before_freeing():
+    """``free_rows`` frees each row as ``free_row`` does (in order: the last
+    freed is taken first); a row not taken, named twice, a ``used`` out of
+    range or of another length raises ``ValueError`` and frees nothing.
+    [[RFC-0001:C-FAIL-FAST]]"""
+    t = PageTable(4, 4)
+    rows = [t.take_row() for _ in range(3)]
+    for r in rows:
+        t.write(r, 0, torch.tensor([r + 1] * 4))
+    for bad_rows, used in (([0, 3], None), ([0, 0], None), ([0, 1], [2, 5]), ([0, 1], [2]), ([0, 1], [-1, 2])):
+        with pytest.raises(ValueError):
+            t.free_rows(bad_rows, used)
+        assert t._taken[:3] == [True] * 3 and not t._taken[3]
+    t.free_rows([2, 0], [4, 4])
+    assert t.take_row() == 0 and (t.slots(0) == -1).all()
+    assert t.take_row() == 2 and (t.slots(2) == -1).all() and t.slots(1).tolist() == [2] * 4
+
+
 def test_the_scheduler_keeps_one_table_and_a_row_per_request():
     """Every forward names its rows in the scheduler's one table, and each
     request's slots are a view of its row there: nothing holds a second copy.

@@ -32,7 +32,7 @@ def lanes_by_walk(cache, which):
     out = np.zeros(cache.N, dtype=np.int64)
     for n, _ in tree_nodes(cache):
         if which(n):
-            out += np.bincount(np.unique(n.slots.numpy() // cache.S) % cache.N, minlength=cache.N)
+            out += np.bincount(np.unique(n.slots // cache.S) % cache.N, minlength=cache.N)
     return out
 
 
@@ -204,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
             start = depth - len(node.key)
             for j, (tok, s) in enumerate(zip(node.key, node.slots.tolist())):
                 assert e.kv[s] == (tok, start + j), "cached KV does not match its tokens"
-            for p in np.unique(node.slots.numpy() // S).tolist():
+            for p in np.unique(node.slots // S).tolist():
                 assert owners.setdefault(p, "cache") == "cache"
             held = sum(1 for _, _, m in e.live.values() if _on_path(m.node, node))
             assert node.ref == held, "reference count != requests holding the node"
@@ -266,7 +266,7 @@ def test_match_is_the_longest_cached_prefix(case, N):
 
 
 def _lanes_of(node, S, N):
-    return set((np.unique(node.slots.numpy() // S) % N).tolist())
+    return set((np.unique(node.slots // S) % N).tolist())
 
 
 def test_lru_order_and_in_use_protection():

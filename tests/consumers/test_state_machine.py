@@ -203,7 +203,7 @@ class CacheComponent(Component):
         for n in nodes:
             toks = c.tree.prefix_tokens(n)
             start = len(toks) - len(n.key)
-            assert start % S == 0 and len(n.key) == n.slots.numel() > 0, "an edge off the page grid"
+            assert start % S == 0 and len(n.key) == n.slots.size > 0, "an edge off the page grid"
             assert not n.children or len(n.key) % S == 0, "a partial page inside the tree"
             for j, (tok, s) in enumerate(zip(n.key, n.slots.tolist())):
                 assert s % S == (start + j) % S, "a cached slot off its page offset"

@@ -27,8 +27,9 @@ class Engine:
         assert self.cache.tree.page_cached[src_pages].all(), "the copy source left the cache before the copy"
         for s, d in zip(m.copy_src.tolist(), m.copy_dst.tolist()):
             self.kv[d] = self.kv[s]  # the copy the engine makes, inside one lane
+        matched = m.slots.tolist()  # derived from the tree: read once
         for j in range(m.length):
-            assert self.kv[int(m.slots[j])] == (tokens[j], j), "a cached slot holds the wrong KV"
+            assert self.kv[matched[j]] == (tokens[j], j), "a cached slot holds the wrong KV"
         try:
             r = self.cache.allocate_extend([m.length], [len(tokens)], torch.tensor([m.last_loc]))
         except UnsupportedPagePlan as e:  # "never": the request is longer than the cache could ever hold

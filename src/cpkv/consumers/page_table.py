@@ -65,14 +65,27 @@ class PageTable:
         written (the whole row by default); they are reset to padding when the
         row is next taken, so this is O(1). Raises ``ValueError`` for a row that
         is not taken or a ``used`` outside ``0 .. width``."""
-        if not (isinstance(row, int) and 0 <= row < len(self._taken) and self._taken[row]):
-            raise ValueError(f"row {row} is not taken")
-        used = self.width if used is None else used
-        if not 0 <= used <= self.width:
-            raise ValueError(f"used must lie in 0..{self.width}, got {used}")
-        self._taken[row] = False
-        self._dirty[row] = used
-        self._free.append(row)
+        self.free_rows([row], None if used is None else [used])
+
+    def free_rows(self, rows: list[int], used: list[int] | None = None) -> None:
+        """:meth:`free_row` for many rows (``used[i]`` for ``rows[i]``), O(1)
+        each; all are checked before any is freed, and a row named twice is
+        refused (``ValueError``, nothing changed)."""
+        width, taken = self.width, self._taken
+        used = [width] * len(rows) if used is None else used
+        if len(used) != len(rows):
+            raise ValueError(f"{len(rows)} rows but {len(used)} used")
+        for row, u in zip(rows, used):
+            if not (isinstance(row, int) and 0 <= row < len(taken) and taken[row]):
+                raise ValueError(f"row {row} is not taken")
+            if not 0 <= u <= width:
+                raise ValueError(f"used must lie in 0..{width}, got {u}")
+        if len(set(rows)) != len(rows):
+            raise ValueError("a row is named twice")
+        for row, u in zip(rows, used):
+            taken[row] = False
+            self._dirty[row] = u
+        self._free += rows
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Positions ``start .. start + len(slots) - 1`` of ``row`` hold ``slots [n]``."""

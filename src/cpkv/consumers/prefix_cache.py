@@ -82,6 +82,10 @@ __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "Prefix
            "RadixTree"]
 
 
+_NO_COPY = torch.empty(0, dtype=torch.int64)  # the copy of a match that copies nothing (shared: never written)
+_NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
 class PrefixCache(LivePages, PrefixCacheQuestions):
     """Radix prefix cache over an :class:`~cpkv.contract.allocator.OwnerLaneAllocator`.
 
@@ -127,17 +131,15 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         ``max_length``."""
         S, tokens, ns = self.S, _as_tokens(tokens), _as_key(key)
         w = self.tree.walk(tokens, _as_limit(max_length, len(tokens)), ns)
-        held, parts = None, [torch.empty(0, dtype=torch.int64)]
+        held = None
         if w.path:
-            parts += [node.slots[: m * S] for node, m in w.path]
             held, m = w.path[-1]
             if m * S < len(held.key):  # the match ends inside an edge: cut it there
                 lower, held = held, self.tree.split(held, m)
                 if w.src is lower:
                     w.src_off -= m * S
-        shared = torch.cat(parts)
         self.tree.pin(held, +1)
-        copy_src = copy_dst = shared.new_empty(0)
+        copy_src = copy_dst = _NO_COPY
         if w.src is not None:
             lane = self.tree.chain_lane(held, w.shared) if held is not None else \
                 self.alloc.lane_for_new_chain(0, prefer=self.tree.lane_of(w.src.slots[w.src_off]))
@@ -145,14 +147,14 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
             page = self._with_eviction(lambda: self._take_copy_page(lane, w.copy))
             self.tree.pin(w.src, -1)
             if page is not None:
-                copy_src = w.src.slots[w.src_off : w.src_off + w.copy].clone()
+                copy_src = torch.from_numpy(w.src.slots[w.src_off : w.src_off + w.copy].copy())
                 copy_dst = int(page[0]) * S + (copy_src % S)
-        length = shared.numel() + copy_dst.numel()
+        length = w.shared + copy_dst.numel()
         self.acquired_tokens += len(tokens)
         self.hit_tokens += length
         self.open_matches += 1
-        return PrefixMatch(length, torch.cat([shared, copy_dst]), copy_src, copy_dst, shared.numel(),
-                           tokens[:length].copy(), held, self, ns=ns)
+        return PrefixMatch(length, copy_src, copy_dst, w.shared, held, self, ns=ns, _base=held,
+                           _copy_tokens=tokens[w.shared : length].copy() if length > w.shared else _NO_TOKENS)
 
     def _take_copy_page(self, lane: int, fill: int) -> torch.Tensor | None:
         """One page in ``lane`` that will hold ``fill`` copied tokens (``None``:
@@ -251,21 +253,26 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         if not np.array_equal(tokens[: match.length], match.tokens):
             raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
         # -- nothing refuses past this line
-        self._free_spare(self._end_insert(match, tokens, torch.from_numpy(arr.copy()), 0, match.shared))
+        self._free_spare(self._end_insert(match, tokens, arr.copy(), 0, match.shared))
 
     def _free_spare(self, spare: list) -> None:
         """Free the slots :meth:`_end_insert` did not cache (tensors, some empty), in one call."""
-        spare = [s for s in spare if s.numel()]
+        spare = [s for s in spare if s.size]
         if spare:
-            self.alloc.free(torch.cat(spare))
+            self.alloc.free(np.concatenate(spare))
 
     def _end_match(self, match: PrefixMatch, how: str = "inserted") -> None:
         """``match`` ends (``how``: inserted or released): its path is unpinned (and used now)."""
-        match._ended = how
-        self.open_matches -= 1
-        self.tree.pin(match.node, -1)
+        self._end_matches([match], how)
 
-    def _end_insert(self, match: PrefixMatch, tokens: np.ndarray, slots: torch.Tensor, offset: int,
+    def _end_matches(self, matches: list, how: str = "inserted") -> None:
+        """:meth:`_end_match` for each of ``matches``, in order (one batched unpin)."""
+        for m in matches:
+            m._ended = how
+        self.open_matches -= len(matches)
+        self.tree.unpin_many([m.node for m in matches])
+
+    def _end_insert(self, match: PrefixMatch, tokens: np.ndarray, slots: np.ndarray, offset: int,
                     own: int) -> list:
         """End ``match`` by caching ``tokens``/``slots``: positions ``offset ..``
         of the request (0: the whole sequence, walked from the root; else
@@ -301,7 +308,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
                 self._attach(node, rest, slots[i:])
         return spare
 
-    def _attach(self, parent: _Node, key: np.ndarray, slots: torch.Tensor) -> _Node:
+    def _attach(self, parent: _Node, key: np.ndarray, slots: np.ndarray) -> _Node:
         """Attach a node, then free the unreferenced partial leaves under
         ``parent`` that it dominates (whose tokens start it): it serves every
         match they could, so their pages are dead weight."""

@@ -82,8 +82,8 @@ class LivePages:
         lanes = owner_of(page_of(arr[::S], S), self.N)  # each page's lane, run after run
         shared = np.fromiter((m.shared for m in matches), np.int64, len(matches))
         grafts = tree.graft_pages(parents, shared, lanes, counts // S) == counts // S
-        nodes = tree.attach_many([p if ok else None for p, ok in zip(parents, grafts.tolist())], tokens,
-                                 torch.from_numpy(arr), counts, held=True)
+        nodes = tree.attach_many([p if ok else None for p, ok in zip(parents, grafts.tolist())], tokens, arr, counts,
+                                 held=True)
         for m, node, c, new in zip(matches, nodes, counts.tolist(), fresh):
             if node is None:  # the tree holds a page of it there, or it would change a chain's lane base
                 root = tree.roots.get(m.ns)
@@ -112,13 +112,16 @@ class LivePages:
         single call would refuse, a match twice, or two runs on one page.
         [[RFC-0001:C-PREFIX-CACHE]]"""
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "insert_tail", whole_pages=False)
-        slots_t, spare, a = torch.from_numpy(arr.copy()), [], 0
+        arr, spare, a, ending = arr.copy(), [], 0, []
         for m, c in zip(matches, counts.tolist()):
             if c:
-                spare += self._end_insert(m, tokens[a : a + c], slots_t[a : a + c], m.shared, 0)
+                self._end_matches(ending)  # in order: the matches before it end first
+                ending = []
+                spare += self._end_insert(m, tokens[a : a + c], arr[a : a + c], m.shared, 0)
             else:  # every page of it is cached already: the match ends, nothing is added
-                self._end_match(m)
+                ending.append(m)
             a += c
+        self._end_matches(ending)
         self._free_spare(spare)
 
     def _runs(self, matches, tokens, slots, counts, what: str, whole_pages: bool):

@@ -63,24 +63,45 @@ class PrefixMatch:
     copies the engine must make before the request's first forward (the owner
     of ``copy_dst`` reads ``copy_src`` through the shared view). ``ns``: the
     namespace (request key as bytes) it matched in and inserts into.
+
+    ``tokens`` and ``slots`` are derived when asked (O(length), a new array
+    each call) from the cached chain the match holds and the copy: a match
+    keeps no O(context) copy of its own, so admitting or ending a batch of
+    long requests allocates and frees nothing per token. ``shared`` grows
+    while the request's pages enter the cache (:meth:`PrefixCache.cache_pages`);
+    ``length``, ``tokens`` and ``slots`` stay those of the match.
     """
 
     length: int
-    slots: torch.Tensor
     copy_src: torch.Tensor
     copy_dst: torch.Tensor
     shared: int
-    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
     node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
     _owner: "PrefixCache | None" = field(default=None, repr=False)
     _ended: str | None = field(default=None, repr=False)  # "inserted" or "released" once consumed
     ns: bytes = b""
     live: bool = True  # its full pages still enter the cache as they are computed
+    _base: "_Node | None" = field(default=None, repr=False)  # the node the match ended on (never evicted under it)
+    _copy_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The match's slots, int64 ``[length]`` (host, a new tensor): the shared chain's, then the copy's."""
+        shared = self._owner.tree.prefix_slots(self._base)
+        return torch.cat([shared, self.copy_dst]) if self.copy_dst.numel() else shared
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The matched tokens, int64 ``[length]`` (a new array)."""
+        shared = self._owner.tree.prefix_tokens(self._base) if self._base is not None else self._copy_tokens[:0]
+        return np.concatenate([shared, self._copy_tokens])
 
     @property
     def last_loc(self) -> int:
         """Slot of the last cached token, -1 when nothing matched."""
-        return int(self.slots[-1]) if self.length else -1
+        if self.copy_dst.numel():
+            return int(self.copy_dst[-1])
+        return int(self._base.slots[-1]) if self._base is not None and self._base.parent is not None else -1
 
     @property
     def consumed(self) -> bool:

@@ -112,10 +112,13 @@ def check_tails(cache: "PrefixCache", matches: list, tokens: np.ndarray, slots: 
     a match's ``shared`` is read."""
     if len(matches) != counts.size:
         raise PrefixCacheMisuse("length-mismatch", f"{what}: {len(matches)} matches but {counts.size} counts")
-    for m in matches:
-        _check_match(cache, m, what)
-        if whole_pages and not m.live:
-            raise PrefixCacheMisuse("match-not-live", f"{what}: the match stopped caching pages; it ends with insert_tail")
+    if not all(type(m) is PrefixMatch and m._owner is cache and m._ended is None and (m.live or not whole_pages)
+               for m in matches):  # the common case in one pass; else find the bad one
+        for m in matches:
+            _check_match(cache, m, what)
+            if whole_pages and not m.live:
+                raise PrefixCacheMisuse("match-not-live", f"{what}: the match stopped caching pages; it ends with "
+                                        "insert_tail")
     if len({id(m) for m in matches}) != len(matches):
         raise PrefixCacheMisuse("match-twice", f"{what}: a match appears twice in one batch")
     if counts.size and counts.min() < 0:
@@ -131,7 +134,7 @@ def check_tails(cache: "PrefixCache", matches: list, tokens: np.ndarray, slots: 
     for i, m in enumerate(matches):
         if m.shared >= m.length:  # no private copy waiting to be cached
             continue
-        copied = m.slots[m.shared :]  # the private copy's slots, while not cached yet
+        copied = m.copy_dst  # the private copy's slots, while not cached yet
         if copied.numel() and (counts[i] < copied.numel() or not np.array_equal(
                 slots[starts[i] : starts[i] + copied.numel()], copied.numpy())):
             raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")

@@ -21,6 +21,11 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     return int(d[0]) if d.size else n
 
 
+def host_ints(x) -> np.ndarray:
+    """``x`` (an int tensor or array) as an int64 numpy array, without a copy when it already is one."""
+    return (x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64, copy=False)
+
+
 def page_key(tokens: np.ndarray, page_size: int) -> bytes:
     """The children-dict key of a node whose tokens start with ``tokens``: the
     bytes of its first page (or of the whole key, for a partial leaf)."""
@@ -30,7 +35,7 @@ def page_key(tokens: np.ndarray, page_size: int) -> bytes:
 @dataclass(eq=False, slots=True)
 class _Node:
     key: np.ndarray  # int64 tokens of this edge: whole pages, or fewer than a page (partial leaf)
-    slots: torch.Tensor  # int64, host
+    slots: np.ndarray  # int64 (numpy: a node is small, and a torch op on it costs ten times a numpy one)
     parent: "_Node | None"
     lanes: np.ndarray  # pages of this node per lane
     pages: np.ndarray  # the node's logical pages, in chain order
@@ -86,11 +91,11 @@ class RadixTree:
 
     def pages_of(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pages under ``slots`` and their count per lane."""
-        pages = np.unique(page_of(slots.numpy(), self.S))
+        pages = np.unique(page_of(host_ints(slots), self.S))
         return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
 
-    def _node(self, key: np.ndarray, slots: torch.Tensor, parent: _Node | None) -> _Node:
-        pages = page_of(slots.numpy()[:: self.S], self.S)  # a node's slots are a page chain from a page start
+    def _node(self, key: np.ndarray, slots: np.ndarray, parent: _Node | None) -> _Node:
+        pages = page_of(slots[:: self.S], self.S)  # a node's slots are a page chain from a page start
         lanes = np.bincount(owner_of(pages, self.N), minlength=self.N)
         self._serial += 1
         return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now)
@@ -101,7 +106,7 @@ class RadixTree:
         if root is None and create:
             # a root takes no serial and no LRU time (it is never evicted): a tree is the same whatever
             # order its namespaces were opened in
-            root = self.roots[ns] = _Node(np.empty(0, dtype=np.int64), torch.empty(0, dtype=torch.int64), None,
+            root = self.roots[ns] = _Node(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), None,
                                           np.zeros(self.N, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
             root.ref, root.ns = 1, ns
         return root
@@ -183,13 +188,14 @@ class RadixTree:
             node = node.parent
         return np.concatenate(keys[::-1]) if keys else np.empty(0, dtype=np.int64)
 
-    def prefix_slots(self, node: _Node) -> torch.Tensor:
-        """The slots of every token from the root through the end of ``node`` (a copy)."""
+    def prefix_slots(self, node: _Node | None) -> torch.Tensor:
+        """The slots of every token from the root through the end of ``node``
+        (int64, a copy; empty for ``None`` or a root)."""
         parts = []
-        while node.parent is not None:
+        while node is not None and node.parent is not None:
             parts.append(node.slots)
             node = node.parent
-        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(parts[::-1])) if parts else torch.empty(0, dtype=torch.int64)
 
     def nodes(self):
         """Every node but the roots (depth first)."""
@@ -210,16 +216,17 @@ class RadixTree:
         base = lane_base_of_last_loc(int(node.slots[-1]), length, self.S, self.N)
         return int(lane_of_position(base, length // self.S, self.N))
 
-    def graft_length(self, node: _Node, start: int, slots: torch.Tensor) -> int:
+    def graft_length(self, node: _Node, start: int, slots) -> int:
         """How many of ``slots`` (a page chain from position ``start``, a
         multiple of S) may hang under ``node`` (ending at ``start``): every
         page up to the first whose lane is not ``(b + q) % N`` of the chain it
         would join, so every cached chain keeps one lane base at every
         position (SGLang's kv-shard radix cache declines such a graft
         likewise). Vectorised. [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-PREFIX-CACHE]]"""
-        lanes = owner_of(page_of(slots[:: self.S].numpy(), self.S), self.N)
+        slots = host_ints(slots)
+        lanes = owner_of(page_of(slots[:: self.S], self.S), self.N)
         ok = int(self.graft_pages([node], np.array([start]), lanes, np.array([lanes.size]))[0])
-        return int(slots.numel()) if ok == lanes.size else ok * self.S
+        return int(slots.size) if ok == lanes.size else ok * self.S
 
     def graft_pages(self, nodes: list, starts: np.ndarray, lanes: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """:meth:`graft_length` in pages for a batch of chains: chain ``i``
@@ -253,13 +260,12 @@ class RadixTree:
                 tuple(self.evictable_lanes.tolist()), self.page_cached.tobytes())
 
     # -- shape changes (counts kept exact) ---------------------------------------------
-    def attach(self, parent: _Node, key: np.ndarray, slots: torch.Tensor) -> _Node:
+    def attach(self, parent: _Node, key: np.ndarray, slots) -> _Node:
         """A new unreferenced node under ``parent`` (which has no child on
         its first page), used now (``key`` and ``slots`` are copied)."""
         return self.attach_many([parent], key, slots, np.array([len(key)]), held=False)[0]
 
-    def attach_many(self, parents: list, tokens: np.ndarray, slots: torch.Tensor, counts: np.ndarray,
-                    held: bool) -> list:
+    def attach_many(self, parents: list, tokens: np.ndarray, slots, counts: np.ndarray, held: bool) -> list:
         """Run ``i`` (``counts[i] >= 1`` tokens and slots, back to back, a page
         chain from a page start) as a new node under ``parents[i]``, in order,
         as :meth:`attach` one by one would: skipped (``None`` in the returned
@@ -269,29 +275,29 @@ class RadixTree:
         :meth:`hold_child`). Tokens and slots are copied once for the batch;
         the per-lane counts are updated once. Returns the new nodes."""
         S, N, B = self.S, self.N, len(parents)
-        tokens, slots = np.array(tokens, dtype=np.int64), slots.clone()
+        tokens, slots = np.array(tokens, dtype=np.int64), host_ints(slots).copy()
         starts = np.cumsum(counts) - counts
-        heads = np.arange(slots.numel()) - np.repeat(starts, counts)
+        heads = np.arange(slots.size) - np.repeat(starts, counts)
         heads = np.flatnonzero(heads % S == 0)  # each page's first slot
-        pages = page_of(slots.numpy()[heads], S)
+        pages = page_of(slots[heads], S)
         per_run = -(-np.asarray(counts) // S)
         run = np.repeat(np.arange(B), per_run)
         lanes = np.bincount(run * N + owner_of(pages, N), minlength=B * N).reshape(B, N)
         first_page = np.cumsum(per_run) - per_run
-        nodes, ref = [None] * B, int(held)
-        for i, parent in enumerate(parents):
-            a, b = int(starts[i]), int(starts[i] + counts[i])
+        nodes, ref, leaves = [None] * B, int(held), self.leaves
+        ends, page_ends = (starts + counts).tolist(), (first_page + per_run).tolist()
+        for i, (parent, a, b, p, q) in enumerate(zip(parents, starts.tolist(), ends, first_page.tolist(), page_ends)):
             k = tokens[a : a + S].tobytes()
             if parent is None or k in parent.children:
                 continue
             self._serial += 1
-            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lanes[i],
-                                    pages[first_page[i] : first_page[i] + per_run[i]], self._serial, ref=ref,
-                                    last_access=self.tick(), ns=parent.ns)
+            self.now += 1  # used now: one tick per node, as attach one by one
+            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lanes[i], pages[p:q], self._serial, ref=ref,
+                                    last_access=self.now, ns=parent.ns)
             parent.children[k] = node
             parent.partials += b - a < S
-            self.leaves.pop(parent, None)
-            self.leaves[node] = None
+            leaves.pop(parent, None)
+            leaves[node] = None
             if self.events is not None:
                 self._announce(node, self.events.stored)
         made = np.fromiter((n is not None for n in nodes), bool, B)
@@ -347,6 +353,22 @@ class RadixTree:
         assert child.ref == 0 and child.parent is not None and (child.parent.parent is None or child.parent.ref > 0)
         child.ref = 1
         self.evictable_lanes -= child.lanes
+
+    def unpin_many(self, nodes: list) -> None:
+        """:meth:`pin` ``(node, -1)`` for each of ``nodes`` in order (one tick
+        each, as the calls one by one), the per-lane counts updated once."""
+        freed = []
+        for node in nodes:
+            self.now += 1
+            while node is not None and node.parent is not None:
+                node.ref -= 1
+                assert node.ref >= 0, "reference count below zero"
+                if node.ref == 0:
+                    freed.append(node.lanes)
+                node.last_access = self.now
+                node = node.parent
+        if freed:
+            self.evictable_lanes += np.sum(freed, axis=0)
 
     def pin(self, node: _Node | None, delta: int) -> None:
         """Add ``delta`` to the reference count of ``node`` and every ancestor

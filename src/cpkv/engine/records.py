@@ -15,7 +15,7 @@ from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixMatch
 from .trace import RequestSpec
 
-__all__ = ["Request", "Stats"]
+__all__ = ["Request", "Stats", "append_tokens", "id_runs"]
 
 
 @dataclass(eq=False)
@@ -68,25 +68,22 @@ class Request:
         built once from the prompt, sized for every token the request will
         have (it grows by doubling past that), so a step costs O(its
         tokens), never O(context)."""
+        v = self._buffer()[: self.length][start:end]
+        v.flags.writeable = False
+        return v
+
+    def _buffer(self) -> np.ndarray:
+        """The id buffer (built here on first use), holding every known token."""
         if self._ids is None:
             n, p = self.length, len(self.prompt)
             self._ids = np.empty(max(p + self.spec.max_new_tokens, n, 1), dtype=np.int32)
             self._ids[:p] = self.prompt
             self._ids[p:n] = self.generated
-        v = self._ids[: self.length][start:end]
-        v.flags.writeable = False
-        return v
+        return self._ids
 
     def append(self, token: int) -> None:
         """A sampled token: appended to ``generated`` and to the id buffer (amortised O(1))."""
-        g = self.generated
-        g.append(int(token))
-        ids = self._ids
-        if ids is not None:
-            n = len(self.prompt) + len(g)
-            if n > ids.size:
-                ids = self._ids = np.concatenate([ids, np.empty(ids.size, dtype=np.int32)])
-            ids[n - 1] = token
+        append_tokens([self], [token])
 
     @property
     def final_len(self) -> int:
@@ -108,6 +105,33 @@ class Request:
     def prefilling(self) -> bool:
         """Whether the request still has prompt (or recomputed) tokens to prefill."""
         return self.computed < self.target
+
+
+def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
+    """``tokens[i]`` sampled for ``reqs[i]``: appended to its ``generated``
+    and its id buffer (amortised O(1) each, one pass). Returns the requests
+    that now have their ``max_new_tokens``, in order."""
+    done = []
+    for r, t in zip(reqs, tokens):
+        g = r.generated
+        g.append(int(t))
+        ids = r._ids
+        if ids is not None:
+            n = len(r.prompt) + len(g)
+            if n > ids.size:
+                ids = r._ids = np.concatenate([ids, np.empty(ids.size, dtype=np.int32)])
+            ids[n - 1] = t
+        if len(g) == r.spec.max_new_tokens:
+            done.append(r)
+    return done
+
+
+def id_runs(reqs: list[Request], starts: list[int], ends: list[int]) -> np.ndarray:
+    """Token ids of positions ``starts[i] .. ends[i] - 1`` of each request
+    (within its length), back to back (int32, a new array): one concatenate,
+    no read-only view per request."""
+    runs = [r._buffer()[a:e] for r, a, e in zip(reqs, starts, ends)]
+    return np.concatenate(runs) if runs else np.empty(0, dtype=np.int32)
 
 
 @dataclass

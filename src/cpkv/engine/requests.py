@@ -17,7 +17,7 @@ from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache
 from ..contract import layout
 from ..contract.layout import lane_base_of_last_loc, owner_of
-from .records import Request, Stats
+from .records import Request, Stats, append_tokens, id_runs
 from .step_plan import StepPlan
 from .trace import CacheTooSmall, RequestSpec, TraceError, validate
 
@@ -141,21 +141,20 @@ class RequestLifecycle:
         Finishes requests at ``max_new_tokens``; returns them. The requests
         whose KV filled a page cache it in one batched call, and the finished
         ones end in another: one Python step per request, the rest vectorised."""
-        finished, caching, S, sampled = [], [], self.S, 0
+        finished, caching, S = [], [], self.S
         for b, toks in zip(plan.forwards(), tokens):
-            for r, t, s in zip(b.requests, toks, b.sample):
-                if s:
-                    r.append(t)
-                    sampled += 1
-                    if len(r.generated) == r.spec.max_new_tokens:
-                        finished.append(r)
-                        if self.hold_finished:  # its pages stay as they are until release_finished
-                            continue
-                m = r.match
-                if m is not None and m.live and r.computed - m.shared >= S:  # full pages with KV: into the cache
-                    caching.append(r)
+            if all(b.sample):
+                sampled = b.requests
+            else:
+                sampled = [r for r, s in zip(b.requests, b.sample) if s]
+                toks = [t for t, s in zip(toks, b.sample) if s]
+            done = append_tokens(sampled, toks)
+            finished += done
+            self.stats.generated_tokens += len(sampled)
+            held = set(done) if self.hold_finished else ()  # their pages stay as they are until release_finished
+            caching += [r for r in b.requests if (m := r.match) is not None and m.live and r.computed - m.shared >= S
+                        and r not in held]  # full pages with KV: into the cache
             self.stats.computed_tokens += b.alloc.out_cache_loc.numel()
-        self.stats.generated_tokens += sampled
         if caching:
             ends = np.fromiter((r.computed // S * S for r in caching), np.int64, len(caching))
             self.cache.cache_pages_many([r.match for r in caching], *self._runs(caching, ends))
@@ -180,9 +179,7 @@ class RequestLifecycle:
         counts = ends - shared
         rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
         pos = np.arange(int(counts.sum())) + np.repeat(shared - (np.cumsum(counts) - counts), counts)
-        ids = [r.ids(a, e) for r, a, e in zip(reqs, shared.tolist(), ends.tolist())]
-        tokens = np.concatenate(ids) if ids else np.empty(0, dtype=np.int32)
-        return tokens, self.table.gather(np.repeat(rows, counts), pos), counts
+        return id_runs(reqs, shared.tolist(), ends.tolist()), self.table.gather(np.repeat(rows, counts), pos), counts
 
     def _finish(self, done: list[Request]) -> None:
         """``done`` have their tokens (the caller takes them off ``running``):
@@ -207,9 +204,9 @@ class RequestLifecycle:
             self.held.update((r.index, r) for r in done)
         else:
             self.cache.insert_tails([r.match for r in done], *self._runs(done, computed))
-            for r in done:
-                r.match = None
-                self._give_back(r)
+            self.table.free_rows([r.row for r in done], computed.tolist())
+            for r in done:  # the KV is the cache's now, the rows are the table's
+                r.match, r.row = None, -1
         for r in done:
             r.finished_at = self.step
             self._conclude(r, sort=False)

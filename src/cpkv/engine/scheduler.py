@@ -135,9 +135,12 @@ class Scheduler(RequestLifecycle):
         return need
 
     def _admit(self, p: StepPlan) -> None:
+        due = self._due()
+        if not due:
+            return
         reserved = self._reserved() if self.admission == "lanes" else None
         headroom = int(self.headroom * int(self.cache.lane_pages.min()))
-        for r in self._due():
+        for r in due:
             if self.remote_prefill and not r.ready:
                 continue  # its KV is still being computed elsewhere
             if len(self.running) >= self.max_running:
@@ -170,7 +173,8 @@ class Scheduler(RequestLifecycle):
             if rest is not None:
                 computed, loaded = adm.host_len, adm.host_len - m.length
         r.table, r.row = self.table, self.table.take_row()
-        self.table.write(r.row, 0, m.slots)
+        slots = m.slots  # derived: read once
+        self.table.write(r.row, 0, slots)
         if rest is not None:
             self.table.write(r.row, m.length, rest.out_cache_loc)
             if self.remote_prefill:
@@ -184,7 +188,7 @@ class Scheduler(RequestLifecycle):
         self.waiting.remove(r)
         self.running.append(r)
         self._track(r)
-        r.prefix_lanes = self.cache.tree.pages_of(m.slots[: m.shared : self.S])[1]
+        r.prefix_lanes = self.cache.tree.pages_of(slots[: m.shared : self.S])[1]
         r.own_from = m.shared // self.S
         if m.copy_dst.numel():
             p.copies.append(Copy(m.copy_src, m.copy_dst, r))
@@ -238,7 +242,7 @@ class Scheduler(RequestLifecycle):
             self._refused()
             self._preempt(p)
         rows_t = torch.from_numpy(rows)
-        if int(a.seq_lens.max()) > self.table.width:  # never: the table is as wide as the longest request
+        if int(computed.max()) + 1 > self.table.width:  # never: the table is as wide as the longest request
             self.table.write_allocation(rows_t, a)
         else:
             self.table.scatter(rows, computed, a.out_cache_loc.numpy())  # position ``computed``: one slot each
@@ -252,7 +256,7 @@ class Scheduler(RequestLifecycle):
 
     def _plan_prefill(self, p: StepPlan) -> Forward | None:
         while True:
-            pre = sorted((r for r in self.running if r.prefilling), key=lambda x: x.admitted)
+            pre = sorted([r for r in self.running if r.computed < r.target], key=lambda x: x.admitted)  # prefilling
             reqs, chunks, budget = [], [], self.chunk
             for r in pre:
                 if budget == 0:

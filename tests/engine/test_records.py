@@ -1,0 +1,40 @@
+"""A request's record: its token ids in one buffer, appended in batches and
+read in runs, equal to the one-by-one forms."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkv.engine.records import Request, append_tokens, id_runs
+from cpkv.engine.trace import RequestSpec
+
+
+def _requests(lengths, new):
+    return [Request(RequestSpec(f"r{i}", 0, tuple(range(1, n + 1)), new), i, prompt=tuple(range(1, n + 1)))
+            for i, n in enumerate(lengths)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), new=st.integers(1, 4),
+       steps=st.integers(1, 7), read_first=st.booleans(), data=st.data())
+def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_first, data):
+    """``append_tokens`` appends what ``Request.append`` would (the id buffer
+    grows past ``max_new_tokens`` too) and names the requests that reached
+    ``max_new_tokens`` in that call; ``id_runs`` is the concatenation of the
+    requests' ``ids(start, end)``."""
+    batch, single = _requests(lengths, new), _requests(lengths, new)
+    if read_first:  # the buffer exists before the appends (as for an admitted request), or is built after
+        for r in batch + single:
+            r.ids()
+    for step in range(steps):
+        toks = [step * 10 + i for i in range(len(batch))]
+        done = append_tokens(batch, toks)
+        for r, t in zip(single, toks):
+            r.append(t)
+        assert [r.index for r in done] == [r.index for r in batch if len(r.generated) == new]
+    for a, b in zip(batch, single):
+        assert a.generated == b.generated and a.ids().tolist() == b.ids().tolist() == list(a.prompt) + a.generated
+    starts = [data.draw(st.integers(0, r.length)) for r in batch]
+    ends = [data.draw(st.integers(s, r.length)) for s, r in zip(starts, batch)]
+    want = np.concatenate([r.ids(s, e) for r, s, e in zip(single, starts, ends)])
+    assert id_runs(batch, starts, ends).tolist() == want.tolist()
