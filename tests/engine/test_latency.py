@@ -1,11 +1,13 @@
 """Per-request latency in the engine's report: TTFT and TPOT p50/p99 in steps and
 seconds, consistent with each request's own figures. [[RFC-0001:C-NO-PLANNER-COLLECTIVE]]"""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from cpkv.engine import EngineConfig, run_engine_threads
-from cpkv.engine.latency import LatencyClock, percentiles
+from cpkv.engine.latency import STEP_KINDS, LatencyClock, percentiles, step_kind
 from cpkv.engine.step_plan import StepPlan
 
 
@@ -28,6 +30,30 @@ def test_report_latency_is_consistent(llama):
         if x["generated"] > 1:  # one decode step per further token at least
             assert x["tpot_steps"] >= 1.0 and x["tpot_s"] > 0
     assert sum(x["generated"] for x in per) == r["generated_tokens"]
+    kinds = lat["step_s"]
+    assert set(kinds) == set(STEP_KINDS) and kinds["decode"]["count"] > 0 and kinds["prefill"]["count"] > 0
+    assert sum(k["count"] for k in kinds.values()) <= r["steps"]  # idle steps are skipped, never observed
+    assert all(k["p50"] > 0 for k in kinds.values() if k["count"])
+
+
+def _plan(step, decode, prefill):
+    p = StepPlan(step)
+    empty = SimpleNamespace(requests=[], sample=[])  # a forward of no request: only its presence counts
+    p.decode, p.prefill = (empty if decode else None), (empty if prefill else None)
+    return p
+
+
+def test_step_seconds_by_kind():
+    """Each observed step lasts from the end of the one before (or the start), filed under its kind."""
+    clock = LatencyClock(10.0)
+    plans = [(0, 1, 0, 11.0), (1, 1, 1, 14.0), (3, 0, 1, 16.0), (4, 1, 0, 18.0), (6, 0, 0, 18.5)]
+    for step, d, f, now in plans:
+        clock.observe(_plan(step, d, f), now)
+    assert [step_kind(_plan(0, d, f)) for d, f in ((1, 0), (1, 1), (0, 1), (0, 0))] == list(STEP_KINDS)
+    got = clock.step_seconds()
+    assert got["decode"] == percentiles([1.0, 2.0]) and got["mixed"] == percentiles([3.0])
+    assert got["prefill"] == percentiles([2.0]) and got["none"] == percentiles([0.5])
+    assert LatencyClock(0.0).step_seconds() == {k: percentiles([]) for k in STEP_KINDS}
 
 
 def test_clock_misuse_and_empty():

@@ -31,6 +31,20 @@ def tpot_reports(kv: str, p99s) -> list[dict]:
     return [fake_report(kv, tpot_p99=float(x)) for x in p99s]
 
 
+def test_step_kinds_are_timed_figures():
+    """The median step of each kind is a figure in time; a kind one mode never ran (the replicated group's
+    mixed steps, ``None``) gives an infinite ratio, not an error."""
+    def with_steps(kv, decode, mixed):
+        x = fake_report(kv)
+        x["latency"]["step_s"] = {"decode": {"p50": decode}, "mixed": {"p50": mixed}, "prefill": {"p50": 0.004}}
+        return x
+
+    s, r = [with_steps("shared", 0.006, 0.010)], [with_steps("replicated", 0.003, None)]
+    assert timed(s, r, "decode_step_s_p50") == pytest.approx((6.0, 3.0, 2.0))
+    assert timed(s, r, "mixed_step_s_p50") == (pytest.approx(10.0), 0.0, float("inf"))
+    assert timed(s, r, "prefill_step_s_p50")[2] == pytest.approx(1.0)
+
+
 def test_timed_is_the_median_of_same_round_ratios():
     s, r = tpot_reports("shared", [0.001, 0.010, 0.003]), tpot_reports("replicated", [0.002, 0.005, 0.001])
     a, b, ratio = timed(s, r, "tpot_s_p99")
@@ -73,7 +87,8 @@ def test_timed_misuse():
         timed(s, r[:1], "tpot_s_p99")
     with pytest.raises(ValueError, match="same number of rounds"):
         timed([], [], "tpot_s_p99")
-    assert set(TIMED_FIGURES) == {"tokens_per_second", "ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "tpot_s_p99"}
+    assert set(TIMED_FIGURES) == {"tokens_per_second", "ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "tpot_s_p99",
+                                  "decode_step_s_p50", "mixed_step_s_p50", "prefill_step_s_p50"}
 
 
 class FakeRuns:

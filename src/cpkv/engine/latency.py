@@ -14,7 +14,10 @@ finished, as the scheduler makes it due) and its end the step it finished
   and the same in seconds (requests of one generated token have none);
 
 with p50 and p99 of each over the finished requests, and every request's
-figures. Nothing loops per token.
+figures; and the duration of the observed steps by kind (:data:`STEP_KINDS`:
+decodes only, decodes with a prefill chunk in the same forward, a prefill
+only), which says where a decode step's milliseconds go. Nothing loops per
+token.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ from __future__ import annotations
 import numpy as np
 
 from .step_plan import StepPlan
+
+#: The kinds of an observed step, by its forwards: decodes only; decodes and a
+#: prefill chunk (one forward, the decodes riding as one-token extends); a
+#: prefill only; no forward (the step only moved KV, or nothing ran).
+STEP_KINDS = ("decode", "mixed", "prefill", "none")
+
+
+def step_kind(plan: StepPlan) -> str:
+    """The :data:`STEP_KINDS` entry of ``plan`` (by its decode and prefill forwards)."""
+    if plan.decode is not None:
+        return "mixed" if plan.prefill is not None else "decode"
+    return "prefill" if plan.prefill is not None else "none"
 
 
 class LatencyClock:
@@ -37,6 +52,7 @@ class LatencyClock:
         self.steps: list[int] = []  # observed step numbers, ascending
         self.ends: list[float] = []  # perf_counter at the end of each observed step
         self.first: dict[int, int] = {}  # request index -> step of its first generated token
+        self.kinds: list[str] = []  # the STEP_KINDS entry of each observed step
 
     def observe(self, plan: StepPlan, now: float) -> None:
         """Step ``plan.step`` ended at ``now``: note the requests that now hold
@@ -46,10 +62,20 @@ class LatencyClock:
             raise ValueError(f"step {plan.step} observed after step {self.steps[-1]}")
         self.steps.append(plan.step)
         self.ends.append(now)
+        self.kinds.append(step_kind(plan))
         for b in plan.forwards():
             for r, s in zip(b.requests, b.sample):
                 if s and r.generated and r.index not in self.first:
                     self.first[r.index] = plan.step
+
+    def step_seconds(self) -> dict:
+        """The duration of the observed steps by kind: ``{kind: {"p50", "p99",
+        "count"}}`` for every entry of :data:`STEP_KINDS` (``None``
+        percentiles for a kind that never ran). A step lasts from the end of
+        the observed step before it (or the start) to its own end."""
+        ends = np.asarray([self.start, *self.ends])
+        took, kinds = np.diff(ends), np.asarray(self.kinds, dtype=object)
+        return {k: percentiles(took[kinds == k]) for k in STEP_KINDS}
 
     def _end_before(self, idx: np.ndarray) -> np.ndarray:
         ends = np.asarray([self.start, *self.ends])
@@ -84,9 +110,11 @@ def percentiles(x) -> dict:
 
 def latency_report(requests: list, clock: LatencyClock) -> dict:
     """TTFT and TPOT (steps and seconds; p50, p99 and count over the finished
-    requests) and each request's figures (``requests``: id, arrival,
-    first-token and finish steps, generated tokens, preemptions, TTFT, TPOT),
-    from the finished ``requests`` of a run watched by ``clock``."""
+    requests), each request's figures (``requests``: id, arrival,
+    first-token and finish steps, generated tokens, preemptions, TTFT, TPOT)
+    and the steps' durations by kind (``step_s``:
+    :meth:`LatencyClock.step_seconds`), from the finished ``requests`` of a
+    run watched by ``clock``."""
     by_id = {r.spec.id: r for r in requests}
     done = [r for r in requests if r.finished_at >= 0 and r.index in clock.first]
     arrival = np.array([arrival_step(r, by_id) for r in done], dtype=np.int64)
@@ -108,4 +136,5 @@ def latency_report(requests: list, clock: LatencyClock) -> dict:
            for r, a, f, e, g, ts, t, ps, p in zip(done, arrival, first, end, gen, ttft_steps, ttft_s,
                                                   tpot_steps_of, tpot_of)]
     return {"ttft_steps": percentiles(ttft_steps), "ttft_s": percentiles(ttft_s),
-            "tpot_steps": percentiles(tpot_steps), "tpot_s": percentiles(tpot_s), "requests": per}
+            "tpot_steps": percentiles(tpot_steps), "tpot_s": percentiles(tpot_s), "requests": per,
+            "step_s": clock.step_seconds()}

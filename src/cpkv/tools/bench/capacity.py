@@ -87,8 +87,10 @@ def _run_specs(cfg: EngineConfig, specs: list[RequestSpec]) -> dict:
 #: The figures of a trace run that are the scheduler's (equal in every round of one configuration).
 SCHEDULE_FIGURES = ("requests", "finished", "steps", "preemptions", "evicted_pages", "device_hit_rate")
 #: The figures of a trace run in time, ``(report path, scale)``: the median over the rounds is reported.
+#: ``{kind}_step_s_p50``: the median step of a kind (:data:`~cpkv.engine.latency.STEP_KINDS`), in ms.
 TIMED_FIGURES = {"tokens_per_second": (("tokens_per_second",), 1.0),
-                 **{f"{k}_s_{q}": (("latency", f"{k}_s", q), 1e3) for k in ("ttft", "tpot") for q in ("p50", "p99")}}
+                 **{f"{k}_s_{q}": (("latency", f"{k}_s", q), 1e3) for k in ("ttft", "tpot") for q in ("p50", "p99")},
+                 **{f"{k}_step_s_p50": (("latency", "step_s", k, "p50"), 1e3) for k in ("decode", "mixed", "prefill")}}
 
 
 def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: float = 0.012, documents: int = 6,
