@@ -99,7 +99,7 @@ class Request:
     @property
     def last_loc(self) -> int:
         """Slot of the last position with KV, -1 for none."""
-        return int(self.table.req_to_token[self.row, self.computed - 1]) if self.computed else -1
+        return int(self.table.req_to_token.numpy()[self.row, self.computed - 1]) if self.computed else -1
 
     @property
     def prefilling(self) -> bool:

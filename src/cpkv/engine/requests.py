@@ -193,7 +193,7 @@ class RequestLifecycle:
         last = self.table.gather(np.fromiter((r.row for r in done), np.int64, n), computed - 1)
         first = np.fromiter((r.own_from for r in done), np.int64, n)  # its own pages: one lane base
         own = layout.chain_lane_pages(lane_base_of_last_loc(last, computed, S, N), first, -(-computed // S) - first, N)
-        per_lane = np.stack([r.prefix_lanes for r in done]) + own
+        per_lane = np.array([r.prefix_lanes for r in done]) + own
         self.stats.max_request_skew = max(self.stats.max_request_skew, int((per_lane.max(1) - per_lane.min(1)).max()))
         needs = [r.need for r in done if r.need is not None]
         if needs:  # _track(r, leaving=True) for all of them, in one sum

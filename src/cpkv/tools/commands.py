@@ -179,7 +179,7 @@ def cmd_bench_scheduler(args) -> int:
     from .table import format_rows
 
     sizes = dict(batches=args.batches or BATCHES, contexts=args.contexts or CONTEXTS, steps=args.steps or 64,
-                 cp_size=args.cp or 8, page_size=args.page or 64)
+                 cp_size=args.cp or 8, page_size=args.page or 64, rounds=args.repeats or 3)
     print(format_rows(bench_scheduler(**sizes), scheduler_title(**sizes)))
     return EXIT_OK
 

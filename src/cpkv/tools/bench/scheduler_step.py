@@ -87,18 +87,37 @@ def _timed_case(batch: int, context: int, steps: int, cp_size: int, page_size: i
             "hit rate": round(st.hit_tokens / max(st.prompt_tokens, 1), 4)}
 
 
-def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8,
-                    page_size: int = 64) -> list[dict]:
-    """One row per (batch, context) case of :func:`scheduler_case`."""
-    return [scheduler_case(b, c, steps=steps, cp_size=cp_size, page_size=page_size) for b in batches
-            for c in contexts]
+#: Figures in time: each reported as its median over the rounds.
+TIMED = ("median ms", "p99 ms", "max ms", "us/request", "cpu median ms", "cpu max ms", "cpu us/request")
 
 
-def scheduler_title(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8, page_size: int = 64) -> str:
+def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8, page_size: int = 64,
+                    rounds: int = 3) -> list[dict]:
+    """One row per (batch, context) case of :func:`scheduler_case`. The
+    cases run ``rounds`` times, interleaved (each round runs every case once),
+    so that a slow stretch of a noisy machine falls on one round of each; a
+    figure in time is its median over the rounds (the slowest step: the median
+    of the rounds' slowest steps), the counts are the same in every round.
+    Raises ``ValueError`` for ``rounds < 1``."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    runs = [[scheduler_case(b, c, steps=steps, cp_size=cp_size, page_size=page_size) for b in batches
+             for c in contexts] for _ in range(rounds)]
+    rows = []
+    for case in zip(*runs):
+        row = dict(case[0], rounds=rounds)
+        row.update({k: round(float(np.median([r[k] for r in case])), 3) for k in TIMED})
+        rows.append(row)
+    return rows
+
+
+def scheduler_title(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size: int = 8, page_size: int = 64,
+                    rounds: int = 3) -> str:
     """The table title of :func:`bench_scheduler` with these settings (and the load average, which moves the figures)."""
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (f"scheduler: no model, N {cp_size}, page {page_size}, {steps} decode steps per case on one shared "
-            f"document, every request finishing in the last; load average {load}")
+            f"document, every request finishing in the last; medians over {rounds} interleaved rounds; "
+            f"load average {load}")
 
 
 if __name__ == "__main__":  # a quick look: python -m cpkv.tools.bench.scheduler_step
