@@ -2,6 +2,8 @@
 no O(context) copy per request, and the same answer after the tree splits
 that chain or the match ends. [[RFC-0001:C-PREFIX-CACHE]]"""
 
+import dataclasses
+
 import numpy as np
 import torch
 from hypothesis import given, settings
@@ -35,7 +37,8 @@ def test_tokens_and_slots_are_the_chain_the_match_holds(S, N, pages, data):
     assert m.length == cut and m.tokens.tolist() == seq[:cut]
     assert m.slots.tolist() == want_slots + m.copy_dst.tolist() and m.slots[: m.shared].tolist() == want_slots
     assert m.last_loc == (m.slots.tolist() or [-1])[-1]
-    kept = [v for v in vars(m).values() if isinstance(v, (np.ndarray, torch.Tensor))]
+    kept = [getattr(m, f.name) for f in dataclasses.fields(m)]
+    kept = [v for v in kept if isinstance(v, (np.ndarray, torch.Tensor))]
     assert all(len(v) < S for v in kept), "a match keeps a copy of its prefix"
     before = (m.tokens.tolist(), m.slots.tolist(), m.last_loc)
     other = cache.acquire(seq[: data.draw(st.integers(1, len(seq) - 1))] + [98])  # may split m's node

@@ -50,7 +50,7 @@ class PrefixHit:
         return self.copy > 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PrefixMatch:
     """A request's cached prefix, held from :meth:`PrefixCache.acquire` until
     it is consumed, exactly once, by :meth:`PrefixCache.insert` or

@@ -16,6 +16,7 @@ running request at the median, no step over 5 ms at batch 256 and 128K).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -47,6 +48,7 @@ def scheduler_case(batch: int, context: int, *, steps: int = 64, cp_size: int = 
         raise ValueError(f"batch, context and steps must be >= 1, got {batch}, {context}, {steps}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank runs it: a host op never waits on a thread pool
+    gc.collect()  # the cases before this one leave cyclic garbage (their trees): not this case's to collect
     try:
         return _timed_case(batch, context, steps, cp_size, page_size, seed)
     finally:
