@@ -21,7 +21,8 @@ def fake_report(kv: str, tpot_p99: float = 0.01, steps: int = 10, tps: float = 1
             "preemptions": 0, "ttft_steps": 3, "ttft_s": 0.02, "tpot_steps": 1.0, "tpot_s": tpot_p99}]
     lat = {"ttft_steps": {"p50": 3.0, "p99": 3.0}, "ttft_s": {"p50": 0.02, "p99": 0.02},
            "tpot_steps": {"p50": 1.0, "p99": 1.0}, "tpot_s": {"p50": tpot_p99 / 2, "p99": tpot_p99},
-           "requests": per}
+           "requests": per, "step_s": {"decode": {"p50": tpot_p99 / 2}, "prefill": {"p50": 0.004},
+                                       "mixed": {"p50": tpot_p99 if kv == "shared" else None}}}
     return {"config": {"kv": kv}, "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0},
             "requests": 1, "finished": 1, "steps": steps, "preemptions": 0, "evicted_pages": 0,
             "device_hit_rate": 0.5, "tokens_per_second": tps, "latency": lat}
@@ -128,6 +129,10 @@ def test_rounds_interleave_the_modes(fake_runs):
     tpot = rows["trace: TPOT p99 (ms, median of 3)"]
     assert (tpot["shared"], tpot["replicated"], tpot["shared / replicated"]) == ("20.000", "20.000", "1.00")
     assert rows["trace: TPOT p99 (steps)"]["shared / replicated"] == "1.00"
+    decode = rows["trace: decode-only step, p50 (ms, median of 3)"]
+    assert (decode["shared"], decode["replicated"], decode["shared / replicated"]) == ("10.000", "10.000", "1.00")
+    mixed = rows["trace: step of decodes and a prefill chunk, p50 (ms, median of 3)"]
+    assert (mixed["shared"], mixed["replicated"], mixed["shared / replicated"]) == ("20.000", "0.000", "-")
 
 
 @pytest.mark.parametrize("field", ["steps", "finished_step"])

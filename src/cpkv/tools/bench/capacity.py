@@ -194,6 +194,9 @@ def capacity_rows(m: dict) -> list[dict]:
             figures.append((f"trace: {name} {q} (steps)", lat(s, f"{key}_steps", q), lat(r, f"{key}_steps", q),
                             None, "lower"))
             figures.append((f"trace: {name} {q} (ms, median of {n})", *timed(*traces, f"{key}_s_{q}"), "lower"))
+    for kind, label in (("decode", "decode-only step"), ("mixed", "step of decodes and a prefill chunk")):
+        sv, rv, ratio = timed(*traces, f"{kind}_step_s_p50")  # where the TPOT milliseconds come from
+        figures.append((f"trace: {label}, p50 (ms, median of {n})", sv, rv, ratio if sv and rv else "-", "lower"))
     figures += [
         ("trace: preemptions", s["trace"]["preemptions"], r["trace"]["preemptions"], None, "lower"),
         ("trace: evicted pages", s["trace"]["evicted_pages"], r["trace"]["evicted_pages"], None, "lower"),
@@ -203,10 +206,10 @@ def capacity_rows(m: dict) -> list[dict]:
              "better": better} for name, a, b, ratio, better in figures]
 
 
-def _ratio(a, b, ratio: float | None) -> str:
+def _ratio(a, b, ratio: float | str | None) -> str:
     if ratio is None:  # a figure of the schedule: one ratio
         return f"{a / b:.2f}" if b else ("=" if a == b else "inf")
-    return f"{ratio:.2f}"
+    return ratio if isinstance(ratio, str) else f"{ratio:.2f}"  # "-": a step kind one mode never ran
 
 
 def _fmt(x) -> str:
