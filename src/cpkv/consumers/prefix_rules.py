@@ -166,7 +166,7 @@ def _check_chains(cache: "PrefixCache", slots: np.ndarray, run_pos: np.ndarray, 
             or (pages != first).any() or np.unique(pages[heads]).size != heads.size):
         raise PrefixCacheMisuse("not-a-page-chain", f"{what}: slot j must sit at offset j % {S} of the request's "
                                 f"own page j // {S}, every page a usable one, none twice")
-    own = np.unique(pages[private])
+    own = np.sort(pages[heads[private[heads]]])  # distinct (checked above); private runs are whole pages
     if own.size and not (ok := cache.alloc.is_allocated(own)).all():
         raise PrefixCacheMisuse("private-page-not-allocated", f"{what}: page {int(own[~ok][0])} of the request is free")
     if own.size and cache.tree.page_cached[own].any():
