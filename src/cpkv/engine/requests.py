@@ -177,6 +177,8 @@ class RequestLifecycle:
         back: token ids, slots (one gather from the page table) and counts."""
         shared = np.fromiter((r.match.shared for r in reqs), np.int64, len(reqs))
         counts = ends - shared
+        if not counts.any():  # every page is cached already (they finished as their last page filled)
+            return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), counts
         rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
         pos = np.arange(int(counts.sum())) + np.repeat(shared - (np.cumsum(counts) - counts), counts)
         return id_runs(reqs, shared.tolist(), ends.tolist()), self.table.gather(np.repeat(rows, counts), pos), counts
