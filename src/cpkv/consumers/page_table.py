@@ -98,9 +98,9 @@ class PageTable:
         """Enter an allocation's new slots: request i of ``alloc`` lives in
         ``rows[i]`` (int64 ``[bs]``); one vectorised scatter, no loop per
         request. [[RFC-0001:C-FLATTENED-ORDER]]"""
-        if alloc.batch_size and int(alloc.seq_lens.max()) > self.width:
-            self._grow(self.req_to_token.shape[0], max(int(alloc.seq_lens.max()), 2 * self.width))
-        ext, prefix = alloc.to_host("extend_lens"), alloc.to_host("prefix_lens")
+        ext, prefix, seq = alloc.to_host("extend_lens"), alloc.to_host("prefix_lens"), alloc.to_host("seq_lens")
+        if seq.size and int(seq.max()) > self.width:
+            self._grow(self.req_to_token.shape[0], max(int(seq.max()), 2 * self.width))
         req = np.repeat(np.arange(ext.size), ext)
         pos = np.arange(req.size) - alloc.to_host("extend_start_loc")[req] + prefix[req]
         rows = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
