@@ -38,3 +38,25 @@ def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_fir
     ends = [data.draw(st.integers(s, r.length)) for s, r in zip(starts, batch)]
     want = np.concatenate([r.ids(s, e) for r, s, e in zip(single, starts, ends)])
     assert id_runs(batch, starts, ends).tolist() == want.tolist()
+
+
+def test_wrong_calls_raise_and_change_nothing():
+    """A token that is not an int >= 0, or counts that differ, append nothing to any
+    request; a run outside a request's known tokens is refused."""
+    reqs = _requests([3, 4], 2)
+    for r in reqs:
+        r.ids()
+    for toks in ([5], [5, "x"], [5, -1], [5, 6, 7]):
+        try:
+            append_tokens(reqs, toks)
+        except (ValueError, TypeError):
+            pass
+        else:
+            raise AssertionError(f"{toks} was taken")
+        assert [r.generated for r in reqs] == [[], []] and [r.ids().tolist() for r in reqs] == [[1, 2, 3], [1, 2, 3, 4]]
+    for starts, ends in (([0, 0], [4, 4]), ([2, 0], [1, 4]), ([0], [3])):
+        try:
+            id_runs(reqs, starts, ends)
+        except ValueError:
+            continue
+        raise AssertionError(f"runs {starts}..{ends} were read")

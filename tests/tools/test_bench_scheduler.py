@@ -41,6 +41,19 @@ def test_one_row_per_batch_and_context_with_medians_over_interleaved_rounds(monk
     assert all(r["steps timed"] >= 1 and r["hit rate"] > 0 for r in rows)
 
 
+def test_rounds_that_schedule_differently_are_refused(monkeypatch):
+    """The counts of a case are the same in every round, or the bench refuses to report it."""
+    real, calls = sb.scheduler_case, []
+
+    def drifting(batch, context, **kw):
+        calls.append(1)
+        return dict(real(batch, context, **kw), **({"steps timed": 1} if len(calls) == 2 else {}))
+
+    monkeypatch.setattr(sb, "scheduler_case", drifting)
+    with pytest.raises(RuntimeError, match="scheduled differently"):
+        sb.bench_scheduler(batches=(2,), contexts=(40,), steps=2, cp_size=2, page_size=8, rounds=2)
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="batch, context and steps"):
         scheduler_case(0, 100)

@@ -256,7 +256,7 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         self._free_spare(self._end_insert(match, tokens, arr.copy(), 0, match.shared))
 
     def _free_spare(self, spare: list) -> None:
-        """Free the slots :meth:`_end_insert` did not cache (tensors, some empty), in one call."""
+        """Free the slots :meth:`_end_insert` did not cache (int64 arrays, some empty), in one call."""
         spare = [s for s in spare if s.size]
         if spare:
             self.alloc.free(np.concatenate(spare))

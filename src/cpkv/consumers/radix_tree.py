@@ -89,8 +89,8 @@ class RadixTree:
         self.evictable_lanes = np.zeros(cp_size, dtype=np.int64)
         self.page_cached = np.zeros(num_pages + 1, dtype=bool)
 
-    def pages_of(self, slots: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct pages under ``slots`` and their count per lane."""
+    def pages_of(self, slots) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct pages under ``slots`` (an int tensor or array) and their count per lane."""
         pages = np.unique(page_of(host_ints(slots), self.S))
         return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
 

@@ -110,11 +110,17 @@ class Request:
 def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
     """``tokens[i]`` sampled for ``reqs[i]``: appended to its ``generated``
     and its id buffer (amortised O(1) each, one pass). Returns the requests
-    that now have their ``max_new_tokens``, in order."""
+    that now have their ``max_new_tokens``, in order. Raises ``ValueError``,
+    nothing appended, for counts that differ or a token that is not an int >= 0."""
+    if len(tokens) != len(reqs):
+        raise ValueError(f"{len(reqs)} requests but {len(tokens)} tokens")
+    tokens = [int(t) for t in tokens]  # every conversion before the first append
+    if tokens and min(tokens) < 0:
+        raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
     done = []
     for r, t in zip(reqs, tokens):
         g = r.generated
-        g.append(int(t))
+        g.append(t)
         ids = r._ids
         if ids is not None:
             n = len(r.prompt) + len(g)
@@ -127,9 +133,14 @@ def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
 
 
 def id_runs(reqs: list[Request], starts: list[int], ends: list[int]) -> np.ndarray:
-    """Token ids of positions ``starts[i] .. ends[i] - 1`` of each request
-    (within its length), back to back (int32, a new array): one concatenate,
-    no read-only view per request."""
+    """Token ids of positions ``starts[i] .. ends[i] - 1`` of each request,
+    back to back (int32, a new array): one concatenate, no read-only view per
+    request. Raises ``ValueError`` for a run outside ``0 .. length`` or
+    counts that differ."""
+    if not len(reqs) == len(starts) == len(ends):
+        raise ValueError(f"{len(reqs)} requests, {len(starts)} starts, {len(ends)} ends")
+    if not all(0 <= a <= e <= r.length for r, a, e in zip(reqs, starts, ends)):
+        raise ValueError("every run must lie within its request's known tokens")
     runs = [r._buffer()[a:e] for r, a, e in zip(reqs, starts, ends)]
     return np.concatenate(runs) if runs else np.empty(0, dtype=np.int32)
 

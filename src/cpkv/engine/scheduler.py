@@ -256,7 +256,7 @@ class Scheduler(RequestLifecycle):
 
     def _plan_prefill(self, p: StepPlan) -> Forward | None:
         while True:
-            pre = sorted([r for r in self.running if r.computed < r.target], key=lambda x: x.admitted)  # prefilling
+            pre = sorted([r for r in self.running if r.prefilling], key=lambda x: x.admitted)
             reqs, chunks, budget = [], [], self.chunk
             for r in pre:
                 if budget == 0:

@@ -100,13 +100,18 @@ def bench_scheduler(batches=BATCHES, contexts=CONTEXTS, steps: int = 64, cp_size
     so that a slow stretch of a noisy machine falls on one round of each; a
     figure in time is its median over the rounds (the slowest step: the median
     of the rounds' slowest steps), the counts are the same in every round.
-    Raises ``ValueError`` for ``rounds < 1``."""
+    Raises ``ValueError`` for ``rounds < 1``, ``RuntimeError`` when a case's
+    counts (decode steps timed, hit rate) differ between rounds."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     runs = [[scheduler_case(b, c, steps=steps, cp_size=cp_size, page_size=page_size) for b in batches
              for c in contexts] for _ in range(rounds)]
     rows = []
     for case in zip(*runs):
+        counts = {(r["steps timed"], r["hit rate"]) for r in case}
+        if len(counts) > 1:
+            raise RuntimeError(f"batch {case[0]['batch']}, context {case[0]['context']}: the rounds scheduled "
+                               f"differently ({sorted(counts)})")
         row = dict(case[0], rounds=rounds)
         row.update({k: round(float(np.median([r[k] for r in case])), 3) for k in TIMED})
         rows.append(row)
