@@ -54,6 +54,13 @@ def test_rounds_that_schedule_differently_are_refused(monkeypatch):
         sb.bench_scheduler(batches=(2,), contexts=(40,), steps=2, cp_size=2, page_size=8, rounds=2)
 
 
+def test_a_case_that_cannot_run_is_a_clean_error(capsys):
+    """A context too short for the whole batch to decode together: exit 2 and one line, no traceback."""
+    assert main(["bench", "scheduler", "--batches", "64", "--contexts", "100", "--steps", "4", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpkv bench scheduler: no decode step ran the whole batch of 64") and "Traceback" not in err
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="batch, context and steps"):
         scheduler_case(0, 100)

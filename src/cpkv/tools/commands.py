@@ -180,7 +180,12 @@ def cmd_bench_scheduler(args) -> int:
 
     sizes = dict(batches=args.batches or BATCHES, contexts=args.contexts or CONTEXTS, steps=args.steps or 64,
                  cp_size=args.cp or 8, page_size=args.page or 64, rounds=args.repeats or 3)
-    print(format_rows(bench_scheduler(**sizes), scheduler_title(**sizes)))
+    try:
+        rows = bench_scheduler(**sizes)
+    except (ValueError, RuntimeError) as e:  # e.g. a context too short for the whole batch to decode together
+        print(f"cpkv bench scheduler: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_rows(rows, scheduler_title(**sizes)))
     return EXIT_OK
 
 
