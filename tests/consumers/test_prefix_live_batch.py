@@ -20,13 +20,14 @@ from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 N, S = 3, 4
 
 
-def _world(seqs, keys):
+def _world(seqs, keys, base_len=13):
     """A cache with ``seqs`` admitted (each its prefix match, nothing cached
     between) and allocated in one batch: (cache, matches, per-request slots)."""
     cache = PrefixCache(OwnerLaneAllocator(N * 40 * S, S, N))
-    base = cache.acquire((9,) * 13)  # a cached 13-token chain: some requests share a page of it, or copy into one
-    a = cache.allocate_extend([0], [13], torch.tensor([-1]))
-    cache.insert((9,) * 13, a.out_cache_loc, base)
+    # a cached chain of 9s: some requests share a page of it, or copy into one, or (base_len 12) match all of a leaf
+    base = cache.acquire((9,) * base_len)
+    a = cache.allocate_extend([0], [base_len], torch.tensor([-1]))
+    cache.insert((9,) * base_len, a.out_cache_loc, base)
     ms = [cache.acquire(t, key=k) for t, k in zip(seqs, keys)]
     a = cache.allocate_extend([m.length for m in ms], [len(t) for t in seqs], torch.tensor([m.last_loc for m in ms]))
     slots = [torch.cat([m.slots, a.out_cache_loc[s : s + n]]) for m, s, n
@@ -44,24 +45,26 @@ def _runs(seqs, ms, slots, ends):
     return toks, sl
 
 
-seq_st = st.lists(st.tuples(st.sampled_from([(9,) * 8, (9,) * 5, ()]), st.lists(st.integers(0, 2), min_size=1,
+seq_st = st.lists(st.tuples(st.sampled_from([(9,) * 12, (9,) * 8, (9,) * 5, ()]), st.lists(st.integers(0, 2), min_size=1,
                                                                               max_size=14)),
                   min_size=1, max_size=5)
 
 
-@settings(max_examples=60, deadline=None)
-@given(seq_st, st.lists(st.sampled_from([None, "k"]), min_size=5, max_size=5))
-def test_a_batch_does_what_the_calls_one_by_one_do(parts, keys):
+@settings(max_examples=80, deadline=None)
+@given(seq_st, st.lists(st.sampled_from([None, "k"]), min_size=5, max_size=5), st.sampled_from([12, 13]))
+def test_a_batch_does_what_the_calls_one_by_one_do(parts, keys, base_len):
     """Requests on a shared prefix (or none), some with equal tokens: caching
     their full pages in one batch, then ending them in one batch, leaves the
     cache, the allocator and the matches as the calls one by one do, with the
-    same answers; nothing leaks once the cache is cleared."""
+    same answers, and as the general end (walk, graft, attach, dominance) one
+    by one, which the batch's shortcut for partial last pages skips; nothing
+    leaks once the cache is cleared."""
     seqs = [p + tuple(r) for p, r in parts]
     seqs = [s if len(s) > 1 else s + (1, 1) for s in seqs]
     keys = keys[: len(seqs)]
     outs = []
-    for batched in (False, True):
-        cache, ms, slots = _world(seqs, keys)
+    for batched in (False, True, None):  # None: ended by the general path one by one (no batched shortcut)
+        cache, ms, slots = _world(seqs, keys, base_len)
         live = [i for i, (t, m) in enumerate(zip(seqs, ms)) if (len(t) - m.shared) // S]
         ends = [ms[i].shared + (len(seqs[i]) - ms[i].shared) // S * S for i in live]
         toks, sl = _runs([seqs[i] for i in live], [ms[i] for i in live], [slots[i] for i in live], ends)
@@ -75,12 +78,36 @@ def test_a_batch_does_what_the_calls_one_by_one_do(parts, keys):
         toks, sl = _runs(seqs, ms, slots, [len(t) for t in seqs])
         if batched:
             cache.insert_tails(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
+        elif batched is None:
+            for m, t, s in zip(ms, toks, sl):
+                cache._free_spare(cache._end_insert(m, t, s.numpy().copy(), m.shared, 0))
         else:
             for m, t, s in zip(ms, toks, sl):
                 cache.insert_tail(m, t, s)
         outs.append((got, mid, _state(cache, ms)))
         cache.clear()
         assert cache.alloc.lane_free_pages() == cache.alloc.lane_pages.tolist(), "pages leaked"
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("tails", [[(0,), (0, 1)], [(2,), (2,)], [(0, 1), (0,), (3,)]])
+def test_partial_tails_under_one_node_end_as_the_general_path_does(tails):
+    """Requests that matched a whole cached leaf end with partial last pages
+    under that one node: a later tail the earlier one starts dominates it, an
+    equal one is served by it (its page freed). The batch does what the
+    general end one by one does."""
+    seqs = [(9,) * 12 + t for t in tails]
+    outs = []
+    for batched in (True, False):
+        cache, ms, slots = _world(seqs, [None] * len(seqs), base_len=12)
+        assert len({id(m.node) for m in ms}) == 1 and not ms[0].node.children
+        toks, sl = _runs(seqs, ms, slots, [len(t) for t in seqs])
+        if batched:
+            cache.insert_tails(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
+        else:
+            for m, t, s in zip(ms, toks, sl):
+                cache._free_spare(cache._end_insert(m, t, s.numpy().copy(), m.shared, 0))
+        outs.append(_state(cache, ms))
     assert outs[0] == outs[1]
 
 

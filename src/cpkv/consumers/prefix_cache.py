@@ -265,12 +265,13 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
         """``match`` ends (``how``: inserted or released): its path is unpinned (and used now)."""
         self._end_matches([match], how)
 
-    def _end_matches(self, matches: list, how: str = "inserted") -> None:
-        """:meth:`_end_match` for each of ``matches``, in order (one batched unpin)."""
+    def _end_matches(self, matches: list, how: str = "inserted", ticks=None) -> None:
+        """:meth:`_end_match` for each of ``matches``, in order (one batched
+        unpin; ``ticks``: see :meth:`RadixTree.unpin_many`)."""
         for m in matches:
             m._ended = how
         self.open_matches -= len(matches)
-        self.tree.unpin_many([m.node for m in matches])
+        self.tree.unpin_many([m.node for m in matches], ticks)
 
     def _end_insert(self, match: PrefixMatch, tokens: np.ndarray, slots: np.ndarray, offset: int,
                     own: int) -> list:

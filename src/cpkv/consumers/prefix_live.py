@@ -110,19 +110,57 @@ class LivePages:
         a run may be empty), and the slots no node keeps freed in one call.
         Raises :class:`PrefixCacheMisuse` with nothing changed for any run a
         single call would refuse, a match twice, or two runs on one page.
-        [[RFC-0001:C-PREFIX-CACHE]]"""
+
+        The common ends go in batches (:meth:`_end_simple`): a match whose
+        pages are all cached (an empty run) and a live one whose run is its
+        last, partial page under a held node with no child (it becomes a
+        partial leaf there: nothing to walk, split, share or dominate). Any
+        other run ends alone, in its place in the order. [[RFC-0001:C-PREFIX-CACHE]]"""
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "insert_tail", whole_pages=False)
-        arr, spare, a, ending = arr.copy(), [], 0, []
-        for m, c in zip(matches, counts.tolist()):
-            if c:
-                self._end_matches(ending)  # in order: the matches before it end first
-                ending = []
-                spare += self._end_insert(m, tokens[a : a + c], arr[a : a + c], m.shared, 0)
-            else:  # every page of it is cached already: the match ends, nothing is added
-                ending.append(m)
-            a += c
-        self._end_matches(ending)
+        S, arr, spare = self.S, arr.copy(), []
+        starts = np.cumsum(counts) - counts
+        part = np.flatnonzero((counts > 0) & (counts < S))
+        part = [i for i in part.tolist() if matches[i].node is not None and matches[i].shared > 0]
+        leaf_ok = np.zeros(len(matches), dtype=bool)
+        if part:  # the partial page continues the lane base of the chain it hangs under
+            lanes = owner_of(page_of(arr[starts[part]], S), self.N)
+            shared = np.fromiter((matches[i].shared for i in part), np.int64, len(part))
+            leaf_ok[part] = self.tree.graft_pages([matches[i].node for i in part], shared, lanes,
+                                                  np.ones(len(part), dtype=np.int64)) == 1
+        batch, under = [], set()  # the simple ends not yet made, and the nodes their leaves go under
+        for i, (m, c) in enumerate(zip(matches, counts.tolist())):
+            if c == 0 or (leaf_ok[i] and not m.node.children and m.node not in under):
+                batch.append(i)
+                if c:
+                    under.add(m.node)
+                continue
+            self._end_simple(matches, tokens, arr, starts, counts, batch)  # in order: those before it end first
+            batch, under = [], set()
+            spare += self._end_insert(m, tokens[starts[i] : starts[i] + c], arr[starts[i] : starts[i] + c], m.shared, 0)
+        self._end_simple(matches, tokens, arr, starts, counts, batch)
         self._free_spare(spare)
+
+    def _end_simple(self, matches, tokens, arr, starts, counts, batch: list) -> None:
+        """End ``matches[i]`` for ``i`` in ``batch`` as :meth:`_end_insert`
+        would one by one: each unpinned (one tick), then, for a non-empty run,
+        its run attached as a partial leaf under its node (one tick). One
+        unpin and one attach for the batch, with the ticks the calls one by
+        one would take."""
+        if not batch:
+            return
+        c = counts[batch]
+        per = 1 + (c > 0)  # ticks each takes
+        last = self.tree.now + np.cumsum(per)
+        self._end_matches([matches[i] for i in batch], ticks=(last - per + 1).tolist())
+        leaf = c > 0
+        if leaf.any():
+            runs = [batch[j] for j in np.flatnonzero(leaf).tolist()]
+            n = c[leaf]
+            pos = np.arange(int(n.sum())) + np.repeat(starts[runs] - (np.cumsum(n) - n), n)
+            made = self.tree.attach_many([matches[i].node for i in runs], tokens[pos], arr[pos], n, held=False,
+                                         ticks=last[leaf].tolist())
+            assert all(x is not None for x in made), "a partial leaf's node had a child"
+        self.tree.now = int(last[-1])
 
     def _runs(self, matches, tokens, slots, counts, what: str, whole_pages: bool):
         """The checked inputs of a batch: tokens, slots and counts as int64 arrays."""

@@ -265,15 +265,18 @@ class RadixTree:
         its first page), used now (``key`` and ``slots`` are copied)."""
         return self.attach_many([parent], key, slots, np.array([len(key)]), held=False)[0]
 
-    def attach_many(self, parents: list, tokens: np.ndarray, slots, counts: np.ndarray, held: bool) -> list:
+    def attach_many(self, parents: list, tokens: np.ndarray, slots, counts: np.ndarray, held: bool,
+                    ticks=None) -> list:
         """Run ``i`` (``counts[i] >= 1`` tokens and slots, back to back, a page
         chain from a page start) as a new node under ``parents[i]``, in order,
         as :meth:`attach` one by one would: skipped (``None`` in the returned
         list) where ``parents[i]`` is None or already has a child on the run's
         first page (one of the batch may have put it there). Every new node is
-        used now and, with ``held``, referenced by one live request (as
-        :meth:`hold_child`). Tokens and slots are copied once for the batch;
-        the per-lane counts are updated once. Returns the new nodes."""
+        used now (one tick each, or at ``ticks[i]``: ascending LRU times past
+        the clock, which a caller interleaving other calls gives) and, with
+        ``held``, referenced by one live request (as :meth:`hold_child`).
+        Tokens and slots are copied once for the batch; the per-lane counts
+        are updated once. Returns the new nodes."""
         S, N, B = self.S, self.N, len(parents)
         tokens, slots = np.array(tokens, dtype=np.int64), host_ints(slots).copy()
         starts = np.cumsum(counts) - counts
@@ -287,11 +290,11 @@ class RadixTree:
         nodes, ref, leaves = [None] * B, int(held), self.leaves
         ends, page_ends = (starts + counts).tolist(), (first_page + per_run).tolist()
         for i, (parent, a, b, p, q) in enumerate(zip(parents, starts.tolist(), ends, first_page.tolist(), page_ends)):
-            k = tokens[a : a + S].tobytes()
+            k = tokens[a : min(a + S, b)].tobytes()  # a partial run's key ends with the run
             if parent is None or k in parent.children:
                 continue
             self._serial += 1
-            self.now += 1  # used now: one tick per node, as attach one by one
+            self.now = self.now + 1 if ticks is None else ticks[i]  # used now: one tick per node, as attach one by one
             node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lanes[i], pages[p:q], self._serial, ref=ref,
                                     last_access=self.now, ns=parent.ns)
             parent.children[k] = node
@@ -354,18 +357,19 @@ class RadixTree:
         child.ref = 1
         self.evictable_lanes -= child.lanes
 
-    def unpin_many(self, nodes: list) -> None:
+    def unpin_many(self, nodes: list, ticks=None) -> None:
         """:meth:`pin` ``(node, -1)`` for each of ``nodes`` in order (one tick
-        each, as the calls one by one), the per-lane counts updated once."""
+        each, as the calls one by one, or at ``ticks[i]``, as
+        :meth:`attach_many`), the per-lane counts updated once."""
         freed = []
-        for node in nodes:
-            self.now += 1
+        for i, node in enumerate(nodes):
+            self.now = t = self.now + 1 if ticks is None else ticks[i]
             while node is not None and node.parent is not None:
                 node.ref -= 1
                 assert node.ref >= 0, "reference count below zero"
                 if node.ref == 0:
                     freed.append(node.lanes)
-                node.last_access = self.now
+                node.last_access = t
                 node = node.parent
         if freed:
             self.evictable_lanes += np.sum(freed, axis=0)
