@@ -16,10 +16,11 @@ def _requests(lengths, new):
 
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), new=st.integers(1, 4),
-       steps=st.integers(1, 7), read_first=st.booleans(), data=st.data())
-def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_first, data):
+       steps=st.integers(1, 7), read_first=st.booleans(), read_every=st.integers(1, 3), data=st.data())
+def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_first, read_every, data):
     """``append_tokens`` appends what ``Request.append`` would (the id buffer
-    grows past ``max_new_tokens`` too) and names the requests that reached
+    grows past ``max_new_tokens`` too, and takes the tokens sampled since the
+    last read whenever it is read) and names the requests that reached
     ``max_new_tokens`` in that call; ``id_runs`` is the concatenation of the
     requests' ``ids(start, end)``."""
     batch, single = _requests(lengths, new), _requests(lengths, new)
@@ -32,6 +33,8 @@ def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_fir
         for r, t in zip(single, toks):
             r.append(t)
         assert [r.index for r in done] == [r.index for r in batch if len(r.generated) == new]
+        if step % read_every == 0:  # a read between appends: every token so far, none stale
+            assert all(r.ids().tolist() == list(r.prompt) + r.generated for r in batch)
     for a, b in zip(batch, single):
         assert a.generated == b.generated and a.ids().tolist() == b.ids().tolist() == list(a.prompt) + a.generated
     starts = [data.draw(st.integers(0, r.length)) for r in batch]

@@ -82,7 +82,7 @@ __all__ = ["Admission", "EvictHook", "PrefixCache", "PrefixCacheMisuse", "Prefix
            "RadixTree"]
 
 
-_NO_COPY = torch.empty(0, dtype=torch.int64)  # the copy of a match that copies nothing (shared: never written)
+_NO_COPY = np.empty(0, dtype=np.int64)  # the copy of a match that copies nothing (shared: never written)
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 
 
@@ -147,9 +147,9 @@ class PrefixCache(LivePages, PrefixCacheQuestions):
             page = self._with_eviction(lambda: self._take_copy_page(lane, w.copy))
             self.tree.pin(w.src, -1)
             if page is not None:
-                copy_src = torch.from_numpy(w.src.slots[w.src_off : w.src_off + w.copy].copy())
+                copy_src = w.src.slots[w.src_off : w.src_off + w.copy].copy()
                 copy_dst = int(page[0]) * S + (copy_src % S)
-        length = w.shared + copy_dst.numel()
+        length = w.shared + copy_dst.size
         self.acquired_tokens += len(tokens)
         self.hit_tokens += length
         self.open_matches += 1

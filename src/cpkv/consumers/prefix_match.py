@@ -73,8 +73,8 @@ class PrefixMatch:
     """
 
     length: int
-    copy_src: torch.Tensor
-    copy_dst: torch.Tensor
+    _src: np.ndarray = field(repr=False)  # int64 host slots of copy_src / copy_dst (see those)
+    _dst: np.ndarray = field(repr=False)
     shared: int
     node: "_Node | None" = field(default=None, repr=False)  # deepest shared node, held
     _owner: "PrefixCache | None" = field(default=None, repr=False)
@@ -85,10 +85,20 @@ class PrefixMatch:
     _copy_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
 
     @property
+    def copy_src(self) -> torch.Tensor:
+        """Slots the copy reads, int64 ``[length - shared]`` at admission (host; empty: no copy)."""
+        return torch.from_numpy(self._src)
+
+    @property
+    def copy_dst(self) -> torch.Tensor:
+        """Slots the copy writes (the request's private page), int64, as ``copy_src``."""
+        return torch.from_numpy(self._dst)
+
+    @property
     def slots(self) -> torch.Tensor:
         """The match's slots, int64 ``[length]`` (host, a new tensor): the shared chain's, then the copy's."""
         shared = self._owner.tree.prefix_slots(self._base)
-        return torch.cat([shared, self.copy_dst]) if self.copy_dst.numel() else shared
+        return torch.cat([shared, self.copy_dst]) if self._dst.size else shared
 
     @property
     def tokens(self) -> np.ndarray:
@@ -99,8 +109,8 @@ class PrefixMatch:
     @property
     def last_loc(self) -> int:
         """Slot of the last cached token, -1 when nothing matched."""
-        if self.copy_dst.numel():
-            return int(self.copy_dst[-1])
+        if self._dst.size:
+            return int(self._dst[-1])
         return int(self._base.slots[-1]) if self._base is not None and self._base.parent is not None else -1
 
     @property

@@ -134,9 +134,9 @@ def check_tails(cache: "PrefixCache", matches: list, tokens: np.ndarray, slots: 
     for i, m in enumerate(matches):
         if m.shared >= m.length:  # no private copy waiting to be cached
             continue
-        copied = m.copy_dst  # the private copy's slots, while not cached yet
-        if copied.numel() and (counts[i] < copied.numel() or not np.array_equal(
-                slots[starts[i] : starts[i] + copied.numel()], copied.numpy())):
+        copied = m._dst  # the private copy's slots, while not cached yet
+        if copied.size and (counts[i] < copied.size or not np.array_equal(
+                slots[starts[i] : starts[i] + copied.size], copied)):
             raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")
     run_pos = np.arange(total) - np.repeat(starts, counts)
     _check_chains(cache, slots, run_pos, np.ones(total, dtype=bool), what)
