@@ -44,7 +44,6 @@ class Request:
     prefix_lanes: np.ndarray | None = field(default=None, repr=False)  # pages per lane of the shared prefix
     own_from: int = 0  # its first own page position (the shared prefix's pages at admission)
     _ids: np.ndarray | None = field(default=None, repr=False)  # token ids, int32 (see ids())
-    _known: int = field(default=0, repr=False)  # leading positions of _ids that hold their tokens
     key: str | int | None = None  # namespace in the prefix cache: the spec's, else the parent's
 
     def __post_init__(self):
@@ -67,26 +66,19 @@ class Request:
         """Token ids of positions ``start .. end - 1`` (int32, a read-only view
         of the request's buffer; to ``length`` by default). The buffer is
         built once from the prompt, sized for every token the request will
-        have (it grows by doubling past that), and takes the tokens sampled
-        since the last read when read, so a step costs O(its new tokens),
-        never O(context)."""
+        have (it grows by doubling past that), so a step costs O(its
+        tokens), never O(context)."""
         v = self._buffer()[: self.length][start:end]
         v.flags.writeable = False
         return v
 
     def _buffer(self) -> np.ndarray:
-        """The id buffer (built here on first use), holding every known token
-        (the generated ones copied in since the last read)."""
-        n, p = self.length, len(self.prompt)
+        """The id buffer (built here on first use), holding every known token."""
         if self._ids is None:
+            n, p = self.length, len(self.prompt)
             self._ids = np.empty(max(p + self.spec.max_new_tokens, n, 1), dtype=np.int32)
             self._ids[:p] = self.prompt
-            self._known = p
-        if self._known < n:
-            if n > self._ids.size:
-                self._ids = np.concatenate([self._ids, np.empty(max(self._ids.size, n - self._ids.size), np.int32)])
-            self._ids[self._known : n] = self.generated[self._known - p :]
-            self._known = n
+            self._ids[p:n] = self.generated
         return self._ids
 
     def append(self, token: int) -> None:
@@ -117,7 +109,7 @@ class Request:
 
 def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
     """``tokens[i]`` sampled for ``reqs[i]``: appended to its ``generated``
-    (O(1) each, one pass; the id buffer takes them when next read). Returns the requests
+    and its id buffer (amortised O(1) each, one pass). Returns the requests
     that now have their ``max_new_tokens``, in order. Raises ``ValueError``,
     nothing appended, for counts that differ or a token that is not an int >= 0."""
     if len(tokens) != len(reqs):
@@ -129,6 +121,12 @@ def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
     for r, t in zip(reqs, tokens):
         g = r.generated
         g.append(t)
+        ids = r._ids
+        if ids is not None:
+            n = len(r.prompt) + len(g)
+            if n > ids.size:
+                ids = r._ids = np.concatenate([ids, np.empty(ids.size, dtype=np.int32)])
+            ids[n - 1] = t
         if len(g) == r.spec.max_new_tokens:
             done.append(r)
     return done
