@@ -287,18 +287,20 @@ class RadixTree:
         run = np.repeat(np.arange(B), per_run)
         lanes = np.bincount(run * N + owner_of(pages, N), minlength=B * N).reshape(B, N)
         first_page = np.cumsum(per_run) - per_run
-        nodes, ref, leaves = [None] * B, int(held), self.leaves
+        nodes, ref, leaves, raw, w = [None] * B, int(held), self.leaves, tokens.tobytes(), tokens.itemsize
         ends, page_ends = (starts + counts).tolist(), (first_page + per_run).tolist()
-        for i, (parent, a, b, p, q) in enumerate(zip(parents, starts.tolist(), ends, first_page.tolist(), page_ends)):
-            k = tokens[a : min(a + S, b)].tobytes()  # a partial run's key ends with the run
+        for i, (parent, a, b, p, q, lane) in enumerate(zip(parents, starts.tolist(), ends, first_page.tolist(), page_ends,
+                                                            lanes)):
+            k = raw[a * w : min(a + S, b) * w]  # page_key: a partial run's key ends with the run
             if parent is None or k in parent.children:
                 continue
             self._serial += 1
             self.now = self.now + 1 if ticks is None else ticks[i]  # used now: one tick per node, as attach one by one
-            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lanes[i], pages[p:q], self._serial, ref=ref,
-                                    last_access=self.now, ns=parent.ns)
+            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lane, pages[p:q], self._serial, {}, ref, self.now,
+                                    parent.ns)
             parent.children[k] = node
-            parent.partials += b - a < S
+            if b - a < S:
+                parent.partials += 1
             leaves.pop(parent, None)
             leaves[node] = None
             if self.events is not None:

@@ -192,7 +192,8 @@ class RequestLifecycle:
         tails + N) each, vectorised: nothing reads a whole sequence."""
         S, N, n = self.S, self.N, len(done)
         computed = np.fromiter((r.computed for r in done), np.int64, n)
-        last = self.table.gather(np.fromiter((r.row for r in done), np.int64, n), computed - 1)
+        rows = [r.row for r in done]
+        last = self.table.gather(np.array(rows, dtype=np.int64), computed - 1)
         first = np.fromiter((r.own_from for r in done), np.int64, n)  # its own pages: one lane base
         own = layout.chain_lane_pages(lane_base_of_last_loc(last, computed, S, N), first, -(-computed // S) - first, N)
         per_lane = np.array([r.prefix_lanes for r in done]) + own
@@ -200,30 +201,30 @@ class RequestLifecycle:
         needs = [r.need for r in done if r.need is not None]
         if needs:  # _track(r, leaving=True) for all of them, in one sum
             self._need_sum -= np.sum(needs, axis=0)
-        for r in done:
-            r.need = None
         if self.hold_finished:  # the rows stay with the held KV until release_finished
             self.held.update((r.index, r) for r in done)
         else:
             self.cache.insert_tails([r.match for r in done], *self._runs(done, computed))
-            self.table.free_rows([r.row for r in done], computed.tolist())
-            for r in done:  # the KV is the cache's now, the rows are the table's
-                r.match, r.row = None, -1
+            self.table.free_rows(rows, computed.tolist())
+        step, keep = self.step, self.hold_finished
         for r in done:
-            r.finished_at = self.step
-            self._conclude(r, sort=False)
-        self.waiting.sort(key=lambda x: (x.due, x.index))
+            r.need, r.finished_at = None, step
+            if not keep:  # the KV is the cache's now, the row the table's
+                r.match, r.row = None, -1
+        kids = self._children
+        self._conclude([r for r in done if r.spec.id in kids] if kids else [], n)
 
-    def _conclude(self, r: Request, sort: bool = True) -> None:
-        """A request is done: count it and release its follow-ups (``sort``:
-        keep ``waiting`` in order now; a batch sorts once after)."""
-        self.stats.finished += 1
-        for c in self._children.get(r.spec.id, ()):
-            c.prompt = r.seq + c.spec.tokens
-            c.due = max(c.spec.arrival, self.step + 1 + c.spec.delay)
-            self.waiting.append(c)
-        if sort:
-            self.waiting.sort(key=lambda x: (x.due, x.index))
+    def _conclude(self, rs: list[Request], n: int | None = None) -> None:
+        """Requests are done: ``n`` of them counted (default ``len(rs)``), the
+        follow-ups of ``rs`` (the done ones that have any) released, and
+        ``waiting`` sorted by due step."""
+        self.stats.finished += len(rs) if n is None else n
+        for r in rs:
+            for c in self._children.get(r.spec.id, ()):
+                c.prompt = r.seq + c.spec.tokens
+                c.due = max(c.spec.arrival, self.step + 1 + c.spec.delay)
+                self.waiting.append(c)
+        self.waiting.sort(key=lambda x: (x.due, x.index))
 
     def _record(self) -> None:
         self.stats.evicted_nodes, self.stats.evicted_pages = self.cache.evicted_nodes, self.cache.evicted_pages
@@ -265,7 +266,7 @@ class RequestLifecycle:
         if len(r.generated) == r.spec.max_new_tokens:
             self.waiting.remove(r)
             r.finished_at = self.step
-            self._conclude(r)
+            self._conclude([r])
             return True
         r.ready = True
         return False
@@ -301,7 +302,7 @@ class RequestLifecycle:
         self._track(r, leaving=True)
         self._give_back(r)
         r.match, r.finished_at = None, self.step
-        self._conclude(r)
+        self._conclude([r])
 
     def check_drained(self) -> None:
         """After :meth:`drain`: raise ``AssertionError`` if any device or host
