@@ -103,3 +103,33 @@ def test_cache_pages_refuses_what_it_cannot_mean():
     with pytest.raises(PrefixCacheMisuse, match="match-consumed"):
         cache.cache_pages(m, (5, 6, 7, 8), a.out_cache_loc[4:])
     assert cache.cached_pages() == 2 and cache.open_matches == 0
+
+
+def test_requests_finishing_mid_page_end_in_one_batch(monkeypatch):
+    """Twelve requests on one document finish in the same step, each with a
+    partly filled last page: the step ends them all with one unpin and one
+    attach in the tree (a batch, not a call per request), each tail a partial
+    leaf under its own last cached page, and nothing leaks."""
+    from cpkv.consumers.radix_tree import RadixTree
+
+    S, N, B = 16, 4, 12
+    doc = tuple(int(x) for x in np.random.default_rng(3).integers(0, 500, 99))
+    specs = [RequestSpec(f"r{i}", int(i > 0), doc + (i,), 21 - int(i > 0)) for i in range(B)]
+    sched = Scheduler(specs, PrefixCache(OwnerLaneAllocator(N * 40 * S, S, N)), chunk=128, max_running=B)
+    calls = []
+    for name in ("attach_many", "unpin_many"):
+        real = getattr(RadixTree, name)
+        monkeypatch.setattr(RadixTree, name, lambda self, *a, _n=name, _r=real, **k: calls.append(_n) or _r(self, *a, **k))
+    while not sched.done:
+        plan = sched.plan()
+        tokens = [[(r.index * 7 + r.length) % 500 for r in f.requests] for f in plan.forwards()]
+        calls.clear()
+        done = sched.complete(plan, tokens)
+        if len(done) == B:
+            break
+    assert len(done) == B and all(r.computed % S for r in done)  # every one ends mid-page
+    assert sorted(calls) == ["attach_many", "unpin_many"]
+    partial = [n for n in sched.cache.tree.nodes() if len(n.key) < S]
+    assert len(partial) == B and all(len(n.parent.key) % S == 0 for n in partial)
+    sched.drain()
+    sched.check_drained()
