@@ -112,10 +112,11 @@ class LivePages:
         single call would refuse, a match twice, or two runs on one page.
 
         The common ends go in batches (:meth:`_end_simple`): a match whose
-        pages are all cached (an empty run) and a live one whose run is its
-        last, partial page under a held node with no child (it becomes a
-        partial leaf there: nothing to walk, split, share or dominate). Any
-        other run ends alone, in its place in the order. [[RFC-0001:C-PREFIX-CACHE]]"""
+        pages are all cached (an empty run), and one whose run is less than a
+        page that continues the lane base under its held node, a node with no
+        child and no other such run in the batch (the run becomes a partial
+        leaf there: nothing to walk, split, share or dominate). Any other run
+        ends alone, in its place in the order. [[RFC-0001:C-PREFIX-CACHE]]"""
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "insert_tail", whole_pages=False)
         S, arr, spare = self.S, arr.copy(), []
         starts = np.cumsum(counts) - counts
