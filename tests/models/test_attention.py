@@ -102,13 +102,16 @@ def mixed_batches(draw):
     return counts, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
-@given(mixed_batches(), st.integers(1, 24), st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.sampled_from([8, 6]))
-def test_paged_attention_of_mixed_batches_equals_attention_per_request(batch, L, heads, dv):
+@given(mixed_batches(), st.integers(1, 24), st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.sampled_from([8, 6]),
+       st.sampled_from([0, 10**9]))
+def test_paged_attention_of_mixed_batches_equals_attention_per_request(batch, L, heads, dv, pad_limit):
     """Rows with one query (decodes) beside rows with many (prefill chunks), in
     any query order, with or without a plan made beforehand: each query's
     output is plain softmax attention over its row's keys ``0 .. position``;
-    the plan pads only the rows with more than one query, to their widest.
-    ``dv`` 6 takes the width-1 padded kernel for the one-query rows."""
+    the plan pads the rows with more than one query, to their widest, and the
+    one-query rows only where ``pad_limit`` allows (never at 0, always beside a
+    wider row at 10**9). ``dv`` 6 takes the width-1 padded kernel for the
+    one-query rows."""
     counts, shuffle, seed = batch
     g = torch.Generator().manual_seed(seed)
     H, Hkv = heads
@@ -120,9 +123,10 @@ def test_paged_attention_of_mixed_batches_equals_attention_per_request(batch, L,
     pos = torch.randint(0, L, (T,), generator=g)
     q = torch.randn(T, H, 8, generator=g)
     k, v = torch.randn(B, L, Hkv, 8, generator=g), torch.randn(B, L, Hkv, dv, generator=g)
-    groups = query_groups(req, pos, B, L)
+    groups = query_groups(req, pos, B, L, pad_limit)
     many = [c for c in counts if c > 1]
-    assert groups.width == max(many, default=0) and groups.visible.shape[0] == counts.count(1)
+    assert groups.width == max(many, default=0)
+    assert groups.visible.shape[0] == (counts.count(1) if pad_limit == 0 or not many else 0)
     mask = torch.arange(L)[None, :] <= pos[:, None]
     want = dense(q, k[req], v[req], mask, 0.4)
     for got in (paged_attention(q, req, pos, k, v, 0.4), paged_attention(q, req, pos, k, v, 0.4, groups)):
