@@ -1,11 +1,12 @@
 """Attention kernels over the paged cache: the per-query gathered form and the
 exact log-sum-exp merge that the decode split relies on."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpkv.models.attention import attend, merge_partials, paged_attention
+from cpkv.models.attention import attend, merge_partials, paged_attention, query_groups
 
 
 def dense(q, k, v, mask, scaling):
@@ -73,8 +74,9 @@ def test_grouped_kernel_equals_plain_attention_and_drops_queries_that_see_nothin
 
 
 def test_paged_attention_of_one_query_per_row_equals_the_padded_batch():
-    """A decode batch (query i on context row i) takes the grouped kernel; the
-    same queries in another row order take the padded path; both agree."""
+    """A decode batch (query i on context row i) takes the grouped kernel, and
+    so do the same queries beside a context row no query reads; both equal
+    plain attention."""
     g = torch.Generator().manual_seed(2)
     B, L = 5, 9
     k, v = torch.randn(B, L, 2, 8, generator=g), torch.randn(B, L, 2, 8, generator=g)
@@ -86,3 +88,68 @@ def test_paged_attention_of_one_query_per_row_equals_the_padded_batch():
     mask = torch.arange(L)[None, :] <= pos[:, None]
     assert torch.allclose(fast, dense(q, k, v, mask, 0.4), atol=1e-5)
     assert torch.allclose(fast, slow, atol=1e-5)
+
+
+@st.composite
+def mixed_batches(draw):
+    """Query counts per context row for a pure decode batch (one each), a pure
+    prefill batch (two or more each) or a mixed one (any, rows without a query
+    too); queries in row order or shuffled."""
+    kind = draw(st.sampled_from(["decode", "prefill", "mixed"]))
+    B = draw(st.integers(1, 6))
+    lo, hi = {"decode": (1, 1), "prefill": (2, 5), "mixed": (0, 5)}[kind]
+    counts = draw(st.lists(st.integers(lo, hi), min_size=B, max_size=B))
+    return counts, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@given(mixed_batches(), st.integers(1, 24), st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.sampled_from([8, 6]),
+       st.sampled_from([0, 10**9]))
+def test_paged_attention_of_mixed_batches_equals_attention_per_request(batch, L, heads, dv, pad_limit):
+    """Rows with one query (decodes) beside rows with many (prefill chunks), in
+    any query order, with or without a plan made beforehand: each query's
+    output is plain softmax attention over its row's keys ``0 .. position``;
+    the plan pads the rows with more than one query, to their widest, and the
+    one-query rows only where ``pad_limit`` allows (never at 0, always beside a
+    wider row at 10**9). ``dv`` 6 takes the width-1 padded kernel for the
+    one-query rows."""
+    counts, shuffle, seed = batch
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    B = len(counts)
+    req = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+    if shuffle:
+        req = req[torch.randperm(req.numel(), generator=g)]
+    T = req.numel()
+    pos = torch.randint(0, L, (T,), generator=g)
+    q = torch.randn(T, H, 8, generator=g)
+    k, v = torch.randn(B, L, Hkv, 8, generator=g), torch.randn(B, L, Hkv, dv, generator=g)
+    groups = query_groups(req, pos, B, L, pad_limit)
+    many = [c for c in counts if c > 1]
+    assert groups.width == max(many, default=0)
+    assert groups.visible.shape[0] == (counts.count(1) if pad_limit == 0 or not many else 0)
+    mask = torch.arange(L)[None, :] <= pos[:, None]
+    want = dense(q, k[req], v[req], mask, 0.4)
+    for got in (paged_attention(q, req, pos, k, v, 0.4), paged_attention(q, req, pos, k, v, 0.4, groups)):
+        assert got.shape == (T, H, dv)
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_query_groups_refuse_rows_positions_and_shapes_out_of_range():
+    req, pos = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 1])
+    with pytest.raises(ValueError, match="q_req must index"):
+        query_groups(req, pos, 1, 4)
+    with pytest.raises(ValueError, match="q_pos must lie"):
+        query_groups(req, pos, 2, 3)
+    with pytest.raises(ValueError, match="1-D of one length"):
+        query_groups(req, pos[:2], 2, 4)
+
+
+def test_paged_attention_refuses_groups_planned_for_another_batch():
+    req, pos = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 1])
+    k = torch.randn(2, 4, 1, 8)
+    q = torch.randn(3, 2, 8)
+    groups = query_groups(req, pos, 2, 4)
+    with pytest.raises(ValueError, match="groups were planned for"):
+        paged_attention(q[:2], req[:2], pos[:2], k, k, 0.5, groups)
+    with pytest.raises(ValueError, match="groups were planned for"):
+        paged_attention(q, req, pos, k[:, :3], k[:, :3], 0.5, groups)

@@ -4,72 +4,200 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+#: a part of a batch's queries or context rows: a slice when they lie contiguous (a view, no copy), else
+#: the int64 indices
+Rows = slice | torch.Tensor
+
+
+#: :func:`query_groups` pads the S one-query rows of a mixed batch after all (one padded batch, no kernel of
+#: their own) while the query-key pairs that adds, ``S * (width - 1) * L``, stay within this many: below
+#: about that, a second kernel call costs more than the padding (measured on the CPU with 4 heads of 16,
+#: chunks of 16 to 64 queries, contexts of 200 to 1000 keys)
+PAD_LIMIT = 20_000
+
 
 class QueryGroups(NamedTuple):
-    """How :func:`paged_attention` batches queries by request, planned once per
-    batch (:func:`query_groups`): ``one_per_row`` (query t is row t's only
-    query: a decode batch), ``visible [B, L]`` for that case; otherwise each
-    query's place ``j [T]`` in its row's padded group, the group ``width``,
-    and ``mask [B, width, L]`` (causal; a padded query row sees key 0)."""
+    """How :func:`paged_attention` batches one batch's queries by request,
+    planned once per batch (:func:`query_groups`) so that every layer's call
+    reads nothing back from the device. The rows with exactly one query (a
+    decode, or a one-token extend riding in a prefill step) are not padded:
+    they run on :func:`attend`'s grouped kernel, one query over its own row;
+    only the rows with more queries run as one padded batch, as wide as the
+    widest of *them* (the one-query rows join it only where that padding is
+    small: :data:`PAD_LIMIT`). A part's queries and rows are a ``slice`` when
+    contiguous (read in place), else int64 index tensors; an empty part is
+    ``slice(0, 0)``.
 
-    one_per_row: bool
+    * ``shape``: ``(T, B, L)``, the queries, context rows and context length
+      planned for;
+    * ``single_q``, ``single_rows`` ``[S]``: the queries that are their row's
+      only query, and their rows; ``visible [S, Ls]`` (bool): the keys each
+      sees (causal), over the first ``Ls`` keys (the furthest any of them
+      sees, when that is at most 7/8 of ``L``, else ``L``), on the queries'
+      device;
+    * ``multi_q [Tm]``, ``multi_rows [M]``: the other queries, and their rows
+      (ascending: those with two or more queries, and any one-query rows
+      padded after all); ``slot [Tm]`` (int64, or a slice when no query is
+      padded): where each goes in the row-major padded ``[M, width]``
+      queries; ``width``: the most queries of one such row (0 when ``M`` is
+      0); ``mask [M, width, Lm]`` (bool): causal over the first ``Lm`` keys
+      (chosen as ``Ls``), a padded query seeing key 0 (so no row is empty;
+      its output is dropped).
+
+    ``S + Tm = T``; a pure decode batch (query i on row i) is
+    ``single_q = single_rows = slice(0, T)`` and no multi part.
+    """
+
+    shape: tuple[int, int, int]
+    single_q: Rows
+    single_rows: Rows
     visible: torch.Tensor
-    j: torch.Tensor
+    multi_q: Rows
+    multi_rows: Rows
+    slot: Rows
     width: int
     mask: torch.Tensor
 
 
-def query_groups(q_req: torch.Tensor, q_pos: torch.Tensor, B: int, L: int) -> QueryGroups:
-    """The :class:`QueryGroups` of queries ``q_req [T]`` (row of each) at
-    positions ``q_pos [T]`` over ``B`` context rows of length ``L``. Reads
-    the counts on the host (a synchronisation): call it once per batch."""
+def _rows(idx: np.ndarray, dev: torch.device) -> Rows:
+    """``idx`` as a slice when it is ``a, a+1, ..`` (or empty), else an int64 tensor on ``dev``."""
+    n = idx.size
+    if n == 0 or (idx[-1] - idx[0] == n - 1 and np.array_equal(idx, np.arange(idx[0], idx[0] + n))):
+        return slice(int(idx[0]) if n else 0, int(idx[0]) + n if n else 0)
+    return torch.from_numpy(idx).to(dev)
+
+
+def query_groups(q_req: torch.Tensor, q_pos: torch.Tensor, B: int, L: int,
+                 pad_limit: int = PAD_LIMIT) -> QueryGroups:
+    """The :class:`QueryGroups` of queries ``q_req [T]`` (the context row of
+    each, any order) at positions ``q_pos [T]`` over ``B`` context rows of
+    length ``L``, both integer tensors on the device the attention runs on.
+    The one-query rows of a mixed batch get a kernel of their own unless
+    padding them adds at most ``pad_limit`` query-key pairs (0: always their
+    own). Reads the queries on the host (one synchronisation): call it once
+    per batch.
+    Raises ``ValueError`` when the two are not 1-D of one length, a row is
+    outside ``0 .. B-1`` or a position outside ``0 .. L-1``."""
+    if q_req.dim() != 1 or q_pos.shape != q_req.shape:
+        raise ValueError(f"q_req and q_pos must be 1-D of one length, got {tuple(q_req.shape)} and "
+                         f"{tuple(q_pos.shape)}")
     dev, T = q_req.device, q_req.numel()
-    one = T == B and torch.equal(q_req, torch.arange(B, device=dev))
-    visible = torch.arange(L, device=dev)[None, :] <= q_pos[:, None] if one else q_pos.new_zeros((0, L), dtype=torch.bool)
-    counts = torch.bincount(q_req, minlength=B)
-    j = torch.arange(T, device=dev) - (torch.cumsum(counts, 0) - counts)[q_req]
-    width = int(counts.max()) if T else 0
-    pos = torch.full((B, width), -1, dtype=torch.int64, device=dev)
-    pos[q_req, j] = q_pos.to(torch.int64)
-    mask = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]
-    if L:
-        mask[:, :, 0] |= pos < 0  # padded query rows see one key, so no row is empty; discarded below
-    return QueryGroups(one, visible, j, width, mask)
+    req, pos = torch.stack([q_req.to(torch.int64), q_pos.to(torch.int64)]).cpu().numpy()
+    if T and (req.min() < 0 or req.max() >= B):
+        raise ValueError(f"q_req must index the {B} context rows, got rows {req.min()} .. {req.max()}")
+    if T and (pos.min() < 0 or pos.max() >= L):
+        raise ValueError(f"q_pos must lie in the {L} context positions, got {pos.min()} .. {pos.max()}")
+    counts = np.bincount(req, minlength=B)
+    single = counts[req] == 1
+    wide = int(counts.max(initial=0))
+    if single.any() and wide > 1 and single.sum() * (wide - 1) * (int(pos.max()) + 1) <= pad_limit:
+        single[:] = False  # padding the one-query rows costs less than a kernel of their own
+    s_q, m_q = np.flatnonzero(single), np.flatnonzero(~single)
+    m_rows, m_of = np.unique(req[m_q], return_inverse=True)  # the padded rows; each query's one
+    m_counts = counts[m_rows]
+    width = int(m_counts.max()) if m_rows.size else 0
+    j = np.empty(m_q.size, dtype=np.int64)  # each padded query's place in its row, in query order
+    j[np.argsort(m_of, kind="stable")] = np.arange(m_q.size) - np.repeat(np.cumsum(m_counts) - m_counts, m_counts)
+    Ls = _keys(pos[s_q], L)
+    Lm = _keys(pos[m_q], L)
+    visible = torch.arange(Ls, device=dev)[None, :] <= torch.from_numpy(pos[s_q]).to(dev)[:, None]
+    padded = np.full((m_rows.size, width), -1, dtype=np.int64)
+    padded[m_of, j] = pos[m_q]
+    padded = torch.from_numpy(padded).to(dev)
+    mask = torch.arange(Lm, device=dev)[None, None, :] <= padded[:, :, None]
+    if Lm:
+        mask[:, :, 0] |= padded < 0  # padded query rows see one key, so no row is empty; discarded below
+    return QueryGroups((T, B, L), _rows(s_q, dev), _rows(req[s_q], dev), visible, _rows(m_q, dev),
+                       _rows(m_rows, dev), _rows(m_of * width + j, dev), width, mask)
+
+
+def _keys(pos: np.ndarray, L: int) -> int:
+    """The context keys a part of queries at ``pos`` reads: up to the furthest
+    it sees, when that drops an eighth of the ``L`` or more (a slice costs more
+    than a few masked keys); 0 for no query."""
+    n = int(pos.max()) + 1 if pos.size else 0
+    return n if n <= L - L // 8 else L
 
 
 def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k_ctx: torch.Tensor,
                     v_ctx: torch.Tensor, scaling: float, groups: QueryGroups | None = None) -> torch.Tensor:
     """Causal GQA attention of queries over their requests' gathered context.
 
-    ``q [T, H, D]`` are the queries this rank computes, in request order;
-    ``q_req[i]`` indexes the row of ``k_ctx, v_ctx [B, L, Hkv, D]`` holding
+    ``q [T, H, D]`` are the queries this rank computes; ``q_req[i]`` indexes
+    the row of ``k_ctx [B, L, Hkv, D]``, ``v_ctx [B, L, Hkv, Dv]`` holding
     token i's request context in position order, and ``q_pos[i]`` is its
-    position: it attends to context positions ``0 .. q_pos[i]``. Queries are
-    grouped per request into one padded batch (no loop per token or request);
-    a batch of one query per row (decode) runs on :func:`attend`'s grouped kernel.
-    ``groups``: that grouping, planned once per batch (:func:`query_groups`);
-    with it the call does not synchronise with the host.
+    position: it attends to context positions ``0 .. q_pos[i]``. Returns
+    ``[T, H, Dv]`` in ``q``'s dtype, in query order. No loop per token or
+    request: the rows with one query (decodes) run together on
+    :func:`attend`'s grouped kernel (on the padded kernel at width 1 where
+    that kernel does not fit), unpadded even beside a prefill chunk (unless
+    padding them is cheaper: :data:`PAD_LIMIT`); the rows with more run as
+    one batch padded to their widest row; each part reads the keys up to the
+    furthest its queries see, and the outputs are put back in query order.
+    ``groups``: that split, planned once per batch (:func:`query_groups`);
+    with it the call does not synchronise with the host. Raises
+    ``ValueError`` when ``groups`` was planned for another ``(T, B, L)``.
     """
-    T = q.shape[0]
+    T, H = q.shape[:2]
     if T == 0:
-        return q.new_zeros(q.shape)
+        return q.new_zeros((0, H, v_ctx.shape[-1]))
     B, L = k_ctx.shape[:2]
     if groups is None:
         groups = query_groups(q_req, q_pos, B, L)
-    if groups.one_per_row and _flash_fits(q, k_ctx, v_ctx):
-        # one query per context row, in order (a decode batch): the grouped kernel of attend
-        return attend(q, k_ctx, v_ctx, groups.visible, scaling)[0]
-    j = groups.j
-    qp = q.new_zeros(B, groups.width, *q.shape[1:])
-    qp[q_req, j] = q
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-        attn_mask=groups.mask[:, None], scale=scaling, enable_gqa=True,
-    )
-    return out.transpose(1, 2)[q_req, j]
+    elif tuple(groups.shape) != (T, B, L):
+        raise ValueError(f"groups were planned for (T, B, L) = {tuple(groups.shape)}, not {(T, B, L)}")
+    g, parts = groups, []
+    if g.visible.shape[0]:
+        qs, Ls = _part(q, g.single_q), g.visible.shape[1]
+        k, v = _part(k_ctx, g.single_rows, Ls), _part(v_ctx, g.single_rows, Ls)
+        if _flash_fits(qs, k, v):  # one query per row: the grouped kernel of attend, no padding
+            out = attend(qs, k, v, g.visible, scaling)[0]
+        else:
+            out = _sdpa(qs[:, None], k, v, g.visible[:, None], scaling)[:, 0]
+        parts.append((g.single_q, out))
+    if g.width:
+        M, Lm = g.mask.shape[0], g.mask.shape[2]
+        qm = _part(q, g.multi_q)
+        if _whole(g.slot, M * g.width):  # no padding, queries in order: a view
+            qp = qm.reshape(M, g.width, *q.shape[1:])
+        else:
+            qp = q.new_zeros(M * g.width, *q.shape[1:])
+            qp[g.slot] = qm
+            qp = qp.view(M, g.width, *q.shape[1:])
+        out = _sdpa(qp, _part(k_ctx, g.multi_rows, Lm), _part(v_ctx, g.multi_rows, Lm), g.mask, scaling)
+        parts.append((g.multi_q, out.reshape(M * g.width, H, -1)[g.slot]))
+    if len(parts) == 1 and _whole(parts[0][0], T):
+        return parts[0][1]  # every query in one part, in order
+    if all(isinstance(i, slice) for i, _ in parts):  # two contiguous runs of queries
+        return torch.cat([o for _, o in sorted(parts, key=lambda x: x[0].start)])
+    out = q.new_empty((T, H, v_ctx.shape[-1]))
+    for idx, o in parts:
+        out[idx] = o
+    return out
+
+
+def _whole(rows: Rows, n: int) -> bool:
+    """Whether ``rows`` are all of ``0 .. n-1``, in order (known on the host, no synchronisation)."""
+    return isinstance(rows, slice) and rows == slice(0, n)
+
+
+def _part(x: torch.Tensor, rows: Rows, n: int | None = None) -> torch.Tensor:
+    """``x[rows, :n]``; ``x`` itself (no op) when that is all of it."""
+    if _whole(rows, x.shape[0]) and (n is None or n == x.shape[1]):
+        return x
+    return x[rows] if n is None else x[rows, :n]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Padded GQA attention: ``q [B, W, H, D]`` over ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]`` where
+    ``mask [B, W, L]``; returns ``[B, W, H, Dv]``."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
