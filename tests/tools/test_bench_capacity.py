@@ -10,7 +10,7 @@ from cpkv.tools.cli import main
 
 def test_capacity_small():
     rows, m = bench_capacity(EngineConfig(cp_size=2, page_size=16, kv_memory=128 * 2**10), documents=3,
-                             trace_scale=0.005, rounds=2)
+                             trace_scale=0.005, rounds=2, ranks="threads")
     s, r = m["shared"], m["replicated"]
     assert s["longest"] >= 0.95 * 2 * r["longest"]
     for mode in (s, r):

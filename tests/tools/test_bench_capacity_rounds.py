@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpkv.engine import EngineConfig
+from cpkv.engine.trace import RequestSpec
 from cpkv.tools.bench import capacity
 from cpkv.tools.bench.capacity import TIMED_FIGURES, capacity_rows, measure_capacity, timed
 
@@ -98,12 +99,13 @@ class FakeRuns:
     mode's i-th trace run)."""
 
     def __init__(self):
-        self.calls, self.made = [], {"shared": 0, "replicated": 0}
+        self.calls, self.made, self.ranks = [], {"shared": 0, "replicated": 0}, set()
         self.make = lambda mode, i: fake_report(mode, tpot_p99=0.01 * (i + 1))
 
-    def run_specs(self, cfg, specs):
+    def run_specs(self, cfg, specs, ranks):
         kind = "longest" if [s.id for s in specs] == ["long"] else "trace"
         self.calls.append((kind, cfg.kv))
+        self.ranks.add(ranks)
         if kind == "longest":
             return fake_report(cfg.kv)
         self.made[cfg.kv] += 1
@@ -163,6 +165,31 @@ def test_a_failed_check_in_any_round_is_refused(fake_runs):
     fake_runs.make = make
     with pytest.raises(capacity.CheckFailed):
         measure_capacity(BASE, rounds=3)
+
+
+def test_every_run_starts_its_ranks_as_asked(fake_runs, monkeypatch):
+    """Processes by default (as a deployment runs them), threads on request;
+    ``_run_specs`` starts them with the engine's matching runner."""
+    measure_capacity(BASE, rounds=1)
+    assert fake_runs.ranks == {"processes"}
+    fake_runs.ranks.clear()
+    measure_capacity(BASE, rounds=1, ranks="threads")
+    assert fake_runs.ranks == {"threads"}
+    monkeypatch.undo()
+    from cpkv.engine import engine
+
+    started = []
+    monkeypatch.setattr(engine, "run_engine", lambda cfg: started.append(("processes", cfg.workload)) or {})
+    monkeypatch.setattr(engine, "run_engine_threads", lambda cfg: started.append(("threads", cfg.workload)) or {})
+    for ranks in ("processes", "threads"):
+        capacity._run_specs(BASE, [RequestSpec("a", 0, (1, 2), 2)], ranks)
+    assert [k for k, _ in started] == ["processes", "threads"] and all(w.endswith(".jsonl") for _, w in started)
+
+
+def test_unknown_ranks_are_refused(fake_runs):
+    with pytest.raises(ValueError, match="unknown ranks"):
+        measure_capacity(BASE, rounds=1, ranks="fibers")
+    assert fake_runs.calls == []
 
 
 def test_measure_capacity_refuses_bad_rounds(fake_runs):

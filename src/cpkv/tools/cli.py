@@ -80,6 +80,9 @@ def _add_bench(sub) -> None:
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")
+    b.add_argument("--ranks-as", choices=["processes", "threads"], default="processes",
+                   help="capacity: start each run's ranks as processes (default, as a deployment runs them) or as "
+                        "threads of this process (quicker to start; their Python runs one rank at a time)")
     add_device_flags(b)
     b.set_defaults(func=cmd_bench, validate=validate_bench)
 

@@ -119,7 +119,8 @@ def cmd_bench_capacity(args) -> int:
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory))
+        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory),
+                                 ranks=args.ranks_as)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -127,7 +128,7 @@ def cmd_bench_capacity(args) -> int:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
-                            "TinyLlama, ranks as threads; longest request by the scheduler's up-front refusal, then "
+                            f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
                             "run to the end; longdoc trace; every run checked against transformers"))
     return EXIT_OK
 

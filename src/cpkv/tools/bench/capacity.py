@@ -1,7 +1,9 @@
 """``cpkv bench capacity``: the shared cache against the replicated one, at equal memory per rank.
 
-Both modes run in the same engine (ranks as threads of this process) with the
-same ``kv_memory`` bytes per rank (:func:`~cpkv.runtime.sizing.pages_for_memory`),
+Both modes run in the same engine, the ranks as processes (one per rank on
+POSIX shared memory, as a deployment runs them; ``ranks="threads"``: threads
+of this process, quicker to start, but the ranks' Python then runs one at a
+time) with the same ``kv_memory`` bytes per rank (:func:`~cpkv.runtime.sizing.pages_for_memory`),
 and every figure comes from a run that passed ``check`` (every logit against
 ``transformers`` within ``tolerance``, every request its greedy tokens):
 
@@ -36,6 +38,9 @@ from ...engine.config import EngineConfig
 from ...engine.trace import RequestSpec, TraceError, dump_jsonl
 
 MODES = ("shared", "replicated")
+#: How the ranks of a run are started: processes (:func:`~cpkv.engine.engine.run_engine`) or threads
+#: of this process (:func:`~cpkv.engine.engine.run_engine_threads`).
+RANKS = ("processes", "threads")
 
 
 class CheckFailed(RuntimeError):
@@ -72,14 +77,16 @@ def longest_prompt(cfg: EngineConfig, new_tokens: int) -> int:
     return lo
 
 
-def _run_specs(cfg: EngineConfig, specs: list[RequestSpec]) -> dict:
-    from ...engine.engine import run_engine_threads
+def _run_specs(cfg: EngineConfig, specs: list[RequestSpec], ranks: str = "processes") -> dict:
+    """One engine run of ``specs`` on ``cfg``, its ranks started as ``ranks`` (:data:`RANKS`)."""
+    from ...engine.engine import run_engine, run_engine_threads
 
     fd, path = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
     try:
         dump_jsonl(specs, path)
-        return run_engine_threads(dataclasses.replace(cfg, workload=path))
+        run = run_engine if ranks == "processes" else run_engine_threads
+        return run(dataclasses.replace(cfg, workload=path))
     finally:
         os.unlink(path)
 
@@ -94,18 +101,22 @@ TIMED_FIGURES = {"tokens_per_second": (("tokens_per_second",), 1.0),
 
 
 def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: float = 0.012, documents: int = 6,
-                     tolerance: float = 1e-4, rounds: int = 5) -> dict:
+                     tolerance: float = 1e-4, rounds: int = 5, ranks: str = "processes") -> dict:
     """Both modes of ``base`` (its ``kv_memory``, ``cp_size``, model, pages):
     ``{mode: {"longest": tokens, "longest_run": report, "trace": report,
     "traces": [report per round]}}`` (``trace`` is the first round's), the
-    trace run ``rounds`` times per mode, the modes interleaved.
+    trace run ``rounds`` times per mode, the modes interleaved, every run's
+    ranks started as ``ranks`` (:data:`RANKS`).
     Raises :class:`CheckFailed` when a run does not match ``transformers``,
-    ``ValueError`` when ``base`` has no ``kv_memory`` or ``rounds < 1``,
-    ``RuntimeError`` when two rounds of one mode scheduled differently."""
+    ``ValueError`` when ``base`` has no ``kv_memory``, ``rounds < 1`` or
+    ``ranks`` is unknown, ``RuntimeError`` when two rounds of one mode
+    scheduled differently."""
     if base.kv_memory is None:
         raise ValueError("the capacity benchmark compares the modes at equal memory: give kv_memory")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if ranks not in RANKS:
+        raise ValueError(f"unknown ranks {ranks!r}; choose from {RANKS}")
     out, cfgs = {}, {}
     rng = np.random.default_rng(base.seed)
     for mode in MODES:
@@ -114,12 +125,12 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
         if n < 1:
             raise ValueError(f"{base.kv_memory} bytes per rank hold no request in the {mode} cache")
         tokens = tuple(rng.integers(0, cfg.model.vocab, n).tolist())
-        run = _checked(_run_specs(cfg, [RequestSpec("long", 0, tokens, new_tokens)]), tolerance)
+        run = _checked(_run_specs(cfg, [RequestSpec("long", 0, tokens, new_tokens)], ranks), tolerance)
         out[mode] = {"longest": n + new_tokens - 1, "longest_run": run, "traces": []}
     specs = _trace(base, documents, trace_scale)
     for i in range(rounds):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            out[mode]["traces"].append(_checked(_run_specs(cfgs[mode], specs), tolerance))
+            out[mode]["traces"].append(_checked(_run_specs(cfgs[mode], specs, ranks), tolerance))
     for mode in MODES:
         _same_schedule(mode, out[mode]["traces"])
         out[mode]["trace"] = out[mode]["traces"][0]
