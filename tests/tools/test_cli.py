@@ -72,6 +72,7 @@ BAD = [
     (["run", "--kv-memory", "12parsecs"], "--kv-memory"),
     (["run", "--kv", "replicated", "--disagg", "1:1"], "--kv"),
     (["bench", "capacity", "--kv-memory", "0"], "--kv-memory"),
+    (["bench", "capacity", "--ranks-as", "fibers"], "--ranks-as"),
     (["run", "--host-pages", "-1"], "--host-pages"),
     (["run", "--max-running", "0"], "--max-running"),
     (["run", "--admission", "maybe"], "--admission"),
