@@ -93,3 +93,13 @@ def test_every_continuation_goes_through_one_rule(monkeypatch):
     with pytest.raises(UnsupportedPagePlan):
         alloc.allocate_extend([4], [5], last + 2)  # a valid continuation, refused by the patched rule
     assert snap != alloc.snapshot()  # (the two allocations above went through)
+
+
+@given(runs=st.lists(st.tuples(st.integers(-5, 50), st.integers(0, 9)), max_size=8))
+def test_ranges_are_the_runs_back_to_back(runs):
+    """``layout.ranges`` is each run ``start .. start + count - 1`` in turn
+    (empty runs add nothing), as int64, for the batches the scheduler, the
+    prefix cache and the attention plan hand it."""
+    starts, counts = [a for a, _ in runs], [n for _, n in runs]
+    got = layout.ranges(np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64))
+    assert got.dtype == np.int64 and got.tolist() == [a + i for a, n in runs for i in range(n)]

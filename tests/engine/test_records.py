@@ -19,8 +19,8 @@ def _requests(lengths, new):
        steps=st.integers(1, 7), read_first=st.booleans(), read_every=st.integers(1, 3), data=st.data())
 def test_batched_appends_and_runs_equal_one_by_one(lengths, new, steps, read_first, read_every, data):
     """``append_tokens`` appends what ``Request.append`` would (the id buffer
-    grows past ``max_new_tokens`` too, and takes the tokens sampled since the
-    last read whenever it is read) and names the requests that reached
+    grows past ``max_new_tokens`` too, and holds every token appended so far
+    at every read between appends) and names the requests that reached
     ``max_new_tokens`` in that call; ``id_runs`` is the concatenation of the
     requests' ``ids(start, end)``."""
     batch, single = _requests(lengths, new), _requests(lengths, new)

@@ -153,3 +153,13 @@ def test_paged_attention_refuses_groups_planned_for_another_batch():
         paged_attention(q[:2], req[:2], pos[:2], k, k, 0.5, groups)
     with pytest.raises(ValueError, match="groups were planned for"):
         paged_attention(q, req, pos, k[:, :3], k[:, :3], 0.5, groups)
+
+
+def test_paged_attention_refuses_queries_that_q_req_does_not_name():
+    """Without planned groups, ``q`` and ``q_req`` must name the same queries (a decode of two rows
+    given three queries, or none given two), else the call raises instead of dropping or inventing rows."""
+    req, pos = torch.tensor([0, 1]), torch.tensor([3, 2])
+    k = torch.randn(2, 4, 1, 8)
+    for q in (torch.randn(3, 2, 8), torch.randn(0, 2, 8)):
+        with pytest.raises(ValueError, match="q holds"):
+            paged_attention(q, req, pos, k, k, 0.5)

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from .prefix_match import PrefixMatch
-from ..contract.layout import owner_of, page_of
+from ..contract.layout import owner_of, page_of, ranges
 from .prefix_rules import _as_tokens, _int_vector, check_tails
-from .radix_tree import page_key
 
 if TYPE_CHECKING:
     from .radix_tree import RadixTree
@@ -114,7 +113,7 @@ class LivePages:
         The common ends go in batches (:meth:`_end_simple`): a match whose
         pages are all cached (an empty run), and one whose run is less than a
         page that continues the lane base under its held node, a node with no
-        child and no other such run in the batch (the run becomes a partial
+        child and no earlier such run of the batch (the run becomes a partial
         leaf there: nothing to walk, split, share or dominate). Any other run
         ends alone, in its place in the order. [[RFC-0001:C-PREFIX-CACHE]]"""
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "insert_tail", whole_pages=False)
@@ -157,11 +156,10 @@ class LivePages:
         if leaf.any():
             runs = [batch[j] for j in np.flatnonzero(leaf).tolist()]
             n = c[leaf]
-            pos = np.arange(int(n.sum())) + np.repeat(starts[runs] - (np.cumsum(n) - n), n)
+            pos = ranges(starts[runs], n)
             made = self.tree.attach_many([matches[i].node for i in runs], tokens[pos], arr[pos], n, held=False,
                                          ticks=last[leaf].tolist())
             assert all(x is not None for x in made), "a partial leaf's node had a child"
-        self.tree.now = int(last[-1])
 
     def _runs(self, matches, tokens, slots, counts, what: str, whole_pages: bool):
         """The checked inputs of a batch: tokens, slots and counts as int64 arrays."""

@@ -16,7 +16,7 @@ import torch
 from ..contract import rules
 from ..contract.errors import UnsupportedPagePlan
 from ..contract.inputs import int_vector
-from ..contract.layout import page_of
+from ..contract.layout import page_of, ranges
 
 from .kv_events import key_bytes
 from .prefix_match import PrefixMatch
@@ -138,7 +138,7 @@ def check_tails(cache: "PrefixCache", matches: list, tokens: np.ndarray, slots: 
         if copied.size and (counts[i] < copied.size or not np.array_equal(
                 slots[starts[i] : starts[i] + copied.size], copied)):
             raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the slots must start with the match's copy")
-    run_pos = np.arange(total) - np.repeat(starts, counts)
+    run_pos = ranges(np.zeros_like(counts), counts)
     _check_chains(cache, slots, run_pos, np.ones(total, dtype=bool), what)
 
 

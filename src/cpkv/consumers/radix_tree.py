@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of
+from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of, ranges
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -272,16 +272,16 @@ class RadixTree:
         as :meth:`attach` one by one would: skipped (``None`` in the returned
         list) where ``parents[i]`` is None or already has a child on the run's
         first page (one of the batch may have put it there). Every new node is
-        used now (one tick each, or at ``ticks[i]``: ascending LRU times past
-        the clock, which a caller interleaving other calls gives) and, with
+        used now (one tick each, or at ``ticks[i]``: LRU times past the clock
+        that a caller interleaving other calls reserved; the clock then
+        stands at the latest) and, with
         ``held``, referenced by one live request (as :meth:`hold_child`).
         Tokens and slots are copied once for the batch; the per-lane counts
         are updated once. Returns the new nodes."""
         S, N, B = self.S, self.N, len(parents)
         tokens, slots = np.array(tokens, dtype=np.int64), host_ints(slots).copy()
         starts = np.cumsum(counts) - counts
-        heads = np.arange(slots.size) - np.repeat(starts, counts)
-        heads = np.flatnonzero(heads % S == 0)  # each page's first slot
+        heads = np.flatnonzero(ranges(np.zeros_like(counts), counts) % S == 0)  # each page's first slot
         pages = page_of(slots[heads], S)
         per_run = -(-np.asarray(counts) // S)
         run = np.repeat(np.arange(B), per_run)
@@ -295,8 +295,12 @@ class RadixTree:
             if parent is None or k in parent.children:
                 continue
             self._serial += 1
-            self.now = self.now + 1 if ticks is None else ticks[i]  # used now: one tick per node, as attach one by one
-            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lane, pages[p:q], self._serial, {}, ref, self.now,
+            if ticks is None:  # used now: one tick per node, as attach one by one
+                t = self.now = self.now + 1
+            else:
+                t = ticks[i]
+                self.now = max(self.now, t)
+            node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lane, pages[p:q], self._serial, {}, ref, t,
                                     parent.ns)
             parent.children[k] = node
             if b - a < S:
@@ -365,7 +369,8 @@ class RadixTree:
         :meth:`attach_many`), the per-lane counts updated once."""
         freed = []
         for i, node in enumerate(nodes):
-            self.now = t = self.now + 1 if ticks is None else ticks[i]
+            t = self.now + 1 if ticks is None else ticks[i]
+            self.now = max(self.now, t)
             while node is not None and node.parent is not None:
                 node.ref -= 1
                 assert node.ref >= 0, "reference count below zero"

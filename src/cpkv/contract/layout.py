@@ -60,6 +60,17 @@ def lane_base_of_last_loc(last_loc, prefix_len, page_size: int, cp_size: int):
     return lane_base_from_prefix(owner_of(page_of(last_loc, page_size), cp_size), prefix_len, page_size, cp_size)
 
 
+def ranges(starts, counts) -> np.ndarray:
+    """The runs ``starts[i] .. starts[i] + counts[i] - 1`` back to back, int64
+    ``[sum(counts)]`` (``counts >= 0``): the positions of a batch's runs in
+    its requests (a page-table row, a token buffer), or with ``starts`` 0 each
+    entry's place in its run. Vectorised: nothing per run or per entry."""
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if counts.size else 0) + np.repeat(np.asarray(starts, dtype=np.int64) - ends + counts,
+                                                                      counts)
+
+
 def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.ndarray:
     """Pages per lane a chain takes: ``num_pages`` pages at request-local
     positions ``first_position ..`` of a request with lane base ``lane_base``

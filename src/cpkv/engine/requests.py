@@ -180,8 +180,8 @@ class RequestLifecycle:
         if not counts.any():  # every page is cached already (they finished as their last page filled)
             return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), counts
         rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
-        pos = np.arange(int(counts.sum())) + np.repeat(shared - (np.cumsum(counts) - counts), counts)
-        return id_runs(reqs, shared.tolist(), ends.tolist()), self.table.gather(np.repeat(rows, counts), pos), counts
+        return (id_runs(reqs, shared.tolist(), ends.tolist()),
+                self.table.gather(np.repeat(rows, counts), layout.ranges(shared, counts)), counts)
 
     def _finish(self, done: list[Request]) -> None:
         """``done`` have their tokens (the caller takes them off ``running``):
@@ -211,16 +211,15 @@ class RequestLifecycle:
             r.need, r.finished_at = None, step
             if not keep:  # the KV is the cache's now, the row the table's
                 r.match, r.row = None, -1
-        kids = self._children
-        self._conclude([r for r in done if r.spec.id in kids] if kids else [], n)
+        self._conclude(done)
 
-    def _conclude(self, rs: list[Request], n: int | None = None) -> None:
-        """Requests are done: ``n`` of them counted (default ``len(rs)``), the
-        follow-ups of ``rs`` (the done ones that have any) released, and
-        ``waiting`` sorted by due step."""
-        self.stats.finished += len(rs) if n is None else n
-        for r in rs:
-            for c in self._children.get(r.spec.id, ()):
+    def _conclude(self, done: list[Request]) -> None:
+        """Requests are done: counted, their follow-ups released, and
+        ``waiting`` sorted by due step (once for the batch)."""
+        self.stats.finished += len(done)
+        kids = self._children
+        for r in done if kids else ():
+            for c in kids.get(r.spec.id, ()):
                 c.prompt = r.seq + c.spec.tokens
                 c.due = max(c.spec.arrival, self.step + 1 + c.spec.delay)
                 self.waiting.append(c)

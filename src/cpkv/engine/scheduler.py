@@ -190,10 +190,10 @@ class Scheduler(RequestLifecycle):
         self._track(r)
         r.prefix_lanes = self.cache.tree.pages_of(slots[: m.shared : self.S])[1]
         r.own_from = m.shared // self.S
-        if m.copy_dst.numel():
-            p.copies.append(Copy(m.copy_src, m.copy_dst, r))
+        if (dst := m.copy_dst).numel():
+            p.copies.append(Copy(m.copy_src, dst, r))
             self.stats.copies += 1
-            self.stats.copied_slots += m.copy_dst.numel()
+            self.stats.copied_slots += dst.numel()
         st = self.stats
         st.prompt_tokens += len(seq)
         st.hit_tokens += m.length

@@ -8,13 +8,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..contract.layout import ranges
+
 #: a part of a batch's queries or context rows: a slice when they lie contiguous (a view, no copy), else
 #: the int64 indices
 Rows = slice | torch.Tensor
 
 
 #: :func:`query_groups` pads the S one-query rows of a mixed batch after all (one padded batch, no kernel of
-#: their own) while the query-key pairs that adds, ``S * (width - 1) * L``, stay within this many: below
+#: their own) while the query-key pairs that adds, ``S * (width - 1) * K`` (``K``: the keys up to the furthest
+#: position a query sees), stay within this many: below
 #: about that, a second kernel call costs more than the padding (measured on the CPU with 4 heads of 16,
 #: chunks of 16 to 64 queries, contexts of 200 to 1000 keys)
 PAD_LIMIT = 20_000
@@ -101,7 +104,7 @@ def query_groups(q_req: torch.Tensor, q_pos: torch.Tensor, B: int, L: int,
     m_counts = counts[m_rows]
     width = int(m_counts.max()) if m_rows.size else 0
     j = np.empty(m_q.size, dtype=np.int64)  # each padded query's place in its row, in query order
-    j[np.argsort(m_of, kind="stable")] = np.arange(m_q.size) - np.repeat(np.cumsum(m_counts) - m_counts, m_counts)
+    j[np.argsort(m_of, kind="stable")] = ranges(np.zeros_like(m_counts), m_counts)
     Ls = _keys(pos[s_q], L)
     Lm = _keys(pos[m_q], L)
     visible = torch.arange(Ls, device=dev)[None, :] <= torch.from_numpy(pos[s_q]).to(dev)[:, None]
@@ -140,9 +143,12 @@ def paged_attention(q: torch.Tensor, q_req: torch.Tensor, q_pos: torch.Tensor, k
     furthest its queries see, and the outputs are put back in query order.
     ``groups``: that split, planned once per batch (:func:`query_groups`);
     with it the call does not synchronise with the host. Raises
-    ``ValueError`` when ``groups`` was planned for another ``(T, B, L)``.
+    ``ValueError`` when ``groups`` was planned for another ``(T, B, L)``, or
+    (without ``groups``) ``q_req`` names another number of queries than ``q``.
     """
     T, H = q.shape[:2]
+    if groups is None and q_req.numel() != T:
+        raise ValueError(f"q holds {T} queries but q_req names {q_req.numel()}")
     if T == 0:
         return q.new_zeros((0, H, v_ctx.shape[-1]))
     B, L = k_ctx.shape[:2]
