@@ -35,3 +35,36 @@ def test_bench_capacity_refuses_a_memory_without_a_page(capsys):
     assert e.value.code == 2
     assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "100"]) == 2
     assert "holds no page" in capsys.readouterr().err
+
+
+def test_a_group_the_machine_cannot_hold_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    """As ``cpkv run`` refuses: too many ranks for the cores, or a cache the
+    memory cannot hold (a 500 GiB ``--kv-memory`` no longer ends in a traceback
+    while the scheduler's page table is allocated). Exit 2, one line."""
+    from cpkv.runtime import sizing
+    from cpkv.tools.bench import capacity
+
+    def started(*a, **k):
+        raise AssertionError("the bench started before refusing")
+
+    monkeypatch.setattr(capacity, "longest_prompt", started)  # the first thing a run does
+    for gib, argv, why in ((64, ["--cp", "64"], "64 ranks on 2 cores: more than 16 per core"),
+                           (8, ["--cp", "2", "--kv-memory", "500GiB"], "2 ranks need about")):
+        monkeypatch.setattr(sizing, "machine_capacity", lambda gib=gib: sizing.MachineCapacity(gib * 2**30, 2))
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "capacity", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith("cpkv bench: error: refused before starting: ") and why in err, err
+
+
+def test_repeats_sets_the_trace_rounds(monkeypatch, capsys):
+    """``--repeats R``: each mode's trace runs R rounds (default 5), the ranks started as ``--ranks-as`` says."""
+    from cpkv.tools.bench import capacity
+
+    seen = []
+    row = {"figure": "f", "shared": "1", "replicated": "1", "shared / replicated": "1.00", "better": "higher"}
+    monkeypatch.setattr(capacity, "bench_capacity", lambda base, **kw: seen.append(kw) or ([row], {}))
+    for argv in ([], ["--repeats", "2", "--ranks-as", "threads"]):
+        assert main(["bench", "capacity", "--cp", "2", *argv]) == 0
+    assert seen == [{"ranks": "processes", "rounds": 5}, {"ranks": "threads", "rounds": 2}]

@@ -59,7 +59,8 @@ def _add_bench(sub) -> None:
                         "the forward plan; scheduler: the scheduler alone, by name only)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
-                        "prefill and 4R decode rounds, R 5; scheduler: rounds of every case, 3)")
+                        "prefill and 4R decode rounds, R 5; scheduler: rounds of every case, 3; capacity: trace "
+                        "rounds of each mode, 5)")
     b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help="splits, kvdtype, capacity: ranks in the group (default 4); scheduler: lanes (default 8)")

@@ -120,7 +120,7 @@ def cmd_bench_capacity(args) -> int:
 
     try:
         rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory),
-                                 ranks=args.ranks_as)
+                                 ranks=args.ranks_as, rounds=args.repeats or 5)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -149,6 +149,27 @@ def validate_bench(args, parser) -> None:
                      "(the CPU) does not run")
     if args.what == "plan" and args.device != "cpu":
         parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
+    if args.what == "capacity":
+        refuse_capacity_unless_fits(args, parser)
+
+
+def refuse_capacity_unless_fits(args, parser) -> None:
+    """``cpkv bench capacity``: ``parser.error`` (exit 2), before any rank
+    starts, when a run of either mode is a group this machine cannot hold
+    (memory, cores, start time: :func:`refuse_unless_fits`, as ``cpkv run``
+    refuses). A ``--kv-memory`` that holds no page is left to the command's
+    own message."""
+    import dataclasses
+
+    from ..engine.config import EngineConfig
+
+    try:
+        base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory)
+    except ValueError:
+        return
+    for kv in ("shared", "replicated"):
+        cfg = dataclasses.replace(base, kv=kv, check=True, host_pages=0)
+        refuse_unless_fits(parser, engine_footprint(cfg), timeout=cfg.timeout)
 
 
 def cmd_bench_splits(args) -> int:
