@@ -68,3 +68,20 @@ def test_repeats_sets_the_trace_rounds(monkeypatch, capsys):
     for argv in ([], ["--repeats", "2", "--ranks-as", "threads"]):
         assert main(["bench", "capacity", "--cp", "2", *argv]) == 0
     assert seen == [{"ranks": "processes", "rounds": 5}, {"ranks": "threads", "rounds": 2}]
+
+
+def test_a_memory_too_small_for_the_trace_is_one_short_line_naming_the_memory_to_give(monkeypatch, capsys):
+    """Before any rank starts: which cache refuses, how many requests, and a
+    ``--kv-memory`` that the refusing mode takes (it then refuses no request)."""
+    from cpkv.tools.bench import capacity
+
+    def started(*a, **k):
+        raise AssertionError("a run started before the refusal")
+
+    monkeypatch.setattr(capacity, "_run_specs", started)
+    assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "20KiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cpkv bench capacity: 20.0 KiB per rank: the shared cache can never hold 15 of the trace's")
+    assert "\n" not in err and len(err) < 250 and "give --kv-memory 120.0 KiB or more" in err
+    assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "120KiB"]) == 2  # the shared cache's need
+    assert "the replicated cache can never hold" in capsys.readouterr().err

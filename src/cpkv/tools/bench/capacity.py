@@ -35,7 +35,7 @@ import tempfile
 import numpy as np
 
 from ...engine.config import EngineConfig
-from ...engine.trace import RequestSpec, TraceError, dump_jsonl
+from ...engine.trace import CacheTooSmall, RequestSpec, TraceError, dump_jsonl
 
 MODES = ("shared", "replicated")
 #: How the ranks of a run are started: processes (:func:`~cpkv.engine.engine.run_engine`) or threads
@@ -109,25 +109,28 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
     ranks started as ``ranks`` (:data:`RANKS`).
     Raises :class:`CheckFailed` when a run does not match ``transformers``,
     ``ValueError`` when ``base`` has no ``kv_memory``, ``rounds < 1`` or
-    ``ranks`` is unknown, ``RuntimeError`` when two rounds of one mode
-    scheduled differently."""
+    ``ranks`` is unknown, or a request of the trace could never fit either
+    mode's cache (before any run, naming the memory to give),
+    ``RuntimeError`` when two rounds of one mode scheduled differently."""
     if base.kv_memory is None:
         raise ValueError("the capacity benchmark compares the modes at equal memory: give kv_memory")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if ranks not in RANKS:
         raise ValueError(f"unknown ranks {ranks!r}; choose from {RANKS}")
-    out, cfgs = {}, {}
+    out, cfgs = {}, {mode: dataclasses.replace(base, kv=mode, check=True, host_pages=0) for mode in MODES}
+    specs = _trace(base, documents, trace_scale)
+    for mode in MODES:  # before any rank starts
+        _refuse_unless_trace_fits(cfgs[mode], specs)
     rng = np.random.default_rng(base.seed)
     for mode in MODES:
-        cfg = cfgs[mode] = dataclasses.replace(base, kv=mode, check=True, host_pages=0)
+        cfg = cfgs[mode]
         n = longest_prompt(cfg, new_tokens)
         if n < 1:
             raise ValueError(f"{base.kv_memory} bytes per rank hold no request in the {mode} cache")
         tokens = tuple(rng.integers(0, cfg.model.vocab, n).tolist())
         run = _checked(_run_specs(cfg, [RequestSpec("long", 0, tokens, new_tokens)], ranks), tolerance)
         out[mode] = {"longest": n + new_tokens - 1, "longest_run": run, "traces": []}
-    specs = _trace(base, documents, trace_scale)
     for i in range(rounds):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:
             out[mode]["traces"].append(_checked(_run_specs(cfgs[mode], specs, ranks), tolerance))
@@ -135,6 +138,22 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
         _same_schedule(mode, out[mode]["traces"])
         out[mode]["trace"] = out[mode]["traces"][0]
     return out
+
+
+def _refuse_unless_trace_fits(cfg: EngineConfig, specs: list[RequestSpec]) -> None:
+    """Raise ``ValueError`` (one short line, the memory to give) when a
+    request of the trace could never fit ``cfg``'s cache: the scheduler's own
+    up-front refusal (:class:`~cpkv.engine.trace.CacheTooSmall`), before any rank starts."""
+    from ...engine.engine import build_scheduler
+    from ...runtime.sizing import format_size
+
+    try:
+        build_scheduler(cfg, specs)
+    except CacheTooSmall as e:
+        need = e.pages_per_rank_needed * cfg.page_bytes()
+        raise ValueError(f"{format_size(cfg.kv_memory)} per rank: the {cfg.kv} cache can never hold "
+                         f"{len(e.requests)} of the trace's {len(specs)} requests (the longest needs "
+                         f"{e.pages_per_rank_needed} pages per rank); give --kv-memory {format_size(need)} or more")
 
 
 def _same_schedule(mode: str, traces: list[dict]) -> None:
