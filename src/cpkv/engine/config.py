@@ -292,3 +292,27 @@ def parse_disagg(text: str) -> tuple[int, int]:
     if out is None or min(out) < 1:
         raise ValueError(f"{text!r} is not M:N with M prefill ranks and N decode ranks, both >= 1")
     return out
+
+
+def engine_footprint(cfg):
+    """The :class:`~cpkv.runtime.sizing.GroupFootprint` of the engine with
+    ``cfg``: every rank holds the model, its page table and (rank 0, with
+    ``check``) the logits it keeps; the group shares the device and host KV
+    segments of every cache family."""
+    import torch
+
+    from ..models import build_adapter
+    from ..runtime.sizing import group_footprint
+
+    with torch.device("meta"):
+        adapter = build_adapter(cfg.model)
+    model = adapter.model
+    model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
+    copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
+    shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
+    specs = cfg.trace()
+    tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
+    private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
+    private += copy if cfg.replicated else 0
+    return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)

@@ -161,7 +161,7 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     own message."""
     import dataclasses
 
-    from ..engine.config import EngineConfig
+    from ..engine.config import EngineConfig, engine_footprint
 
     try:
         base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory)
@@ -256,35 +256,11 @@ def run_config(args):
     )
 
 
-def engine_footprint(cfg):
-    """The :class:`~cpkv.runtime.sizing.GroupFootprint` of the engine with
-    ``cfg``: every rank holds the model, its page table and (rank 0, with
-    ``check``) the logits it keeps; the group shares the device and host KV
-    segments of every cache family."""
-    import torch
-
-    from ..models import build_adapter
-    from ..runtime.sizing import group_footprint
-
-    with torch.device("meta"):
-        adapter = build_adapter(cfg.model)
-    model = adapter.model
-    model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
-    copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
-    shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
-    specs = cfg.trace()
-    tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
-    private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
-    private += copy if cfg.replicated else 0
-    return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
-
-
 def validate_disagg(args, parser, cfg) -> None:
     """``--disagg M:N``: the two groups' configuration, refused before any process starts."""
     import dataclasses
 
-    from ..engine.config import DisaggConfig
+    from ..engine.config import DisaggConfig, engine_footprint
     from ..engine.disagg import DisaggControl
     from ..engine.trace import CacheTooSmall, TraceError
 
@@ -310,6 +286,7 @@ def validate_disagg(args, parser, cfg) -> None:
 def validate_run(args, parser) -> None:
     """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
     sets ``args.config`` (an engine or a disaggregated configuration)."""
+    from ..engine.config import engine_footprint
     from ..engine.trace import CacheTooSmall, TraceError
 
     if args.disagg is not None and args.cp is not None:
