@@ -37,22 +37,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layout import floor_div, floor_mod
+
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """For each entry, how many earlier entries share its lane. When the lanes
     cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
     is ``i // N``; otherwise one stable radix sort of the lane ids."""
     N, i = counts.size, np.arange(lanes.size)
-    if lanes.size:
-        apart = lanes - lanes[0] - i  # a multiple of N everywhere iff the lanes cycle
-        if N & (N - 1) == 0:  # a power of two: mask and shift
-            if not (apart & (N - 1)).any():
-                return i >> (N.bit_length() - 1)
-        elif not (apart % N).any():
-            return i // N
-    order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
+    if lanes.size and not floor_mod(lanes - lanes[0] - i, N).any():  # a multiple of N everywhere iff they cycle
+        return floor_div(i, N)
+    order = np.argsort(lanes.astype(np.int16) if N < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
-    rank[order] = np.arange(lanes.size) - (counts.cumsum() - counts)[lanes[order]]
+    rank[order] = i - (counts.cumsum() - counts)[lanes[order]]
     return rank
 
 
@@ -129,26 +126,30 @@ class LaneFreeLists:
         pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
         return pages
 
-    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray, n: int,
                     iota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`peek` for whole chains: request r takes ``counts[r]`` pages
         cycling from lane ``first_lane[r]``, after the ``before[r, l]`` pages
         of lane l that earlier requests take (``starts`` is the exclusive
-        cumulative sum of ``counts``, ``iota`` an ``arange`` at least as long
-        as the batch's pages). Returns ``(pages, lanes)`` in request order,
-        one vectorised pass per quantity. Nothing changes."""
-        N, n = self.cp_size, int(counts.sum())
-        j = iota[:n] - starts.repeat(counts)  # position of each page in its request
-        lanes = first_lane.repeat(counts) + j
-        if N & (N - 1):
-            lanes %= N
-            turn = j // N
-        else:  # a power of two: mask and shift
-            lanes &= N - 1
-            turn = j >> (N.bit_length() - 1)
-        top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
-        idx = top.ravel()[(iota[: counts.size] * N).repeat(counts) + lanes] - turn
-        return self.stack.ravel()[idx], lanes
+        cumulative sum of ``counts``, ``n`` their sum, ``iota`` an ``arange``
+        at least ``n`` long). Returns ``(pages, j)`` in request order, ``j``
+        each page's place in its request's new pages. Nothing changes.
+
+        Page j of request r is the ``before[r, l] + j // N``-th page the batch
+        takes from lane ``l = (first_lane[r] + j) % N``: with ``top[r, i]``
+        the stack index of request r's next page of its i-th lane from
+        ``first_lane[r]``, its stack index is ``top[r, j % N] - j // N``."""
+        N, bs = self.cp_size, counts.size
+        lanes = floor_mod(first_lane[:, None] + np.arange(N), N)  # [bs, N]: request r's lanes from its first
+        top = (self._lane_top + self.free)[lanes] - np.take_along_axis(before, lanes, 1)
+        if bs == 1:
+            j = iota[:n]
+            idx = top[0][floor_mod(j, N)]
+        else:
+            j = iota[:n] - starts.repeat(counts)
+            idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
+        idx -= floor_div(j, N)
+        return self.stack.ravel()[idx], j
 
     def page_bitmap(self) -> np.ndarray:
         """An empty bitmap over pages ``0 .. num_pages``."""

@@ -32,6 +32,19 @@ def page_of(slots, page_size: int):
     return slots // page_size
 
 
+def floor_div(a, n: int):
+    """``a // n`` (floor, for ints, numpy or torch), as a shift when ``n`` is a
+    power of two: numpy's integer division is several times slower than a
+    shift on large arrays. The one place cpkv takes that shortcut."""
+    return a >> (n.bit_length() - 1) if n & (n - 1) == 0 else a // n
+
+
+def floor_mod(a, n: int):
+    """``a % n`` (floor: non-negative for positive ``n``), as a mask when ``n``
+    is a power of two (see :func:`floor_div`)."""
+    return a & (n - 1) if n & (n - 1) == 0 else a % n
+
+
 def owner_of(pages, cp_size: int):
     """Owner rank (lane) of each logical page: ``p % N``. Ints, numpy or torch."""
     return pages % cp_size

@@ -18,7 +18,7 @@ way of dividing a batch among the ranks of a CP group:
   layer; the owner of the new token's page writes its entries. A top-k
   selection over the whole context (DSA's indexer, :meth:`ForwardBatch.select`)
   is not replicated: each token's is made by one rank (tokens dealt out by
-  context length, :func:`cpkv.contract.plan.balanced_ranks`) and shared by one
+  context length, :func:`cpkv.runtime.forward_plan.balanced_ranks`) and shared by one
   all-gather; attention over the selected positions is then split by owner.
 
 Each batch is planned once, before its first layer (:class:`~cpkv.runtime.forward_plan.ForwardPlan`:
@@ -205,7 +205,7 @@ class ForwardBatch:
         (see :class:`cpkv.models.CacheAccess`), ``[T, K]`` int64, ``-1`` padding.
 
         Under ``lse`` every rank holds every token, yet each token is scored
-        once: by the rank :func:`~cpkv.contract.plan.balanced_ranks` deals it to
+        once: by the rank :func:`~cpkv.runtime.forward_plan.balanced_ranks` deals it to
         by context length, which reads that token's whole context through the
         shared view; one all-gather of the ``[T', K]`` positions (int32) gives
         every rank every selection, ``K = min(k, longest context)``. Elsewhere

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
-from ..contract import plan as owner_plan
 from ..contract.allocation import Allocation
+from ..contract.errors import UnsupportedPagePlan
 from ..models.attention import QueryGroups, query_groups
 
 PREFILL_SPLITS = ("page", "interleave", "zigzag")
@@ -42,18 +42,69 @@ DECODE_SPLITS = ("owner", "lse")
 
 def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
     """Rank that computes each token of the flattened batch, or ``None`` when
-    every rank computes every token (``lse``). Pure: every rank gets the same."""
+    every rank computes every token (``lse``). Pure: every rank gets the same.
+    The page and owner splits take the owners the allocation carries, never
+    recomputed from lengths ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]); the token
+    splits are the three functions below. [[RFC-0001:C-PLANNER-SPLIT]]"""
     if mode in ("page", "owner"):
         return alloc.token_owners
     if mode == "interleave":
-        return owner_plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
+        return interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
     if mode == "zigzag":
-        return owner_plan.zigzag_ranks(alloc.extend_lens, cp_size)
+        return zigzag_ranks(alloc.extend_lens, cp_size)
     if mode == "balanced":  # any batch size, context work balanced: a replicated cache's decode split
-        return owner_plan.balanced_ranks(alloc.positions + 1, cp_size)
+        return balanced_ranks(alloc.positions + 1, cp_size)
     if mode == "lse":
         return None
     raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
+
+
+def interleave_ranks(num_tokens: int, cp_size: int, device=None) -> torch.Tensor:
+    """Rank of every token of a flattened batch of ``num_tokens`` under the
+    interleaved split (SGLang DSA CP): token i goes to rank ``i % N``, int64
+    ``[num_tokens]`` on ``device``. Raises ``UnsupportedPagePlan
+    ("interleave-too-short")`` for fewer than N tokens (some rank would get
+    none). [[RFC-0001:C-PLANNER-SPLIT]]"""
+    if num_tokens < cp_size:
+        raise UnsupportedPagePlan(
+            "interleave-too-short", f"interleave split needs at least {cp_size} tokens, batch has {num_tokens}"
+        )
+    return torch.arange(num_tokens, device=device) % cp_size
+
+
+def zigzag_ranks(extend_lens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of every token of the flattened batch under the zigzag split.
+
+    Each request's extend of ``n`` tokens is cut into ``2N`` consecutive blocks,
+    the first ``n % 2N`` of them one token longer; block ``b`` goes to rank
+    ``b`` for ``b < N`` and to rank ``2N - 1 - b`` otherwise, so every rank
+    gets one early (cheap) and one late (costly) block of causal attention.
+    [[RFC-0001:C-PLANNER-SPLIT]]
+    """
+    N2 = 2 * cp_size
+    n = extend_lens.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
+    j = torch.arange(req.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[req]  # index inside the extend
+    base, extra = (n // N2)[req], (n % N2)[req]
+    long_part = extra * (base + 1)
+    block = torch.where(j < long_part, j // (base + 1), extra + (j - long_part) // base.clamp(min=1))
+    return torch.where(block < cp_size, block, N2 - 1 - block)
+
+
+def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of each item ``[n]`` so that every rank's summed ``work [n]`` is
+    near equal and item counts differ by at most one: items sorted by work,
+    largest first (ties: lower index first), dealt out in snake order
+    ``0 .. N-1, N-1 .. 0, 0 .. N-1, ...``. Any two ranks' sums then differ by at
+    most the largest item. Pure: every rank gets the same (the log-sum-exp
+    decode split spreads each query's top-k selection with it)."""
+    n = work.numel()
+    order = torch.sort(work, descending=True, stable=True).indices
+    j = torch.arange(n, device=work.device)
+    snake = torch.where((j // cp_size) % 2 == 0, j % cp_size, cp_size - 1 - j % cp_size)
+    ranks = torch.empty(n, dtype=torch.int64, device=work.device)
+    ranks[order] = snake
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -206,7 +257,7 @@ def _lse_parts(pool: SharedKVPool, rank: int, tab: torch.Tensor, seq: torch.Tens
     seen = (p >= 0) & (p <= positions.to(dev)[:, None])
     B = tab.shape[0]
     identity = req.numel() == B and torch.equal(req, torch.arange(B))
-    ranks = owner_plan.balanced_ranks(positions + 1, layout.cp_size)
+    ranks = balanced_ranks(positions + 1, layout.cp_size)
     mine = torch.nonzero(ranks == rank).flatten()
     width = int(positions.max()) + 1 if positions.numel() else 0
     return LseParts(pos, own_read, seen, int((pos >= 0).sum()), identity, mine.to(dev),
