@@ -62,7 +62,7 @@ def _group(N=2, ppr=8, host_pages=6):
 
 def test_only_the_io_rank_backs_up_and_every_owner_loads_its_own_pages():
     lay, bufs, pools, hosts, hbufs = _group()
-    alloc = OwnerLaneAllocator((lay.num_pages - 1) * S, S, 2, layout=lay)
+    alloc = OwnerLaneAllocator.for_layout(lay)
     a = alloc.allocate_extend([0], [12], torch.tensor([-1]))
     slots = a.out_cache_loc
     val = torch.arange(12, dtype=torch.float32)[:, None, None].expand(12, 1, 3)

@@ -74,7 +74,7 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs():
 
 def test_every_request_that_can_never_fit_is_listed_with_what_the_lanes_hold():
     layout = SharedKVLayout(4, 16, 8)  # 8 pages per rank: lanes of 7, 8, 8, 8 (page 0 reserved)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * 16, 16, 4, layout=layout)
+    alloc = OwnerLaneAllocator.for_layout(layout)
     specs = [RequestSpec("ok", 0, tuple(range(100)), 8), RequestSpec("long", 0, (1,) * 1500, 21),
              RequestSpec("next", 0, (2,) * 10, 4, "ok"), RequestSpec("also", 3, (3,) * 449, 1)]
     with pytest.raises(CacheTooSmall) as e:

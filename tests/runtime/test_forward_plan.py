@@ -15,6 +15,7 @@ from cpkv.models import DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama
 from cpkv.runtime.batch import ForwardBatch
 from cpkv.runtime.comm import LocalComm
 from cpkv.runtime.forward_plan import ForwardPlan, pack_left
+from cpkv.runtime.parts import build_parts
 from cpkv.runtime.runner import CPRunner
 from cpkv.runtime.syncs import SyncCounter
 from support.forward_runs import reference, run_small
@@ -62,11 +63,8 @@ def test_replanning_per_layer_is_counted(llama, monkeypatch):
     """The counter sees what planning costs: rebuilding the plan on every layer
     (cpkv before the forward plan) synchronises in every layer but the first."""
     counts = count_syncs(llama, monkeypatch)
-    layout = SharedKVLayout(1, 4, 16)
-    fams = llama.families()
-    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
-    run = CPRunner(llama, pool, OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout),
-                   max_requests=1, max_len=32)
+    run = build_parts(llama, SharedKVLayout(1, 4, 16), max_requests=1, max_len=32).runner
+    pool = run.pool
     alloc = run.allocate([0], [9])
     fb = ForwardBatch(pool, LocalComm(), alloc, run.table.rows(torch.tensor([0])), "page", plan_per_layer=True)
     h = llama.embed(torch.arange(9))
@@ -100,7 +98,7 @@ def _pool_and_alloc(N=2, rank=0):
     layout = SharedKVLayout(N, 4, 16)
     fams = LlamaAdapter.families(type("A", (), {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4})())
     pool = SharedKVPool(layout, rank, fams, allocate_buffers(layout, fams))
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, N, layout=layout)
+    alloc = OwnerLaneAllocator.for_layout(layout)
     a = alloc.allocate_extend(torch.tensor([0]), torch.tensor([11]), torch.tensor([-1]))
     table = torch.full((1, 16), -1, dtype=torch.int64)
     table[0, :11] = a.out_cache_loc

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..contract import rules
 from ..contract.errors import UnsupportedPagePlan
@@ -40,15 +39,12 @@ class PrefixCacheMisuse(ValueError):
 
 # -- input checks (pure) ---------------------------------------------------------
 def _int_vector(x, what: str, rule: str) -> np.ndarray:
-    """A flat int64 host copy of a 1-D integer list, array or tensor, or raise."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool or x.dim() != 1:
-            raise PrefixCacheMisuse(rule, f"{what} must be a 1-D integer tensor, got {x.dtype} {tuple(x.shape)}")
-        return x.detach().cpu().numpy().astype(np.int64, copy=False)
-    a = np.asarray(x)
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise PrefixCacheMisuse(rule, f"{what} must be a flat sequence of ints, got dtype {a.dtype}, shape {a.shape}")
-    return a.astype(np.int64, copy=False)
+    """:func:`cpkv.contract.inputs.int_vector` (the one rule for index vectors:
+    do not write to the result), its refusals raised as ``PrefixCacheMisuse(rule)``."""
+    try:
+        return int_vector(x, what)
+    except (TypeError, ValueError) as e:
+        raise PrefixCacheMisuse(rule, str(e)) from None
 
 
 def _as_tokens(tokens) -> np.ndarray:

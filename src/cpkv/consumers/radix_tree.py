@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of, ranges
 
 
@@ -19,11 +20,6 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
     d = np.flatnonzero(a[:n] != b[:n])
     return int(d[0]) if d.size else n
-
-
-def host_ints(x) -> np.ndarray:
-    """``x`` (an int tensor or array) as an int64 numpy array, without a copy when it already is one."""
-    return (x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64, copy=False)
 
 
 def page_key(tokens: np.ndarray, page_size: int) -> bytes:
@@ -91,7 +87,7 @@ class RadixTree:
 
     def pages_of(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pages under ``slots`` (an int tensor or array) and their count per lane."""
-        pages = np.unique(page_of(host_ints(slots), self.S))
+        pages = np.unique(page_of(int_vector(slots, "slots"), self.S))
         return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
 
     def _node(self, key: np.ndarray, slots: np.ndarray, parent: _Node | None) -> _Node:
@@ -223,7 +219,7 @@ class RadixTree:
         would join, so every cached chain keeps one lane base at every
         position (SGLang's kv-shard radix cache declines such a graft
         likewise). Vectorised. [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-PREFIX-CACHE]]"""
-        slots = host_ints(slots)
+        slots = int_vector(slots, "slots")
         lanes = owner_of(page_of(slots[:: self.S], self.S), self.N)
         ok = int(self.graft_pages([node], np.array([start]), lanes, np.array([lanes.size]))[0])
         return int(slots.size) if ok == lanes.size else ok * self.S
@@ -279,7 +275,7 @@ class RadixTree:
         Tokens and slots are copied once for the batch; the per-lane counts
         are updated once. Returns the new nodes."""
         S, N, B = self.S, self.N, len(parents)
-        tokens, slots = np.array(tokens, dtype=np.int64), host_ints(slots).copy()
+        tokens, slots = np.array(tokens, dtype=np.int64), int_vector(slots, "slots").copy()
         starts = np.cumsum(counts) - counts
         heads = np.flatnonzero(ranges(np.zeros_like(counts), counts) % S == 0)  # each page's first slot
         pages = page_of(slots[heads], S)

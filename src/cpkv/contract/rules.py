@@ -102,7 +102,7 @@ class AllocationRules:
     def check_decode(self, prefix: np.ndarray, last: np.ndarray, shortest: int) -> tuple[np.ndarray, np.ndarray] | None:
         """All of :meth:`check_extend` and the chain-position rule for a decode
         batch (``prefix = seq - 1``, ``shortest = seq.min()``) in one fused
-        test, when ``S`` is a power of two and every request continues a chain
+        test, when every request continues a chain
         from a page whose chain position is recorded (:func:`continues_chain`
         with the chain positions). Returns ``(page of
         last_loc, whether last_loc ends its page)``, or None when the batch is
@@ -111,15 +111,14 @@ class AllocationRules:
         :class:`UnsupportedPagePlan` for a ``last_loc`` off the usable pages
         and ``shared-partial-page``. [[RFC-0001:C-FAIL-FAST]]"""
         S = self.S
-        if S & (S - 1) or shortest < 2:
+        if shortest < 2:
             return None
-        s = S.bit_length() - 1
-        page = last >> s
+        page = pages_of(last, S)
         if int(page.min()) < 1 or int(page.max()) > self.P:
             self.explain_extend(prefix, prefix + 1, last)
         if not continues_chain(last, prefix, self.lists.fill[page], S, self.lists.pos[page]).all():
             return None
-        ends = last & (S - 1) == S - 1
+        ends = _offset(last, S) == S - 1
         if self._repeats(page[~ends]):
             self.explain_extend(prefix, prefix + 1, last)
         return page, ends

@@ -1,7 +1,8 @@
 """One rank's parts, built the same way by the engine and by the disaggregation driver.
 
 * :func:`build_cache` - the prefix cache over a fresh owner-lane allocator of one group;
-* :func:`build_rank` - a rank's shared KV pool, host pool and runner;
+* :func:`build_rank` - a rank's shared KV pool, host pool and runner (the
+  runtime's :func:`~cpkv.runtime.parts.build_parts`, and the host tier);
 * :func:`thread_buffers` - the ``shared(tag, shape, dtype)`` of ranks that are threads
   of one process (tests): one zeroed tensor per tag, made once;
 * :func:`inject_fault` - the fault a test asks a rank for (raise, or die by SIGKILL).
@@ -14,23 +15,20 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..consumers.hicache import HostPool
-from ..consumers.kv_pool import SharedKVPool, allocate_buffers
+from ..consumers.kv_pool import SharedKVPool
 from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache
-from ..consumers.replicated import ReplicatedHostPool, ReplicatedKVPool, replicated_buffers
+from ..consumers.replicated import ReplicatedHostPool
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.layout import SharedKVLayout
 from ..runtime.comm import Comm
+from ..runtime.parts import SharedBuffers, build_parts
 from ..runtime.runner import CPRunner
 from .config import RunConfig
-
-#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group.
-SharedBuffers = Callable[[str, tuple, torch.dtype], torch.Tensor]
 
 
 def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCache:
@@ -38,7 +36,7 @@ def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCach
     ``cp_size`` ranks with ``pages_per_rank`` pages of ``page_size`` tokens each
     (page 0 reserved); every rank of the group builds the same one."""
     layout = SharedKVLayout(cp_size, page_size, pages_per_rank)
-    return PrefixCache(OwnerLaneAllocator((layout.num_pages - 1) * page_size, page_size, cp_size, layout=layout))
+    return PrefixCache(OwnerLaneAllocator.for_layout(layout))
 
 
 @dataclass
@@ -67,18 +65,15 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     (default ``shared``; on a GPU the KV buffers are device memory and the
     host tier pinned host memory)."""
     fams = adapter.kv_families(cfg.kv_dtype)
-    if cfg.replicated:  # a full private copy on every rank, over the scheduler's one-lane layout
-        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams), group_rank=group.rank,
-                                group_size=group.size, barrier=group.barrier)
-    else:
-        pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
+    prefill_split, decode_split = cfg.splits()
+    parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
+                        allocator=False, replicated=cfg.replicated, max_requests=cfg.max_running, max_len=max_len,
+                        page_table=page_table, prefill_split=prefill_split, decode_split=decode_split,
+                        check_plans=cfg.check_plans, kernels=cfg.kernels)
+    pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool
     host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))
             if host_pages else None)
-    prefill_split, decode_split = cfg.splits()
-    runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=prefill_split, decode_split=decode_split, check_plans=cfg.check_plans,
-                      page_table=page_table, kernels=cfg.kernels)
     return RankParts(pool, host, runner)
 
 

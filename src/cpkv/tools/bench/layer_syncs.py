@@ -19,21 +19,16 @@ def bench_plan(repeats: int = 7, layers: int = 4, prefill_bs: int = 4, prefill_l
     around each layer; the per-batch plan is outside the layers), the median
     step time over ``repeats`` interleaved rounds, and the ratio to the
     per-layer plan. Every row carries its layer count."""
-    from ...consumers.kv_pool import SharedKVPool, allocate_buffers
-    from ...contract.allocator import OwnerLaneAllocator
     from ...contract.layout import SharedKVLayout
     from ...models import LlamaAdapter, TinyLlama
-    from ...runtime.runner import CPRunner
+    from ...runtime.parts import build_parts
     from ...runtime.syncs import SyncCounter
 
     adapter = LlamaAdapter(TinyLlama(layers=layers, max_positions=context + prefill_len + 8).build())
     rows_total = prefill_bs + decode_bs
     pages = -(-(prefill_bs * prefill_len + decode_bs * (context + 1)) // page) + rows_total + 2
-    layout = SharedKVLayout(1, page, pages)
-    fams = adapter.families()
-    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
-    run = CPRunner(adapter, pool, OwnerLaneAllocator((layout.num_pages - 1) * page, page, 1, layout=layout),
-                   max_requests=rows_total, max_len=context + prefill_len + 2, kernels="torch")
+    run = build_parts(adapter, SharedKVLayout(1, page, pages), max_requests=rows_total,
+                      max_len=context + prefill_len + 2, kernels="torch").runner
     g = torch.Generator().manual_seed(0)
     pre_rows = list(range(prefill_bs))
     pre = run.allocate(pre_rows, [prefill_len] * prefill_bs)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...contract.allocator import OwnerLaneAllocator
 from .timing import median_seconds
 
 SPLIT_MODELS = ("llama", "deepseek-v3.2")
@@ -156,29 +155,25 @@ def _fill_random(runner, slots: torch.Tensor, seed: int) -> None:
 def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     """One model's matrix on this rank: prefill, then each decode batch, every
     split of each interleaved in rounds; rank 0 returns every rank's counters."""
-    from ...consumers.kv_pool import SharedKVPool, allocate_buffers
     from ...contract.layout import SharedKVLayout
     from ...models import build_adapter
     from ...runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
-    from ...runtime.runner import CPRunner
+    from ...runtime.parts import build_parts
 
     adapter = build_adapter(spec.model)
-    layout = SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank())
-    fams = adapter.families()
     tag = f"{type(spec.model).__name__}_"  # one pool per model in the one group
     if spec.device == "cuda":
         from ...runtime.device import share_device_buffer
 
         adapter.model.to(ctx.device)
-        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: share_device_buffer(ctx, tag + name, shape,
-                                                                                             dtype, ctx.device))
+        shared = lambda name, shape, dtype: share_device_buffer(ctx, tag + name, shape, dtype, ctx.device)  # noqa: E731
     else:
-        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype))
-    pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * spec.page, spec.page, spec.cp, layout=layout)
+        shared = lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype)  # noqa: E731
     contexts = spec.decode_contexts()
-    runner = CPRunner(adapter, pool, alloc, comm, max_requests=max(spec.bs, spec.decode_bs),
-                      max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
+    parts = build_parts(adapter, SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank()), comm, shared=shared,
+                        max_requests=max(spec.bs, spec.decode_bs),
+                        max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
+    runner, fams = parts.runner, parts.families
     g = torch.Generator().manual_seed(spec.seed)
     vocab = spec.model.vocab
     out = {}
