@@ -89,3 +89,16 @@ def test_moved_sglang_calls_still_work_on_the_core_with_a_warning(name):
                 out = getattr(SGLangAllocator.over(a), name)(*filled, **kw)
         results.append((out.tolist() if isinstance(out, torch.Tensor) else out, a.snapshot()))
     assert results[0] == results[1]
+
+
+def test_last_allocation_on_the_core_is_the_deprecated_calls_plan():
+    """``alloc.alloc_extend(...)`` then ``alloc.last_allocation`` (the former
+    SGLang shape on the core) still gives the plan, with warnings; the core's
+    own verbs return theirs and leave it alone."""
+    a = OwnerLaneAllocator(256, 4, 2)
+    t = torch.tensor
+    with pytest.warns(DeprecationWarning):
+        out = a.alloc_extend(t([0]), t([0]), t([5]), t([5]), t([-1]), 5)
+    a.allocate_extend([0], [3], [-1])
+    with pytest.warns(DeprecationWarning, match="last_allocation"):
+        assert torch.equal(a.last_allocation.out_cache_loc, out)

@@ -44,7 +44,7 @@ from .planner import BatchPlanner, PendingAllocation, _device_tensor
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
 from .inputs import int_scalar, int_vector, usable_device
 from .kv_row import RowPlacement
-from .layout import SharedKVLayout, floor_div, lane_of_position
+from .layout import SharedKVLayout, lane_of_position
 from .rules import AllocationRules, pages_of
 
 __all__ = ["Allocation", "AllocatorState", "OwnerLaneAllocator", "RowPlacement"]
@@ -100,7 +100,6 @@ class OwnerLaneAllocator:
         self._rules = AllocationRules(self._lists, page_size, layout.padding_value, base_policy)
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
-        self.last_allocation: Allocation | None = None
         self._planner = BatchPlanner(self._lists, self._rules, page_size, cp_size, base_policy, self.device)
 
     @classmethod
@@ -170,7 +169,7 @@ class OwnerLaneAllocator:
         p = pages_of(np.where(pad, self.page_size, s), self.page_size)
         if p.size and (p.min() < 1 or p.max() > self.num_pages):
             raise IndexError(f"slots must lie on pages 1..{self.num_pages} (or be padding)")
-        return np.where(pad, 0, self._lists.gen[p])
+        return np.where(pad | (self._lists.fill[p] == 0), 0, self._lists.gen[p])
 
     # -- SGLang's state surface ---------------------------------------------------------
     def clear(self) -> None:
@@ -312,13 +311,14 @@ class OwnerLaneAllocator:
         gen = self._gens(last_loc_gen, seq.size)
         has, last_page = self._rules.check_extend(prefix, seq, last)
         self._rules.check_capacity(prefix, seq, False if has is None else has, last_page)
+        if has is not None:
+            self._rules.check_chain(prefix, last, gen)
         total = int(seq.sum()) if has is None else int((seq - prefix).sum())
         if extend_num_tokens is not None and int_scalar(extend_num_tokens, "extend_num_tokens") != total:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page), prefix, last, gen,
-                            has is None)
+        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page))
 
     def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> Allocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
@@ -334,8 +334,7 @@ class OwnerLaneAllocator:
         ``last_loc_gen`` as in :meth:`allocate_extend`."""
         seq, last = int_vector(seq_lens_cpu, "seq_lens"), int_vector(last_loc, "last_loc")
         gen = self._gens(last_loc_gen, seq.size)
-        batch = self._planner.decode(seq, last)
-        return self._commit(batch, seq - 1, last, gen, False)
+        return self._commit(self._planner.decode(seq, last, gen))
 
     @staticmethod
     def _gens(last_loc_gen, bs: int) -> np.ndarray | None:
@@ -346,40 +345,10 @@ class OwnerLaneAllocator:
             raise UnsupportedPagePlan("mismatched-lengths", f"{bs} requests but {gen.size} last_loc_gen")
         return gen
 
-    def _check_chain(self, prefix: np.ndarray, last: np.ndarray, gen: np.ndarray | None, positions: bool) -> None:
-        """Refuse a ``last_loc`` (already checked by the rules: on an allocated
-        page, at the prefix's offset, the page's last written slot) whose page
-        has another recorded chain position than ``(prefix - 1) // S`` (when
-        ``positions``: not checked yet), or, with ``gen``, another stamp."""
-        has = prefix > 0
-        if not has.any():
-            return
-        S = self.page_size
-        page = pages_of(np.where(has, last, S), S)
-        if positions:
-            pos = self._lists.pos[page]
-            bad = has & (pos >= 0) & (pos != floor_div(prefix - 1, S))
-            if bad.any():
-                r = int(bad.nonzero()[0][0])
-                raise UnsupportedPagePlan(
-                    "inconsistent-last-loc",
-                    f"last_loc {last[r]} lies on the page at chain position {pos[r]}, but a prefix of {prefix[r]} "
-                    f"tokens ends on page position {(prefix[r] - 1) // S} (do seq_lens include the new token?)", r)
-        if gen is not None and (stale := has & (self._lists.gen[page] != gen)).any():
-            r = int(stale.nonzero()[0][0])
-            raise UnsupportedPagePlan(
-                "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
-                f"got it (stamp {self._lists.gen[page[r]]}, the request holds {gen[r]})", r)
-
-    def _commit(self, batch: PendingAllocation | np.ndarray, prefix: np.ndarray, last: np.ndarray,
-                gen: np.ndarray | None, fresh: bool) -> Allocation | None:
-        """Check the chain positions and stamps of the ``last_loc`` of a planned
-        batch (a ``fresh`` batch has none), then apply it (nothing after the
-        check can fail), or record a refusal."""
-        refused = isinstance(batch, np.ndarray)
-        if not fresh and (gen is not None or refused or not batch.chain_checked):
-            self._check_chain(prefix, last, gen, refused or not batch.chain_checked)
-        if refused:
+    def _commit(self, batch: PendingAllocation | np.ndarray) -> Allocation | None:
+        """Apply a checked, planned batch (nothing here can fail), or record the
+        per-lane deficit of a refused one."""
+        if isinstance(batch, np.ndarray):
             self.last_deficit = batch
             return None
         lists = self._lists
@@ -387,9 +356,7 @@ class OwnerLaneAllocator:
         lists.cursor = batch.cursor
         if batch.grown is not None:
             lists.write(batch.grown, batch.grown_fill)
-        alloc = Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
-        self.last_allocation = alloc
-        return alloc
+        return Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
 
     def _lengths(self, prefix, seq, last) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host copies of a batch's prefix lengths, sequence lengths and last

@@ -5,16 +5,18 @@ belongs to lane ``p % N``. State:
 
 * ``stack[l, :free[l]]``: lane l's free pages, the next one to hand out last;
 * ``fill[p]``: how many slots of page p are written (handed out), ``0`` when
-  the page is free. A page is allocated iff ``fill[p] > 0``; a chain may only
-  continue from the last written slot of its page, ``p*S + fill[p] - 1``;
-* ``gen[p]``: the stamp of the allocation that handed page p out (0 when
-  free). Stamps come from one counter, ``epoch``, that only grows: every
-  allocation call takes the next one, and neither a free, a restore nor
+  the page is free (and for ``p = num_pages + 1``, a page that never is). A
+  page is allocated iff ``fill[p] > 0``; a chain may only continue from the
+  last written slot of its page, ``p*S + fill[p] - 1``;
+* ``gen[p]``, while page p is allocated: the stamp of the allocation that
+  handed it out. Stamps come from one counter, ``epoch``, that only grows:
+  every allocation call takes the next one, and neither a free, a restore nor
   ``clear`` hands a stamp out twice, so a ``(page, stamp)`` pair kept from a
   dead allocation never matches a live one;
-* ``pos[p]``: the request-local page position q of page p in its chain when
-  the allocation knew it (extend, decode), ``-1`` when it did not (pages
-  taken by owner or by ``alloc``) or the page is free;
+* ``pos[p]``, while page p is allocated: its request-local page position q in
+  its chain when the allocation knew it (extend, decode), ``-1`` when it did
+  not (pages taken by owner or by ``alloc``). A free leaves ``gen`` and
+  ``pos`` as they were (only ``fill`` says whether a page is allocated);
 * ``pending``: pages freed inside an open free group, still allocated until
   the group ends (a page freed by several calls of one group is one free);
 * ``cursor``: the lane where a fresh request's lane base goes on a tie
@@ -84,9 +86,11 @@ class LaneFreeLists:
         self.stack = self._initial.copy()
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
         self.free = self.lane_pages.copy()
-        self.fill = np.zeros(num_pages + 1, dtype=np.int32)  # a page holds at most S < 2**31 slots
+        # fill and pos have one more entry, a page that is never allocated: a gather clipped to it
+        # (np.take(..., mode="clip")) reads a free page for any index outside the usable pages
+        self.fill = np.zeros(num_pages + 2, dtype=np.int32)  # a page holds at most S < 2**31 slots
         self.gen = np.zeros(num_pages + 1, dtype=np.int64)
-        self.pos = np.full(num_pages + 1, -1, dtype=np.int64)
+        self.pos = np.full(num_pages + 2, -1, dtype=np.int64)
         self.epoch = 1  # the next allocation's stamp; never reset, never restored
         self.cursor = 0  # where lane-base ties go (plan.choose_lane_bases)
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
@@ -158,12 +162,14 @@ class LaneFreeLists:
     def snapshot(self) -> tuple:
         """The whole state as a hashable value: free pages per lane in order,
         fill marks, pages pending in a free group (None when none is open),
-        chain positions, the lane-base cursor. Allocation stamps are left out: they name
-        allocations, and two allocators on the same calls with a restore
-        between them stamp differently (a restore never rewinds ``epoch``)."""
+        the chain positions of allocated pages, the lane-base cursor.
+        Allocation stamps are left out: they name allocations, and two
+        allocators on the same calls with a restore between them stamp
+        differently (a restore never rewinds ``epoch``)."""
         lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
         pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
-        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, self.pos.tobytes(), self.cursor
+        pos = np.where(self.fill > 0, self.pos, -1)
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, pos.tobytes(), self.cursor
 
     # -- changes ----------------------------------------------------------------
     def take(self, pages: np.ndarray, counts: np.ndarray, fill, positions=None) -> int:
@@ -189,7 +195,7 @@ class LaneFreeLists:
         counts = np.bincount(lanes, minlength=self.cp_size)
         self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
         self.free += counts
-        self.fill[pages], self.gen[pages], self.pos[pages] = 0, 0, -1
+        self.fill[pages] = 0  # gen and pos mean nothing on a free page
         if self.need_sort:
             self._sort_lanes(counts.nonzero()[0])
 

@@ -180,6 +180,8 @@ def _tape_bases(k: np.ndarray, u: int, e: int, N: int, cursor: int) -> tuple[np.
     remainders laid so far is a multiple of N, and there the next request
     takes the cursor, as does a request of remainder 0."""
     m = k.size
+    if not k.any():  # whole rounds only: each request a group of its own, from the cursor on
+        return floor_mod(np.arange(cursor, cursor + m), N), (cursor + m) % N
     ends = k.cumsum()
     offset = floor_mod(ends - k, N)  # each request's offset in its group
     starts = offset == 0

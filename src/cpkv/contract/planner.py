@@ -64,8 +64,7 @@ class PendingAllocation:
     ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
     plan fields of :class:`~cpkv.contract.allocation.Allocation`; ``cursor``
-    is the lane-base cursor once the batch is in; ``chain_checked``: the
-    chain positions of the batch's ``last_loc`` were checked with the rules.
+    is the lane-base cursor once the batch is in.
     """
 
     out: torch.Tensor
@@ -77,7 +76,6 @@ class PendingAllocation:
     host_plan: Callable[[], dict[str, np.ndarray]]
     new_positions: np.ndarray
     cursor: int
-    chain_checked: bool = False
 
 
 class BatchPlanner:
@@ -161,12 +159,13 @@ class BatchPlanner:
         return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions,
                                  cursor)
 
-    def decode(self, seq: np.ndarray, last: np.ndarray) -> PendingAllocation | np.ndarray:
+    def decode(self, seq: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> PendingAllocation | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
-        previous token's slot, padding for none), checked here: the
-        :class:`PendingAllocation`, or the per-lane deficit. Raises as an extend with
-        ``prefix = seq - 1`` would, plus ``empty-decode`` for ``seq < 1``."""
-        S, N, lists = self.S, self.N, self.lists
+        previous token's slot, padding for none; ``gen`` their stamps or
+        None), checked here: the :class:`PendingAllocation`, or the per-lane
+        deficit. Raises as an extend with ``prefix = seq - 1`` would, plus
+        ``empty-decode`` for ``seq < 1``."""
+        S, N, lists, rules = self.S, self.N, self.lists, self.rules
         if last.size != seq.size:
             raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
         shortest = int(seq.min()) if seq.size else 1
@@ -175,19 +174,27 @@ class BatchPlanner:
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
         prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
         base, cursor = None, lists.cursor
-        if checked := (fast := self.rules.check_decode(prefix, last, shortest)) is not None:  # every request goes on
-            last_page, needs = fast
-            self.rules.check_capacity(prefix, seq, None, last_page)
+        if (fast := rules.check_decode(prefix, last, shortest)) is not None:  # every request goes on its chain
+            last_page, needs, fill = fast
+            rules.check_capacity(prefix, seq, None, last_page)
+            if gen is not None:
+                rules.check_chain(prefix, last, gen, positions=False)
+            grows = ~needs
+            grown, grown_fill = last_page[grows], fill[grows] + 1
             idx = needs.nonzero()[0]
             lanes = floor_mod(last_page[idx] + 1, N)  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         else:
-            has, last_page = self.rules.check_extend(prefix, seq, last)
-            self.rules.check_capacity(prefix, seq, has, last_page)
+            has, last_page = rules.check_extend(prefix, seq, last)
+            rules.check_capacity(prefix, seq, False if has is None else has, last_page)
             needs = floor_mod(prefix, S) == 0  # the prefix ended its page, or there is none
             idx = needs.nonzero()[0]
             if has is None:
                 has = np.zeros(seq.size, dtype=bool)
                 last_page = np.zeros(seq.size, dtype=np.int64)
+            else:
+                rules.check_chain(prefix, last, gen)
+            grown = last_page[~needs]
+            grown_fill = lists.fill[grown] + 1
             lanes = floor_mod(last_page[idx] + 1, N)
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
                 fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
@@ -200,7 +207,6 @@ class BatchPlanner:
         new_pages = lists.peek_unordered(lanes, counts, self._iota(lanes.size))
         slots = last + 1
         slots[idx] = new_pages * S
-        grown = last_page[~needs]
         positions = floor_div(prefix[idx], S)
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
@@ -212,5 +218,5 @@ class BatchPlanner:
                 "new_page_owners": lanes, "new_page_positions": positions,
             }
 
-        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1,
-                                 host_plan, positions, cursor, checked)
+        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, grown_fill,
+                                 host_plan, positions, cursor)

@@ -67,6 +67,7 @@ class AllocationRules:
         self.lists, self.S, self.pad, self.base_policy = lists, page_size, padding, base_policy
         self.N, self.P = lists.cp_size, lists.num_pages
         self._scratch = np.zeros(self.P + 1, dtype=np.int32)  # for duplicate tests; never read unwritten
+        self._iota = np.arange(self.P + 1)  # grown on demand (_idx); never written
         self._fits_any = self.N * int(lists.lane_pages.min())  # a chain this long fits every base
 
     # -- extend and decode ----------------------------------------------------------
@@ -99,37 +100,73 @@ class AllocationRules:
             self.explain_extend(prefix, seq, last)
         return has, page
 
-    def check_decode(self, prefix: np.ndarray, last: np.ndarray, shortest: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """All of :meth:`check_extend` and the chain-position rule for a decode
-        batch (``prefix = seq - 1``, ``shortest = seq.min()``) in one fused
-        test, when every request continues a chain
-        from a page whose chain position is recorded (:func:`continues_chain`
-        with the chain positions). Returns ``(page of
-        last_loc, whether last_loc ends its page)``, or None when the batch is
-        not of that kind or some request fails the test (then use
-        :meth:`check_extend` and the chain check, which explain). Raises
-        :class:`UnsupportedPagePlan` for a ``last_loc`` off the usable pages
-        and ``shared-partial-page``. [[RFC-0001:C-FAIL-FAST]]"""
-        S = self.S
+    def check_decode(self, prefix: np.ndarray, last: np.ndarray, shortest: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """All of :meth:`check_extend` and :meth:`check_chain` (without stamps)
+        for a decode batch (``prefix = seq - 1``, ``shortest = seq.min()``) in
+        one fused test, when every request continues a chain from a page whose
+        chain position is recorded (:func:`continues_chain` with the chain
+        positions). Returns ``(page of last_loc, whether last_loc ends its
+        page, the fill marks of those pages)``, or None when the batch is not
+        of that kind or some request fails the test (then
+        :meth:`check_extend` and :meth:`check_chain` explain). Raises
+        ``shared-partial-page`` as :meth:`check_extend` does.
+        [[RFC-0001:C-FAIL-FAST]]"""
         if shortest < 2:
             return None
+        S, lists = self.S, self.lists
         page = pages_of(last, S)
-        if int(page.min()) < 1 or int(page.max()) > self.P:
-            self.explain_extend(prefix, prefix + 1, last)
-        if not continues_chain(last, prefix, self.lists.fill[page], S, self.lists.pos[page]).all():
+        fill = np.take(lists.fill, page, mode="clip")  # outside 1..P: the never-allocated page, which fails
+        if not continues_chain(last, prefix, fill, S, np.take(lists.pos, page, mode="clip")).all():
             return None
-        ends = _offset(last, S) == S - 1
-        if self._repeats(page[~ends]):
+        ends = _offset(prefix, S) == 0  # last_loc is its page's last slot
+        if self._repeats(page, ~ends):
             self.explain_extend(prefix, prefix + 1, last)
-        return page, ends
+        return page, ends, fill
 
-    def _repeats(self, pages: np.ndarray) -> bool:
-        """Whether some page occurs twice (``pages`` are usable pages)."""
+    def check_chain(self, prefix: np.ndarray, last: np.ndarray, gen: np.ndarray | None = None,
+                    positions: bool = True) -> None:
+        """Refuse a ``last_loc`` (already through :meth:`check_extend`: on an
+        allocated page, at the prefix's offset, the page's last written slot)
+        whose page has another recorded chain position than ``(prefix - 1) //
+        S`` (``inconsistent-last-loc``; with ``positions``), or, with ``gen``
+        (what :meth:`~cpkv.contract.allocator.OwnerLaneAllocator.slot_generations`
+        said of each ``last_loc``), another stamp (``stale-last-loc``).
+        Requests without a prefix are not checked."""
+        has = prefix > 0
+        if not has.any():
+            return
+        S, lists = self.S, self.lists
+        page = pages_of(np.where(has, last, S), S)
+        if positions:
+            pos = lists.pos[page]
+            bad = has & (pos >= 0) & (pos != floor_div(prefix - 1, S))
+            if (r := _first(bad)) is not None:
+                raise UnsupportedPagePlan(
+                    "inconsistent-last-loc",
+                    f"last_loc {last[r]} lies on the page at chain position {pos[r]}, but a prefix of {prefix[r]} "
+                    f"tokens ends on page position {(prefix[r] - 1) // S} (do seq_lens include the new token?)", r)
+        if gen is not None and (r := _first(has & (lists.gen[page] != gen))) is not None:
+            raise UnsupportedPagePlan(
+                "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
+                f"got it (stamp {lists.gen[page[r]]}, the request holds {gen[r]})", r)
+
+    def _idx(self, n: int) -> np.ndarray:
+        """``np.arange(n)``, a view of one kept between calls."""
+        if self._iota.size < n:
+            self._iota = np.arange(max(n, 2 * self._iota.size))
+        return self._iota[:n]
+
+    def _repeats(self, pages: np.ndarray, where: np.ndarray | None = None) -> bool:
+        """Whether some page occurs twice (``pages`` are usable pages), among
+        the entries ``where`` holds (all when None) when equal pages share
+        their ``where``."""
         if pages.size < 2:
             return False
-        idx = np.arange(pages.size, dtype=np.int32)
+        idx = self._idx(pages.size)
         self._scratch[pages] = idx
-        return bool((self._scratch[pages] != idx).any())
+        again = self._scratch[pages] != idx
+        return bool((again if where is None else again & where).any())
 
     def explain_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> None:
         """Raise :class:`UnsupportedPagePlan` for the first broken rule of :meth:`check_extend`."""
@@ -268,7 +305,7 @@ class AllocationRules:
 
     def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the last occurrence of each distinct page (usable pages only)."""
-        idx = np.arange(pages.size, dtype=np.int32)
+        idx = self._idx(pages.size)
         self._scratch[pages] = idx  # with repeats, the last write wins
         return self._scratch[pages] == idx
 

@@ -5,9 +5,11 @@
 ``free_segment(s)``, ``get_num_new_pages``, ``available_size``, ``clear`` and
 the retraction copies ``get_cpu_copy`` / ``load_cpu_copy``), each with
 SGLang's meaning under owner lanes (where a lane changes it, the docstring
-says so). It holds no state of its own: every call answers or changes state
-through the public verbs of the :class:`~cpkv.contract.allocator.OwnerLaneAllocator`
-it wraps (``allocator``), so an engine may call both.
+says so). It holds no allocator state of its own (only the last
+:class:`~cpkv.contract.allocation.Allocation` it made, whose slots SGLang's
+calls return): every call answers or changes state through the public verbs
+of the :class:`~cpkv.contract.allocator.OwnerLaneAllocator` it wraps
+(``allocator``), so an engine may call both.
 [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-FAIL-FAST]]
 """
 
@@ -32,12 +34,15 @@ class SGLangAllocator:
     Built with the core's arguments (``size`` tokens of ``page_size``, and
     the keywords of :class:`OwnerLaneAllocator`), or over an existing core
     with :meth:`over`. Results are torch tensors on the core's device;
-    inputs are what the core takes. ``allocator`` is the core."""
+    inputs are what the core takes. ``allocator`` is the core;
+    ``last_allocation`` the full plan of this adapter's last extend or decode
+    (``alloc_extend`` and ``alloc_decode`` return only its slots)."""
 
     def __init__(self, size: int, page_size: int, *, cp_size: int = 1, device: str | torch.device = "cpu",
                  layout: SharedKVLayout | None = None, need_sort: bool = False, base_policy: str = "least_full"):
         self.allocator = OwnerLaneAllocator(size, page_size, cp_size, device, base_policy=base_policy, layout=layout,
                                             need_sort=need_sort)
+        self.last_allocation: Allocation | None = None
 
     @classmethod
     def over(cls, allocator: OwnerLaneAllocator) -> SGLangAllocator:
@@ -45,18 +50,13 @@ class SGLangAllocator:
         if not isinstance(allocator, OwnerLaneAllocator):
             raise TypeError(f"SGLangAllocator.over takes an OwnerLaneAllocator, got {type(allocator).__name__}")
         adapter = cls.__new__(cls)
-        adapter.allocator = allocator
+        adapter.allocator, adapter.last_allocation = allocator, None
         return adapter
 
     @property
     def page_size(self) -> int:
         """Tokens per page."""
         return self.allocator.page_size
-
-    @property
-    def last_allocation(self) -> Allocation | None:
-        """The full plan of the last extend or decode (``alloc_extend`` returns only its slots)."""
-        return self.allocator.last_allocation
 
     # -- extend and decode --------------------------------------------------------------
     def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
@@ -78,7 +78,10 @@ class SGLangAllocator:
         alloc = self.allocator.allocate_extend(prefix_lens_cpu, seq_lens_cpu, last_loc,
                                                int_scalar(extend_num_tokens, "extend_num_tokens"),
                                                last_loc_gen=last_loc_gen)
-        return None if alloc is None else alloc.out_cache_loc
+        if alloc is None:
+            return None
+        self.last_allocation = alloc
+        return alloc.out_cache_loc
 
     def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, *,
                      last_loc_gen=None) -> torch.Tensor | None:
@@ -88,7 +91,10 @@ class SGLangAllocator:
         ``last_loc_gen``: :meth:`OwnerLaneAllocator.allocate_decode`."""
         _device_copies(seq_lens, seq_lens_cpu, "seq_lens")
         alloc = self.allocator.allocate_decode(seq_lens_cpu, last_loc, last_loc_gen=last_loc_gen)
-        return None if alloc is None else alloc.out_cache_loc
+        if alloc is None:
+            return None
+        self.last_allocation = alloc
+        return alloc.out_cache_loc
 
     def alloc(self, need_size: int, *, first_lane: int | None = None) -> torch.Tensor | None:
         """SGLang's paged ``alloc``: ``need_size / S`` whole pages as their slots,
@@ -272,15 +278,31 @@ MOVED = ("alloc_extend", "alloc_decode", "alloc", "get_num_new_pages", "free_seg
          "available_size", "get_cpu_copy", "load_cpu_copy")
 
 
+def _legacy(core: OwnerLaneAllocator) -> SGLangAllocator:
+    """The adapter behind a core's deprecated calls (one per core, so ``last_allocation`` works as it did)."""
+    if (adapter := core.__dict__.get("_sglang_adapter")) is None:
+        adapter = core.__dict__["_sglang_adapter"] = SGLangAllocator.over(core)
+    return adapter
+
+
 def _moved(name: str):
     def call(self: OwnerLaneAllocator, *args, **kwargs):
         warn_deprecated(f"OwnerLaneAllocator.{name}", f"SGLangAllocator.over(allocator).{name}")
-        return getattr(SGLangAllocator.over(self), name)(*args, **kwargs)
+        return getattr(_legacy(self), name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"Deprecated (removed in the release after 0.2): :meth:`SGLangAllocator.{name}` over this allocator."
+    call.__doc__ = f"Deprecated (removed in cpkv 0.3): :meth:`SGLangAllocator.{name}` over this allocator."
     return call
+
+
+def _last_allocation(self: OwnerLaneAllocator) -> Allocation | None:
+    """Deprecated (removed in cpkv 0.3): the last allocation of the deprecated ``alloc_extend`` /
+    ``alloc_decode`` here; ``allocate_extend`` and ``allocate_decode`` return theirs."""
+    warn_deprecated("OwnerLaneAllocator.last_allocation", "what allocate_extend / allocate_decode return, or "
+                    "SGLangAllocator.last_allocation")
+    return _legacy(self).last_allocation
 
 
 for _name in MOVED:  # one release: the former calls on the core still work, with a DeprecationWarning
     setattr(OwnerLaneAllocator, _name, _moved(_name))
+OwnerLaneAllocator.last_allocation = property(_last_allocation)

@@ -144,7 +144,9 @@ def _bench_alloc(page, cp, pool_pages, tokens, batch_sizes, decode_bs, repeats) 
         setup()
         out = run()
         assert torch.equal(out, deq.alloc_extend(lens)), "the deque baseline disagrees"
-        a = ours.last_allocation
+        setup()
+        a = ours.allocate_extend([0] * bs, seq, [-1] * bs)  # the plan of the same batch, from a cleared allocator
+        setup()
         pages, used = a.to_host("new_pages").copy(), None
         if any(n % S for n in lens):  # slots each page holds: S, the last page of each request its tail
             n_pages = -(-seq.numpy() // S)
