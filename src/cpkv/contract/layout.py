@@ -99,7 +99,8 @@ def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.n
     start = np.asarray(lane_of_position(lane_base, first_position, cp_size), dtype=np.int64)
     n = np.asarray(num_pages, dtype=np.int64)
     lanes = np.arange(cp_size)
-    return n[..., None] // cp_size + ((lanes - start[..., None]) % cp_size < (n % cp_size)[..., None])
+    return floor_div(n, cp_size)[..., None] + (floor_mod(lanes - start[..., None], cp_size)
+                                               < floor_mod(n, cp_size)[..., None])
 
 
 def _cast(out: torch.Tensor, output_dtype: torch.dtype | None) -> torch.Tensor:

@@ -155,7 +155,7 @@ def choose_lane_bases(fixed_bases: np.ndarray, has_prefix: np.ndarray, first_pos
         return np.where(has_prefix, fixed_bases, 0), cursor
     rem = floor_mod(new_pages, N)
     moving = rem != 0
-    if not (moving & has_prefix).any() and new_pages.size > TAPE_FROM:
+    if not (moving & has_prefix).any() and (new_pages.size > TAPE_FROM or not moving.any()):
         front = _front(lane_free.tolist(), cursor) if moving.any() else (0, cursor)
         if front is not None:
             fresh = ~has_prefix
@@ -167,7 +167,7 @@ def choose_lane_bases(fixed_bases: np.ndarray, has_prefix: np.ndarray, first_pos
     return sequential_lane_bases(fixed_bases, has_prefix, first_positions, new_pages, lane_free, N, cursor)
 
 
-#: Up to this many requests the request-by-request rule is as fast as the closed form (cpkv bench alloc).
+#: Up to this many requests with a remainder the request-by-request rule is as fast as the closed form.
 TAPE_FROM = 16
 
 

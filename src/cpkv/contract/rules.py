@@ -120,7 +120,7 @@ class AllocationRules:
         if not continues_chain(last, prefix, fill, S, np.take(lists.pos, page, mode="clip")).all():
             return None
         ends = _offset(prefix, S) == 0  # last_loc is its page's last slot
-        if self._repeats(page, ~ends):
+        if self._repeats(page[~ends]):
             self.explain_extend(prefix, prefix + 1, last)
         return page, ends, fill
 
@@ -157,16 +157,13 @@ class AllocationRules:
             self._iota = np.arange(max(n, 2 * self._iota.size))
         return self._iota[:n]
 
-    def _repeats(self, pages: np.ndarray, where: np.ndarray | None = None) -> bool:
-        """Whether some page occurs twice (``pages`` are usable pages), among
-        the entries ``where`` holds (all when None) when equal pages share
-        their ``where``."""
+    def _repeats(self, pages: np.ndarray) -> bool:
+        """Whether some page occurs twice (``pages`` are usable pages)."""
         if pages.size < 2:
             return False
         idx = self._idx(pages.size)
         self._scratch[pages] = idx
-        again = self._scratch[pages] != idx
-        return bool((again if where is None else again & where).any())
+        return bool((self._scratch[pages] != idx).any())
 
     def explain_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> None:
         """Raise :class:`UnsupportedPagePlan` for the first broken rule of :meth:`check_extend`."""
