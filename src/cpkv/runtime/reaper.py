@@ -78,37 +78,47 @@ class Reaper:
 
     def watch(self, *, prefix: str | None = None, path: str | None = None) -> None:
         """Remove, once this process and every holder of :attr:`fd` are gone, the ``/dev/shm`` names
-        starting with ``prefix`` and the folder ``path`` (given before the first name or the folder exists:
-        nothing is left in between). ``ValueError`` for neither, or for a newline in one."""
-        self._send(b"+", prefix, path)
+        starting with ``prefix`` (one of cpkv's: ``cpkv_...``) and the folder ``path`` (absolute). Give them
+        before the first name or the folder exists: nothing is left in between. ``ValueError``, and nothing
+        registered, for neither, another prefix, a relative path or a newline."""
+        self._send(_lines(b"+", prefix, path))
 
     def forget(self, *, prefix: str | None = None, path: str | None = None) -> None:
-        """Undo :meth:`watch` (the run removed them itself)."""
-        self._send(b"-", prefix, path)
+        """Undo :meth:`watch` (the run removed them itself); refuses as it does."""
+        self._send(_lines(b"-", prefix, path))
 
     def folder(self, kind: str) -> str:
         """A new private folder ``<tmp>/<kind>_<pid>_<id>``, watched before it exists; :meth:`remove` it."""
-        path = os.path.join(tempfile.gettempdir(), f"{kind}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        path = os.path.join(os.path.abspath(tempfile.gettempdir()), f"{kind}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self.watch(path=path)
         os.mkdir(path, 0o700)
         return path
 
     def remove(self, *, prefix: str | None = None, path: str | None = None) -> None:
         """Remove now what :meth:`watch` registered (the names starting with ``prefix``, the folder
-        ``path``), then forget it."""
+        ``path``), then forget it; refuses, removing nothing, as :meth:`watch` does."""
+        data = _lines(b"-", prefix, path)
         if prefix is not None:
             shm_mod.unlink_prefix(prefix)
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
-        self.forget(prefix=prefix, path=path)
+        self._send(data)
 
-    def _send(self, op: bytes, prefix: str | None, path: str | None) -> None:
-        items = [(b"shm", prefix)] * (prefix is not None) + [(b"dir", path)] * (path is not None)
-        if not items or any(not a or "\n" in a for _, a in items):
-            raise ValueError(f"give a prefix or a path, without a newline; got prefix={prefix!r} path={path!r}")
-        data = b"".join(op + kind + b" " + os.fsencode(a) + b"\n" for kind, a in items)
+    def _send(self, data: bytes) -> None:
         with self._lock:  # one line is one write (< PIPE_BUF: atomic), but keep a message's lines together
             os.write(self.fd, data)
+
+
+def _lines(op: bytes, prefix: str | None, path: str | None) -> bytes:
+    """The reaper's lines for ``op`` (``+`` watch, ``-`` forget); ``ValueError`` for a bad name."""
+    items = [(b"shm", prefix)] * (prefix is not None) + [(b"dir", path)] * (path is not None)
+    bad = (not items or any("\n" in a for _, a in items)
+           or (prefix is not None and (not prefix.startswith(shm_mod.SHM_PREFIX) or "/" in prefix))
+           or (path is not None and not os.path.isabs(path)))
+    if bad:
+        raise ValueError(f"give a prefix of cpkv's ({shm_mod.SHM_PREFIX}...) or an absolute path, without a newline; "
+                         f"got prefix={prefix!r} path={path!r}")
+    return b"".join(op + kind + b" " + os.fsencode(a) + b"\n" for kind, a in items)
 
 
 _reaper: Reaper | None = None
