@@ -7,6 +7,7 @@ per rank, not a model."""
 import contextlib
 import math
 import os
+import pickle
 import signal
 import time
 
@@ -68,6 +69,8 @@ def test_launch_refuses_bad_arguments_before_starting_anything():
         kw = {"world_size": 2, "timeout": 10, **bad}
         with pytest.raises(ValueError):
             launch(lt.share, kw.pop("world_size"), 4, **kw)
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        launch(lambda ctx: 0, 2)  # ranks are spawned: a target must be importable by name
     assert set(children(os.getpid())) <= kids
 
 

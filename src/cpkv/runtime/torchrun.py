@@ -29,7 +29,10 @@ starts, for as long as it runs:
 
 * **What ends a rank.** ``PR_SET_PDEATHSIG`` = SIGKILL: the kernel ends the
   rank as its parent, torchrun's agent, ends (``kill -9`` included), in the
-  rendezvous, in a collective, in a step. ``SIGTERM``, ``SIGINT`` and
+  rendezvous, in a collective, in a step. (The signal follows the parent
+  *thread* that started the rank: torchrun's agent starts its ranks from its
+  main thread. A launcher of its own that starts ranks from a thread that
+  ends before them would end them with it.) ``SIGTERM``, ``SIGINT`` and
   ``SIGHUP`` keep their default action: the kernel ends the rank on them at
   once. torchrun starts each rank in a session of its own and stops them with
   ``SIGTERM`` to that session (after a rank failed, on Ctrl-C, or when its
