@@ -73,7 +73,7 @@ def _timed_case(batch: int, context: int, steps: int, cp_size: int, page_size: i
         t2, c2 = time.perf_counter(), time.thread_time()
         sched.complete(plan, tokens)
         dt, dc = time.perf_counter() - t2 + t1 - t0, time.thread_time() - c2 + c1 - c0
-        if plan.prefill is None and plan.decode is not None and len(plan.decode.requests) == batch:
+        if plan.forward is not None and plan.forward.decode and len(plan.forward.requests) == batch:
             times.append(dt)
             cpu.append(dc)
     if not times:
