@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv.consumers.row_batches import RowBatches
 from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output, attend,
                          glm_indexer_types, real_shape, topk_positions)
 from cpkv.runtime.runner import CPRunner
@@ -242,9 +243,9 @@ def test_the_cached_latent_is_transformers_cache(adapters):
         fams = ad.families()
         bufs = allocate_buffers(layout, fams)
         pool = SharedKVPool(layout, 0, fams, bufs)
-        run = CPRunner(ad, pool, OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout),
-                       max_requests=1, max_len=32)
-        alloc, _, _ = run.extend([0], [ids])
+        rows = RowBatches(OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout), 1, 32)
+        alloc = rows.allocate([0], [ids.numel()])
+        CPRunner(ad, pool).forward([0], alloc, ids, table=rows.table)
         with torch.no_grad():
             cache = ad.model(ids[None], use_cache=True).cache
         read = pool.read_index(alloc.out_cache_loc)
@@ -374,6 +375,7 @@ def test_chunked_prefill_with_token_zero_matches_transformers():
     a row of tied scores) inside a prompt prefilled in two chunks: exact."""
     from cpkv import OwnerLaneAllocator, SharedKVLayout
     from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+    from cpkv.consumers.row_batches import RowBatches
     from cpkv.runtime.runner import CPRunner
 
     ad = DsaAdapter(TinyDsa().build())
@@ -381,8 +383,8 @@ def test_chunked_prefill_with_token_zero_matches_transformers():
     ids[20] = 0
     lay = SharedKVLayout(1, 1, 64)
     fams = ad.families()
-    run = CPRunner(ad, SharedKVPool(lay, 0, fams, allocate_buffers(lay, fams)),
-                   OwnerLaneAllocator(63, 1, 1, layout=lay), max_requests=1, max_len=64)
-    parts = [run.extend([0], [ids[:30]])[2], run.extend([0], [ids[30:]])[2]]
+    run = CPRunner(ad, SharedKVPool(lay, 0, fams, allocate_buffers(lay, fams)))
+    rows = RowBatches(OwnerLaneAllocator(63, 1, 1, layout=lay), 1, 64)
+    parts = [run.forward([0], rows.allocate([0], [c.numel()]), c, table=rows.table)[1] for c in (ids[:30], ids[30:])]
     ref = ad.model(ids[None]).logits[0]
     assert (torch.cat(parts) - ref).abs().max() < 1e-4

@@ -8,6 +8,7 @@ import torch
 
 from cpkv import OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv.consumers.row_batches import RowBatches
 from cpkv.runtime.comm import run_threads
 from cpkv.runtime.runner import CPRunner
 
@@ -32,12 +33,13 @@ def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: s
     def rank(comm):
         pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
         alloc = OwnerLaneAllocator((layout.num_pages - 1) * page, page, N, layout=layout)
-        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(ps), max_len=64, prefill_split=prefill,
-                       decode_split=decode, kernels=kernels)
+        batches = RowBatches(alloc, len(ps), 64)
+        run = CPRunner(adapter, pool, comm, prefill_split=prefill, decode_split=decode, kernels=kernels)
         rows = list(range(len(ps)))
         outs = []
         for parts, dec in (([p[:-1] for p in ps], False), ([p[-1:] for p in ps], True)):
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             outs.append(run.collect(a.out_cache_loc.numel(), idx, lg))
         return outs, run
 

@@ -5,6 +5,7 @@ import torch
 
 from cpkv import OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv.consumers.row_batches import RowBatches
 from cpkv.runtime.comm import run_threads
 from cpkv.runtime.runner import CPRunner
 
@@ -25,14 +26,15 @@ def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank
     def rank(comm):
         pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
         alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
-        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(requests), max_len=128,
-                       prefill_split=prefill, decode_split=decode)
+        batches = RowBatches(alloc, len(requests), 128)
+        run = CPRunner(adapter, pool, comm, prefill_split=prefill, decode_split=decode)
         out = {r: [] for r in range(len(requests))}
 
         def step(rows, parts, dec=False):
             if on_rows is not None:
                 on_rows(rows)
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             full = run.collect(a.out_cache_loc.numel(), idx, lg)
             for i, r in enumerate(rows):
                 s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])

@@ -21,6 +21,7 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
     """
     from ...consumers.hicache import HostPool
     from ...consumers.kv_pool import SharedKVPool, allocate_buffers
+    from ...consumers.row_batches import RowBatches
     from ...contract.layout import SharedKVLayout
     from ...engine.config import EngineConfig
     from ...engine.engine import run_engine_threads
@@ -56,14 +57,14 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
     pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
     host = HostPool(fams, HostPool.allocate(fams, prefix // S, S))
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, 1, layout=layout)
-    runner = CPRunner(adapter, pool, alloc, max_requests=1, max_len=prefix)
+    batches, runner = RowBatches(alloc, 1, prefix), CPRunner(adapter, pool)
     ids = torch.randint(0, model.vocab, (prefix,), generator=torch.Generator().manual_seed(0))
     host_slots = torch.arange(S, S + prefix)
 
     def recompute():
-        a = runner.allocate([0], [prefix])
-        runner.forward([0], a, ids)
-        runner.finish(0)
+        a = batches.allocate([0], [prefix])
+        runner.forward([0], a, ids, table=batches.table)
+        pool.release(batches.free(0))
 
     def restore():
         a = alloc.allocate_extend([0], [prefix], torch.tensor([-1]))
