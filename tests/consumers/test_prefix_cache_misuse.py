@@ -121,6 +121,8 @@ def test_finish_refuses_runs_that_do_not_extend_the_match():
     refused(e, lambda: c.finish([m], toks, run, [-1, 4]), "length-mismatch")
     refused(e, lambda: c.finish([m, m], toks + toks, torch.cat([run, run]), [3, 3]), "match-twice")
     refused(e, lambda: c.finish([m], toks, run, [[3]]), "bad-counts")
+    refused(e, lambda: c.finish(m, toks, run, [3]), "not-a-match")  # one match, not a list of them
+    refused(e, lambda: c.cache_pages(iter([m]), toks, run, [3]), "not-a-match")
     e.finish(1)  # the right call still works
 
 

@@ -42,9 +42,10 @@ def _run_together(cache, seqs, keys=(None, None)):
 
 
 def test_a_tail_of_another_lane_base_is_not_grafted_under_a_cached_chain():
-    """Issue 20: bases 0 and 3, both cached; the second one's tail must not
-    hang under the first one's chain (it would give a later request lanes
-    [0, 1, 1] with lane base 3); its finish stops there and frees the tail."""
+    """Two requests of one prefix admitted together take lane bases 0 and 3,
+    and both are cached; the second one's tail must not hang under the first
+    one's chain (it would give a later request lanes [0, 1, 1] with lane base
+    3); its finish stops there and frees the tail."""
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
     a_tokens, b_tokens = PREFIX + (1, 1, 1, 1), PREFIX + (2, 2, 2, 2)
     (ma, mb), (sa, sb), alloc = _run_together(cache, [a_tokens, b_tokens])

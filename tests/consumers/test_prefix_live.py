@@ -102,7 +102,7 @@ def test_a_live_page_of_another_lane_base_is_not_cached_and_its_tail_is_freed():
 
 
 def test_a_live_chain_declined_for_its_tokens_keeps_one_base_at_finish():
-    """Issue 20 with live caching: bases 0 and 3 admitted together; the first
+    """The same with live caching: bases 0 and 3 admitted together; the first
     caches the shared prefix live, so the second's cache_pages declines (the
     tokens are there) and at finish its pages of base 3 are not grafted
     under the base-0 chain: they all go back."""

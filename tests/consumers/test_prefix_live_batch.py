@@ -43,7 +43,7 @@ def _state(cache, ms):
 def _end_general(cache, m, tokens, slots):
     """End ``m`` by the general path alone (walk, graft, attach, dominance), as
     ``finish`` does a run its batched shortcut does not take."""
-    spare = [x for x in cache._end_insert(m, tokens, slots.numpy().copy()) if x.size]
+    spare = [x for x in cache._cache_run(m, tokens, slots.numpy().copy()) if x.size]
     if spare:
         cache.alloc.free(np.concatenate(spare))
 

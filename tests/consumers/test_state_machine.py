@@ -482,8 +482,8 @@ class CacheComponent(Component):
                    "not-a-match"),
             Misuse("finish of None", lambda: c.finish([None], None, [], [0], cache=False), PrefixCacheMisuse,
                    "not-a-match"),
-            Misuse("cache_pages of a PrefixHit", lambda: c.cache_pages([hit], (1,) * self.S, list(range(self.S, 2 * self.S)),
-                                                                    [self.S]), PrefixCacheMisuse, "not-a-match"),
+            Misuse("cache_pages of a PrefixHit", lambda: c.cache_pages(
+                [hit], (1,) * self.S, list(range(self.S, 2 * self.S)), [self.S]), PrefixCacheMisuse, "not-a-match"),
             Misuse("cache_pages of another cache's match", lambda: c.cache_pages([fm], (), [], [0]),
                    PrefixCacheMisuse, "foreign-match"),
         ]

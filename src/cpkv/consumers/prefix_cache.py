@@ -416,6 +416,7 @@ class PrefixCache:
         if isinstance(matches, PrefixMatch):
             _deprecated("cache_pages(match, tokens, slots)", "cache_pages([match], tokens, slots, [len(slots)])")
             return bool(self.cache_pages([matches], tokens, slots, [_size(slots)])[0])
+        matches = _match_list(matches, "cache_pages")
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "cache_pages", whole_pages=True)
         S, tree = self.S, self.tree
         fresh = [m.node is None and tree.root_of(m.ns) is None for m in matches]  # a namespace's first chain
@@ -462,11 +463,12 @@ class PrefixCache:
         slot off its page offset, a page twice, a page out of range),
         ``private-page-not-allocated`` / ``private-page-cached`` (a run's page
         free, or the cache's). [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]"""
+        matches = _match_list(matches, "finish")
         if not cache:
             tokens, arr, counts = self._runs(matches, tokens, slots, counts, "finish", whole_pages=False,
                                              need_tokens=False)
             # -- nothing refuses past this line
-            self._end_matches(list(matches), "released")
+            self._end_matches(matches, "released")
             if arr.size:
                 self.alloc.free(arr)
             return
@@ -485,7 +487,7 @@ class PrefixCache:
         # The common ends go in batches (_end_simple): a match whose pages are all cached (an empty run), and one
         # whose run is less than a page that continues the lane base under its held node, a node with no child and
         # no earlier such run of the batch (the run becomes a partial leaf there: nothing to walk, split, share or
-        # dominate). Any other run ends alone (_end_insert), in its place in the order.
+        # dominate). Any other run ends alone (_cache_run), in its place in the order.
         batch, under = [], set()  # the simple ends not yet made, and the nodes their leaves go under
         for i, (m, c) in enumerate(zip(matches, counts.tolist())):
             if c == 0 or (leaf_ok[i] and not m.node.children and m.node not in under):
@@ -495,7 +497,7 @@ class PrefixCache:
                 continue
             self._end_simple(matches, tokens, arr, starts, counts, batch)  # in order: those before it end first
             batch, under = [], set()
-            spare += self._end_insert(m, tokens[starts[i] : starts[i] + c], arr[starts[i] : starts[i] + c])
+            spare += self._cache_run(m, tokens[starts[i] : starts[i] + c], arr[starts[i] : starts[i] + c])
         self._end_simple(matches, tokens, arr, starts, counts, batch)
         spare = [s for s in spare if s.size]
         if spare:
@@ -511,7 +513,7 @@ class PrefixCache:
         self.tree.unpin_many([m.node for m in matches], ticks)
 
     def _end_simple(self, matches, tokens, arr, starts, counts, batch: list) -> None:
-        """End ``matches[i]`` for ``i`` in ``batch`` as :meth:`_end_insert`
+        """End ``matches[i]`` for ``i`` in ``batch`` as :meth:`_cache_run`
         would one by one: each unpinned (one tick), then, for a non-empty run,
         its run attached as a partial leaf under its node (one tick). One
         unpin and one attach for the batch, with the ticks the calls one by
@@ -531,7 +533,7 @@ class PrefixCache:
                                          ticks=last[leaf].tolist())
             assert all(x is not None for x in made), "a partial leaf's node had a child"
 
-    def _end_insert(self, match: PrefixMatch, tokens: np.ndarray, slots: np.ndarray) -> list:
+    def _cache_run(self, match: PrefixMatch, tokens: np.ndarray, slots: np.ndarray) -> list:
         """End ``match`` by caching ``tokens``/``slots``, its positions from
         ``match.shared`` on (walked from the node the match holds, or from its
         namespace's root). Returns the slots not cached (freed by the caller
@@ -643,15 +645,14 @@ class PrefixCache:
             raise PrefixCacheMisuse("match-consumed", f"{what}: the match was already {match._ended}; a match "
                                     "ends once")
 
-    def _runs(self, matches, tokens, slots, counts, what: str, whole_pages: bool, need_tokens: bool = True):
+    def _runs(self, matches: list, tokens, slots, counts, what: str, whole_pages: bool, need_tokens: bool = True):
         """The checked inputs of a batch of runs (see :meth:`finish`): tokens
         (``None`` stays ``None`` unless ``need_tokens``), slots and counts as
         int64 arrays. Vectorised over the batch: O(total slots +
         len(matches)); nothing before a match's ``shared`` is read."""
         if tokens is not None or need_tokens:
             tokens = _as_tokens(tokens)
-        arr, counts, matches = _int_vector(slots, "slots", "bad-slots"), _int_vector(counts, "counts", "bad-counts"), \
-            list(matches)
+        arr, counts = _int_vector(slots, "slots", "bad-slots"), _int_vector(counts, "counts", "bad-counts")
         if len(matches) != counts.size:
             raise PrefixCacheMisuse("length-mismatch", f"{what}: {len(matches)} matches but {counts.size} counts")
         if not all(type(m) is PrefixMatch and m._owner is self and m._ended is None and (m.live or not whole_pages)
@@ -838,9 +839,18 @@ def _three_argument_hook(hook: Callable) -> Callable:
         if n == 3:
             return hook
         warnings.warn("PrefixCache(on_evict=...) with a two-argument hook (tokens, slots) is deprecated and goes in "
-                      "cpkv 0.3: take (tokens, slots, key), key the chain's namespace", DeprecationWarning, stacklevel=4)
+                      "cpkv 0.3: take (tokens, slots, key), key the chain's namespace", DeprecationWarning,
+                      stacklevel=4)
         return lambda tokens, slots, key: hook(tokens, slots)
     raise TypeError(f"on_evict must take (tokens, slots, key), got a callable of signature {sig}")
+
+
+def _match_list(matches, what: str) -> list:
+    """``matches`` (a list or tuple) as a list, or raise ``not-a-match``."""
+    if not isinstance(matches, (list, tuple)):
+        raise PrefixCacheMisuse("not-a-match", f"{what} takes a list of PrefixMatch (one per run), got "
+                                f"{type(matches).__name__}")
+    return list(matches)
 
 
 def _size(x) -> int:

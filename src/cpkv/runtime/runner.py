@@ -57,7 +57,8 @@ class CPRunner:
                  kernels: str | None = None, max_requests: int | None = None, max_len: int | None = None,
                  page_table: PageTable | None = None):
         self._rows = None
-        if isinstance(comm, OwnerLaneAllocator) or legacy or any(x is not None for x in (max_requests, max_len, page_table)):
+        if isinstance(comm, OwnerLaneAllocator) or legacy or any(x is not None
+                                                                  for x in (max_requests, max_len, page_table)):
             warnings.warn("CPRunner(adapter, pool, allocator, comm, max_requests=, max_len=, page_table=) is "
                           "deprecated and goes in cpkv 0.3: CPRunner(adapter, pool, comm) runs forwards only; "
                           "rows and lengths come from the scheduler's PageTable or a RowBatches",

@@ -10,7 +10,7 @@ and prefill one token. Then every request decodes ``steps`` tokens (pseudo
 tokens, distinct per request, so their decode pages never coincide) and all
 finish in the same step, which is timed with the rest: median, p99 and the
 slowest decode step, and microseconds per running request at the median.
-A decode step must not grow with the context (the issue's goal: <= 2 us per
+A decode step must not grow with the context (the goal: <= 2 us per
 running request at the median, no step over 5 ms at batch 256 and 128K).
 """
 

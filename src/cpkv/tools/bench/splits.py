@@ -178,7 +178,8 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
     alloc = OwnerLaneAllocator((layout.num_pages - 1) * spec.page, spec.page, spec.cp, layout=layout)
     contexts = spec.decode_contexts()
-    batches = RowBatches(alloc, max(spec.bs, spec.decode_bs), max(max(spec.prefill_lens()), *(max(c) for c in contexts)))
+    longest = max(max(spec.prefill_lens()), *(max(c) for c in contexts))
+    batches = RowBatches(alloc, max(spec.bs, spec.decode_bs), longest)
     runner = CPRunner(adapter, pool, comm, kernels=spec.kernels)
     g = torch.Generator().manual_seed(spec.seed)
     vocab = spec.model.vocab
