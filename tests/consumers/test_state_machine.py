@@ -550,7 +550,7 @@ class CacheComponent(Component):
                 out.append(Misuse("a copy slot changed", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
             for call in ends(run[: m.length - s - 1]):
                 out.append(Misuse("fewer slots than the copy", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
-        if len(r.slots) > m.length:
+        if len(run) > max(m.length - s, 0):  # own slots past the copy (past what cache_pages cached)
             n = len(run)
             chains = [torch.cat([run[:-1], torch.tensor([-1])]),  # padding
                       torch.cat([run[:-1], torch.tensor([(self.a.num_pages + 1) * S + (len(slots) - 1) % S])])]
@@ -564,7 +564,7 @@ class CacheComponent(Component):
                 for call in ends(bent):
                     out.append(Misuse("slots that are not a page chain", call, PrefixCacheMisuse, "not-a-page-chain"))
             q = (len(slots) - 1) // S
-            if q * S >= m.length:  # the last page is the request's own: put another there
+            if q * S >= max(m.length, s):  # the last page is the request's own: put another there
                 free = np.flatnonzero(~self.a.is_allocated(np.arange(1, self.a.num_pages + 1))) + 1
                 for pool, rule in ((free, "private-page-not-allocated"),
                                    (np.array(sorted(self.cached - _pages(r.slots, S))), "private-page-cached")):
@@ -611,12 +611,13 @@ class CacheComponent(Component):
             r = data.draw(st.sampled_from(cands))
             s = r.m.shared
             toks, run = r.tokens[s : s + S], r.slots[s : s + S]
-            if S > 1:
+            if S > 1 and r.m.live:
                 cases.append(Misuse("cache_pages of less than a page", lambda: c.cache_pages(
                     [r.m], toks[:-1], run[:-1], [S - 1]), PrefixCacheMisuse, "not-whole-pages"))
-            cases.append(Misuse("cache_pages of an empty run", lambda: c.cache_pages([r.m], (), [], [0]),
-                                PrefixCacheMisuse, "not-whole-pages"))
-            if not r.m.live:
+            if r.m.live:
+                cases.append(Misuse("cache_pages of an empty run", lambda: c.cache_pages([r.m], (), [], [0]),
+                                    PrefixCacheMisuse, "not-whole-pages"))
+            else:
                 cases.append(Misuse("cache_pages of a match that stopped caching", lambda: c.cache_pages(
                     [r.m], toks, run, [S]), PrefixCacheMisuse, "match-not-live"))
         if self.ended:
