@@ -134,7 +134,7 @@ def test_a_request_arriving_late_costs_no_idle_steps():
         assert skipped == 0 or not (sched.running or any(r.due < sched.step for r in sched.waiting))
         plan = sched.plan()
         planned += 1
-        sched.complete(plan, [[7] * len(b.requests) for b in plan.batches()])
+        sched.complete(plan, [[7] * len(b.requests) for b in plan.forwards()])
     assert time.perf_counter() - t0 < 2.0 and planned < 20
     fin = {r.spec.id: r.finished_at for r in sched.requests}
     assert fin["a"] == 1 and fin["c"] == 1 + 1 + 5  # a follow-up still waits its delay
@@ -166,9 +166,9 @@ def test_a_key_partitions_the_cache_and_a_follow_up_keeps_its_parents(tmp_path):
     matched = []
 
     class Spy(PrefixCache):
-        def acquire(self, tokens, max_length=None, key=None):
-            m = super().acquire(tokens, max_length, key)
-            matched.append((key, len(tokens), m.length))
+        def allocate(self, what):
+            m = super().allocate(what)
+            matched.append((what.hit.ns, len(what.tokens), m.length))
             return m
 
     sched = Scheduler(specs, Spy(OwnerLaneAllocator(4 * 64 * 4, 4, 4)), chunk=64)

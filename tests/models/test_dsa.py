@@ -238,9 +238,9 @@ def test_the_cached_latent_is_transformers_cache(adapters):
     then the rotated rope key, in its order. [[RFC-0001:C-MLA-LATENT-POOL]]"""
     for kind, ad in adapters.items():
         ids = torch.arange(3, 23)
-        run = build_parts(ad, SharedKVLayout(1, 4, 8), max_requests=1, max_len=32).runner
-        pool = run.pool
-        alloc, _, _ = run.extend([0], [ids])
+        own = build_parts(ad, SharedKVLayout(1, 4, 8), max_requests=1, max_len=32)
+        pool = own.pool
+        alloc, _, _ = own.extend([0], [ids])
         with torch.no_grad():
             cache = ad.model(ids[None], use_cache=True).cache
         read = pool.read_index(alloc.out_cache_loc)
@@ -374,7 +374,7 @@ def test_chunked_prefill_with_token_zero_matches_transformers():
     ad = DsaAdapter(TinyDsa().build())
     ids = torch.randint(1, 256, (44,), generator=torch.Generator().manual_seed(0))
     ids[20] = 0
-    run = build_parts(ad, SharedKVLayout(1, 1, 64), max_requests=1, max_len=64).runner
-    parts = [run.extend([0], [ids[:30]])[2], run.extend([0], [ids[30:]])[2]]
+    own = build_parts(ad, SharedKVLayout(1, 1, 64), max_requests=1, max_len=64)
+    parts = [own.extend([0], [ids[:30]])[2], own.extend([0], [ids[30:]])[2]]
     ref = ad.model(ids[None]).logits[0]
     assert (torch.cat(parts) - ref).abs().max() < 1e-4

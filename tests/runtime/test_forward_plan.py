@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv.consumers.row_batches import RowBatches
 from cpkv.kernels import triton_attention, triton_dsa, triton_store
 from cpkv.models import DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama
 from cpkv.runtime.batch import ForwardBatch
@@ -59,19 +60,46 @@ def test_no_host_sync_per_layer(request, monkeypatch, model, prefill, decode):
     assert counts == [0] * len(counts)
 
 
-def test_replanning_per_layer_is_counted(llama, monkeypatch):
-    """The counter sees what planning costs: rebuilding the plan on every layer
-    (cpkv before the forward plan) synchronises in every layer but the first."""
-    counts = count_syncs(llama, monkeypatch)
-    run = build_parts(llama, SharedKVLayout(1, 4, 16), max_requests=1, max_len=32).runner
-    pool = run.pool
-    alloc = run.allocate([0], [9])
-    fb = ForwardBatch(pool, LocalComm(), alloc, run.table.rows(torch.tensor([0])), "page", plan_per_layer=True)
-    h = llama.embed(torch.arange(9))
-    with torch.no_grad():
-        for i in range(llama.num_layers):
-            h = llama.layer(i, h, fb)
-    assert counts[0] == 0 and min(counts[1:]) > 0
+class _Widest(torch.Tensor):
+    """A page table that notes the most elements any copy made from it holds
+    (a view of it stays a table; a copy comes back a plain tensor)."""
+
+    most = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if not isinstance(out, torch.Tensor):
+            return out
+        src = next(x for x in args if isinstance(x, torch.Tensor))
+        if out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+            return out.as_subclass(cls)  # a view: still the table
+        cls.most = max(cls.most, out.numel())
+        return out
+
+
+def test_the_forward_reads_the_rows_it_computes_up_to_their_length(llama):
+    """The runner does the forward only: rows and lengths come from the page
+    table it is given, and the plan copies ``table[rows, :L]`` of it, never a
+    whole row of a table far wider than the batch (a 128K-wide table of 256
+    rows would be 256 MiB); the logits are those of the batch's own rows."""
+    own = build_parts(llama, SharedKVLayout(1, 4, 16), max_requests=4, max_len=50_000)
+    pool, batches = own.pool, own.rows
+    ids = torch.randint(0, 256, (9 + 5,), generator=torch.Generator().manual_seed(1))
+    a = batches.allocate([3, 1], [9, 5])  # two of the four rows, in another order
+    run = own.runner
+    idx, want = run.forward([3, 1], a, ids, table=batches.table)
+    pool.release(batches.free(3))
+    pool.release(batches.free(1))
+    a = batches.allocate([3, 1], [9, 5])
+    batches.table.req_to_token = batches.table.req_to_token.as_subclass(_Widest)
+    _Widest.most = 0
+    idx2, got = run.forward([3, 1], a, ids, table=batches.table)
+    assert 0 < _Widest.most <= 2 * 9, f"the plan copied {_Widest.most} entries of the page table"
+    assert torch.equal(idx, idx2) and torch.equal(got, want)
+    with pytest.raises(TypeError, match="page table"):
+        run.forward([3, 1], a, ids)
 
 
 @pytest.mark.parametrize("model", ["llama", "dsa"])
@@ -137,7 +165,7 @@ def test_misuse_refused():
     with pytest.raises(ValueError, match="kernels must be one of"):
         CPRunner(None, SharedKVPool(SharedKVLayout(1, 4, 4), 0, pool.families.values(),
                                     allocate_buffers(SharedKVLayout(1, 4, 4), pool.families.values())),
-                 max_requests=1, max_len=4, kernels="cuda")
+                 kernels="cuda")
 
 
 def test_sync_counter_counts_host_reads_only():

@@ -28,12 +28,14 @@ def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: s
     ps = prompts(vocab)
 
     def rank(comm):
-        run = build_parts(adapter, layout, comm, shared=shared, max_requests=len(ps), max_len=64,
-                          prefill_split=prefill, decode_split=decode, kernels=kernels).runner
+        own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(ps), max_len=64,
+                          prefill_split=prefill, decode_split=decode, kernels=kernels)
+        run, batches = own.runner, own.rows
         rows = list(range(len(ps)))
         outs = []
         for parts, dec in (([p[:-1] for p in ps], False), ([p[-1:] for p in ps], True)):
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             outs.append(run.collect(a.out_cache_loc.numel(), idx, lg))
         return outs, run
 

@@ -21,14 +21,16 @@ def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank
     prompts = [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
 
     def rank(comm):
-        run = build_parts(adapter, layout, comm, shared=shared, max_requests=len(requests), max_len=128,
-                          prefill_split=prefill, decode_split=decode).runner
+        own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(requests), max_len=128,
+                          prefill_split=prefill, decode_split=decode)
+        run, batches = own.runner, own.rows
         out = {r: [] for r in range(len(requests))}
 
         def step(rows, parts, dec=False):
             if on_rows is not None:
                 on_rows(rows)
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             full = run.collect(a.out_cache_loc.numel(), idx, lg)
             for i, r in enumerate(rows):
                 s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])

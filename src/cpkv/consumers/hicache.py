@@ -1,4 +1,4 @@
-"""The host tier, one host KV pool for the whole CP group (workstream W6).
+"""The host tier, one host KV pool for the whole CP group.
 
 Two parts, as the allocator and the pool are two parts on the device:
 
@@ -37,6 +37,8 @@ from ..contract.allocator import OwnerLaneAllocator
 from .kv_events import MEDIUM_HOST
 from .kv_pool import Family, SharedKVPool
 from .prefix_cache import PrefixCache, PrefixHit
+
+_NONE = np.empty(0, dtype=np.int64)  # no run: a match whose pages are all cached, or a release of nothing
 
 
 class HostTier:
@@ -80,9 +82,9 @@ class HostTier:
         """Host slots of ``tokens[start:end]`` in namespace ``key`` (held by
         :meth:`lookup`), pinned until :meth:`step_done` so no backup of this
         step reuses them."""
-        m = self.index.acquire(tokens, max_length=end, key=key)
+        m = self.index.allocate(self.index.lookup(tokens, max_length=end, key=key))
         if m.length < end or m.copy_dst.numel():
-            self.index.release(m)
+            self.index.finish([m], None, m.copy_dst, [m.copy_dst.numel()], cache=False)
             raise AssertionError(f"host tier holds {m.length} of the {end} tokens lookup promised")
         self._held.append(m)
         return m.slots[start:end].clone()
@@ -96,24 +98,38 @@ class HostTier:
         n = len(tokens) // self.S * self.S
         if n == 0:
             return None
-        tokens = np.asarray(tokens)[:n]
-        have = self.index.lookup(tokens, max_length=n, key=key).shared
-        m = self.index.acquire(tokens, max_length=have, key=key)  # whole pages only: nothing is copied
+        tokens, index = np.asarray(tokens)[:n], self.index
+        have = index.lookup(tokens, max_length=n, key=key).shared
+        m = index.allocate(index.lookup(tokens, max_length=have, key=key))  # whole pages only: nothing is copied
         if m.length == n:
-            self.index.insert(tokens, m.slots, m)  # marks the chain used now
+            index.finish([m], tokens[n:], _NONE, [0])  # marks the chain used now
             return None
-        a = self.index.allocate_extend([m.length], [n], torch.tensor([m.last_loc]))
+        a = index.allocate_extend([m.length], [n], torch.tensor([m.last_loc]))
         if a is None:
-            self.index.release(m)
+            index.finish([m], None, _NONE, [0], cache=False)
             return None
-        self.index.insert(tokens, torch.cat([m.slots, a.out_cache_loc]), m)
+        index.finish([m], tokens[m.length :], a.out_cache_loc, [n - m.length])
         return slots[m.length : n].clone(), a.out_cache_loc
 
     def step_done(self) -> None:
         """The step's loads have run: unpin what :meth:`take` pinned."""
-        for m in self._held:
-            self.index.release(m)
-        self._held.clear()
+        held, self._held = self._held, []
+        self.index.finish(held, None, _NONE, [0] * len(held), cache=False)
+
+    @property
+    def open_matches(self) -> int:
+        """Host chains pinned and not yet released (0 between steps)."""
+        return self.index.open_matches
+
+    @property
+    def events(self):
+        """The optional :class:`~cpkv.consumers.kv_events.KVEventSink` told of every full
+        page that enters or leaves the host (medium ``"CPU"``)."""
+        return self.index.events
+
+    @events.setter
+    def events(self, sink) -> None:
+        self.index.events = sink
 
     def clear(self) -> None:
         """Drop everything the host holds."""

@@ -1,7 +1,7 @@
 """The radix tree of the prefix cache: cached token chains and their slots,
 page granular, with per-lane counts kept exact. It answers questions and
 changes only its own shape; it never calls the allocator (the cache,
-:mod:`cpkv.consumers.prefix_cache`, does). [[RFC-0001:C-PREFIX-CACHE]]
+:class:`~cpkv.consumers.prefix_cache.PrefixCache`, does). [[RFC-0001:C-PREFIX-CACHE]]
 """
 
 from __future__ import annotations
@@ -176,17 +176,20 @@ class RadixTree:
                 best, best_key = leaf, key
         return best
 
-    def prefix_tokens(self, node: _Node) -> np.ndarray:
-        """Every token from the root through the end of ``node`` (int64, a copy)."""
+    @staticmethod
+    def prefix_tokens(node: _Node) -> np.ndarray:
+        """Every token from the root through the end of ``node`` (int64, a copy).
+        Reads the node's chain only (a node that left the tree keeps it)."""
         keys = []
         while node.parent is not None:
             keys.append(node.key)
             node = node.parent
         return np.concatenate(keys[::-1]) if keys else np.empty(0, dtype=np.int64)
 
-    def prefix_slots(self, node: _Node | None) -> torch.Tensor:
+    @staticmethod
+    def prefix_slots(node: _Node | None) -> torch.Tensor:
         """The slots of every token from the root through the end of ``node``
-        (int64, a copy; empty for ``None`` or a root)."""
+        (int64, a copy; empty for ``None`` or a root). Reads the node's chain only."""
         parts = []
         while node is not None and node.parent is not None:
             parts.append(node.slots)

@@ -2,7 +2,7 @@
 
 Every rank builds the same scheduler over the same trace and runs the same
 steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
-copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
+copies, then the step's forward through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
 ``check``, rank 0 keeps every computed logit and compares each finished
 request with ``transformers``' own forward of its full sequence and its greedy
@@ -20,7 +20,6 @@ import torch
 from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
-from ..contract.allocation import Allocation
 from ..models import build_adapter
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, RankFailure, launch
@@ -41,7 +40,8 @@ class RankExecutor:
     Order: backups (IO rank, fenced before and after), loads (each owner),
     copies (each destination owner) and arrivals (KV from another group, by
     ``receive(plan)``, each owner writing its own segment), a fence, then the
-    decode and prefill forwards, reading the scheduler's page table.
+    step's forward (decodes and prefill chunks in one pass), reading the
+    scheduler's page table.
     """
 
     def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False, receive=None):
@@ -51,11 +51,10 @@ class RankExecutor:
         self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
 
     def run(self, plan: StepPlan) -> list[list[int]]:
-        """Execute ``plan``; the greedy token of every request of every batch, identical on every rank.
-        A step with both a decode and a prefill batch runs one forward: the
-        decode tokens as one-token extends before the prefill chunks (SGLang's
-        mixed chunk), so the step pays one pass, not two; ``--decode-split``
-        then governs the steps without a prefill."""
+        """Execute ``plan``; the greedy token of every request of its forward,
+        identical on every rank (one list per :meth:`StepPlan.forwards`). The
+        step's decodes and prefill chunks are one forward, as the scheduler
+        planned them; ``--decode-split`` governs a forward of decodes only."""
         pool = self.pool
         if plan.backups:
             pool.tier_fence()
@@ -72,14 +71,7 @@ class RankExecutor:
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.tier_fence()
-        d, f = plan.decode, plan.prefill
-        if d is None or f is None:
-            return [self._forward(b) for b in plan.forwards()]
-        # one forward for the step: the decode tokens as one-token extends before the prefill chunks
-        toks = self._forward(Forward(d.requests + f.requests, torch.cat([d.rows, f.rows]),
-                                     Allocation.concat(d.alloc, f.alloc), torch.cat([d.ids, f.ids]),
-                                     [*d.sample, *f.sample], False, f.table))
-        return [toks[: len(d.requests)], toks[len(d.requests):]]
+        return [self._forward(b) for b in plan.forwards()]
 
     def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
@@ -119,7 +111,7 @@ def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
     sink = KVEventSink(publisher, sched.S)
     sched.cache.events = sink
     if sched.host is not None:
-        sched.host.index.events = sink
+        sched.host.events = sink
     sink.cleared()
     return sink
 
@@ -172,8 +164,7 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     sched = build_scheduler(cfg, specs)
     events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table,
-                       host_shared=host_shared)
+    parts = build_rank(cfg, adapter, layout, comm, shared, cfg.host_pages, host_shared=host_shared)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
@@ -198,7 +189,7 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(0 if cfg.replicated else comm.rank)  # this rank's lane, or its whole copy
-    held = own[sched.cache.is_allocated(own)]
+    held = own[sched.cache.alloc.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,

@@ -20,7 +20,6 @@ import torch
 
 from ..consumers.hicache import HostPool
 from ..consumers.kv_pool import SharedKVPool
-from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache
 from ..consumers.replicated import ReplicatedHostPool
 from ..contract.allocator import OwnerLaneAllocator
@@ -49,14 +48,12 @@ class RankParts:
     runner: CPRunner
 
 
-def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
-               host_pages: int, *, page_table: PageTable | None = None,
-               host_shared: SharedBuffers | None = None) -> RankParts:
+def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers,
+               host_pages: int, *, host_shared: SharedBuffers | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
-    ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
-    requests of up to ``max_len`` tokens with ``cfg``'s splits, reading the
-    scheduler's ``page_table`` (the one page table of the group's requests).
+    ``host_pages`` pages (none for 0) and a runner with ``cfg``'s splits
+    (its forwards read the scheduler's page table).
     With ``cfg.replicated`` the pool is the rank's private full copy over
     ``layout`` (one rank: :mod:`cpkv.consumers.replicated`) and the splits are
     ``cfg.splits()``'s token splits. The caches are
@@ -67,8 +64,7 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     fams = adapter.kv_families(cfg.kv_dtype)
     prefill_split, decode_split = cfg.splits()
     parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
-                        allocator=False, replicated=cfg.replicated, max_requests=cfg.max_running, max_len=max_len,
-                        page_table=page_table, prefill_split=prefill_split, decode_split=decode_split,
+                        replicated=cfg.replicated, prefill_split=prefill_split, decode_split=decode_split,
                         check_plans=cfg.check_plans, kernels=cfg.kernels)
     pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool

@@ -62,23 +62,22 @@ def default_kernels(device: torch.device | str) -> str:
 class ForwardBatch:
     """This rank's tokens of an allocated batch and its access to the cache.
 
-    ``table [B, L]`` holds the logical slots of every request of the batch at
-    positions ``0 .. seq_len - 1`` (padding after), the new slots included.
-    The batch is planned here (:meth:`ForwardPlan.build`: a slot this rank
-    would write but does not own raises ``ContractViolation`` now, once).
-    ``kernels``: ``"torch"`` or ``"triton"`` (``ValueError`` otherwise);
-    ``plan_per_layer`` (benchmarks only) re-plans at every layer, as cpkv did
-    before the forward plan.
+    ``table [R, W]`` holds the logical slots of the batch's requests, row
+    ``rows[i]`` request ``i``'s (every row in order when ``rows`` is
+    ``None``) at positions ``0 .. seq_len - 1`` (padding after), the new
+    slots included; the plan reads ``[rows, :L]`` of it only. The batch is
+    planned here (:meth:`ForwardPlan.build`: a slot this rank would write but
+    does not own raises ``ContractViolation`` now, once). ``kernels``:
+    ``"torch"`` or ``"triton"`` (``ValueError`` otherwise).
     """
 
     def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str,
-                 kernels: str = "torch", plan_per_layer: bool = False):
+                 kernels: str = "torch", rows: torch.Tensor | None = None):
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
-        self._table_arg, self._plan_per_layer, self._planned_layer = table, plan_per_layer, -1
-        self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size)
+        self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size, rows=rows)
         p = self.plan
         self.token_indices, self.req, self.positions, self.slots = p.token_indices, p.req, p.positions, p.slots
         self.num_tokens = p.num_tokens
@@ -97,19 +96,10 @@ class ForwardBatch:
         self.reads: dict[str, int] = {}
         self.moved_bytes = 0
 
-    def _replan(self, layer: int) -> None:
-        """With ``plan_per_layer``: build the plan again on a new layer (the benchmark's "before")."""
-        if self._plan_per_layer and layer != self._planned_layer:
-            if self._planned_layer >= 0:
-                self.plan = ForwardPlan.build(self.pool, self.comm.rank, self.alloc, self._table_arg, self.mode,
-                                              group_size=self.comm.size)
-            self._planned_layer = layer
-
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
         """Cache this rank's new entries; under a token split, all-gather them
         first and write the slots this rank owns. [[RFC-0001:C-DIRECT-WRITE]]"""
-        self._replan(layer)
         p = self.plan
         if p.gathered_order is not None:
             values = self._gather_entries(values)
@@ -192,7 +182,6 @@ class ForwardBatch:
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's whole context in ``family`` through the shared view:
         ``(values [T, L, *shape], visible [T, L])``."""
-        self._replan(layer)
         return self._context(layer, family, self.plan.context)
 
     def _context(self, layer: int, family: str, c: ContextIndex):
@@ -213,7 +202,6 @@ class ForwardBatch:
         token's whole row would pick (the same rows, the same ``topk``). With
         the triton kernels, an :class:`~cpkv.models.attention.IndexerScore`
         is computed by ``cpkv.kernels.index_scores`` over the view."""
-        self._replan(layer)
         p = self.plan
         if self.mode != "lse":
             return self._select(layer, family, k, score, queries, p.context, None)
@@ -247,7 +235,6 @@ class ForwardBatch:
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
                      value_dims: int | None = None) -> torch.Tensor:
         """Causal attention over each token's whole context (see :class:`cpkv.models.CacheAccess`)."""
-        self._replan(layer)
         p = self.plan
         if self._kernels is not None and value_dims is None:
             only = self.comm.rank if self.mode == "lse" else None
@@ -270,7 +257,6 @@ class ForwardBatch:
         """Attention over the selected context positions of each token, gathered;
         under ``lse``, over the selected slots this rank owns only (packed left,
         so a rank's work is its share of each selection), merged."""
-        self._replan(layer)
         slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
         lse_split = self.mode == "lse"
         if self._kernels is not None and key == value and value_dims is not None:

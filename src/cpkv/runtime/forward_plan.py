@@ -189,14 +189,17 @@ class ForwardPlan:
 
     @classmethod
     def build(cls, pool: SharedKVPool, rank: int, alloc: Allocation, table: torch.Tensor, mode: str, *,
-              group_size: int | None = None) -> "ForwardPlan":
+              group_size: int | None = None, rows: torch.Tensor | None = None) -> "ForwardPlan":
         """Plan rank ``rank``'s share of ``alloc`` under split ``mode``, in a
         group of ``group_size`` ranks (default the layout's ``cp_size``; a
         replicated copy's layout has one rank while its group has N, and its
         pool, rank 0 of that layout, owns and writes every slot).
 
-        ``table [B, width]`` holds the batch's logical slots by position
-        (padding after ``seq_lens``), any device. Synchronises freely (it runs
+        ``table [R, width]`` holds the batch's logical slots by position
+        (padding after ``seq_lens``), any device: request ``i`` in row
+        ``rows[i]`` (int64 ``[B]``; ``None``: the table is the batch's rows,
+        in order). Only ``[rows, :L]`` is read, ``L`` the longest sequence:
+        a page table far wider than the batch is never copied whole. Synchronises freely (it runs
         once per batch). Raises ``ValueError`` for an unknown mode,
         :class:`~cpkv.contract.errors.ContractViolation` if this rank would
         write a slot another rank owns (nothing is marked written then), and
@@ -224,7 +227,7 @@ class ForwardPlan:
         write_local, write_rows = pool.write_index(write_slots)
         seq = alloc.seq_lens
         L = int(seq.max()) if seq.numel() else 0
-        tab = table[:, :L].to(dev)
+        tab = (table[:, :L] if rows is None else table[:, :L][rows.to(table.device)]).to(dev)
         context = _context_index(pool, tab, seq, req, positions)
         groups = query_groups(context.inv.to(dev), positions.to(dev), context.read.shape[0], context.read.shape[1])
         lse = _lse_parts(pool, rank, tab, seq, req, positions, L) if mode == "lse" else None

@@ -69,7 +69,7 @@ def pseudo_token(r, vocab: int = 50_000) -> int:
 
 def null_execute(plan: StepPlan) -> list[list[int]]:
     """Carry out a plan without a model: every batch yields pseudo tokens."""
-    return [[pseudo_token(r) for r in b.requests] for b in plan.batches()]
+    return [[pseudo_token(r) for r in b.requests] for b in plan.forwards()]
 
 
 @dataclass

@@ -50,15 +50,16 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
     # restore a prefix from the host tier vs recompute it
     S = 16
     parts = build_parts(adapter, SharedKVLayout(1, S, prefix // S + 2), max_requests=1, max_len=prefix)
-    pool, alloc, runner = parts.pool, parts.allocator, parts.runner
+    pool, batches, runner = parts.pool, parts.rows, parts.runner
+    alloc = batches.allocator
     host = HostPool(parts.families, HostPool.allocate(parts.families, prefix // S, S))
     ids = torch.randint(0, model.vocab, (prefix,), generator=torch.Generator().manual_seed(0))
     host_slots = torch.arange(S, S + prefix)
 
     def recompute():
-        a = runner.allocate([0], [prefix])
-        runner.forward([0], a, ids)
-        runner.finish(0)
+        a = batches.allocate([0], [prefix])
+        runner.forward([0], a, ids, table=batches.table)
+        pool.release(batches.free(0))
 
     def restore():
         a = alloc.allocate_extend([0], [prefix], torch.tensor([-1]))

@@ -173,42 +173,42 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     parts = build_parts(adapter, SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank()), comm, shared=shared,
                         max_requests=max(spec.bs, spec.decode_bs),
                         max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
-    runner, fams = parts.runner, parts.families
+    runner, fams, pool, batches = parts.runner, parts.families, parts.pool, parts.rows
     g = torch.Generator().manual_seed(spec.seed)
     vocab = spec.model.vocab
     out = {}
 
     rows = list(range(spec.bs))
-    a = runner.allocate(rows, spec.prefill_lens())
+    a = batches.allocate(rows, spec.prefill_lens())
     ids = torch.randint(0, vocab, (spec.tokens,), generator=g)
 
     def prefill(split):
         def fn():
             runner.prefill_split = split
-            runner.forward(rows, a, ids)
+            runner.forward(rows, a, ids, table=batches.table)
         return fn
 
     out["prefill"] = _time_splits(runner, comm, {s: prefill(s) for s in PREFILL_SPLITS}, spec.repeats)
     for r in rows:
-        runner.finish(r)
+        pool.release(batches.free(r))
 
     for i, ctx_lens in enumerate(contexts):
         rows = list(range(spec.decode_bs))
-        cached = runner.allocate(rows, [n - 1 for n in ctx_lens])
+        cached = batches.allocate(rows, [n - 1 for n in ctx_lens])
         _fill_random(runner, cached.out_cache_loc, spec.seed + i)
         comm.barrier()  # every owner's entries are in before anyone reads them
-        d = runner.allocate(rows, [1] * spec.decode_bs, decode=True)
+        d = batches.allocate(rows, [1] * spec.decode_bs, decode=True)
         ids = torch.randint(0, vocab, (spec.decode_bs,), generator=g)
 
         def decode(split, d=d, ids=ids, rows=rows):
             def fn():
                 runner.decode_split = split
-                runner.forward(rows, d, ids, decode=True)
+                runner.forward(rows, d, ids, decode=True, table=batches.table)
             return fn
 
         out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in DECODE_SPLITS}, spec.decode_rounds())
         for r in rows:
-            runner.finish(r)
+            pool.release(batches.free(r))
 
     everyone = comm.all_gather_object({k: {s: c["counts"] for s, c in v.items()} for k, v in out.items()})
     if comm.rank != 0:
