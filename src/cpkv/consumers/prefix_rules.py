@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract.inputs import int_vector
 from .kv_events import key_bytes
 
 
