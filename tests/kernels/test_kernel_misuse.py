@@ -101,14 +101,17 @@ def test_bfloat16_is_gpu_only_in_the_interpreter():
 
 
 def test_without_triton_the_triton_backend_raises_and_torch_works(monkeypatch):
-    for mod in ("triton_store", "triton_attention", "triton_dsa"):
-        monkeypatch.setitem(sys.modules, f"cpkv.kernels.{mod}", None)  # import now fails
-        monkeypatch.delattr(K, mod, raising=False)
+    monkeypatch.setitem(sys.modules, "cpkv.kernels.triton_backend", None)  # import now fails
+    monkeypatch.delattr(K, "triton_backend", raising=False)
+    monkeypatch.delitem(K._BOUND, "triton", raising=False)  # bound once: forget it for this test
     with pytest.raises(RuntimeError, match="backend 'triton' needs the triton package"):
         K.get("triton")
     with pytest.raises(ValueError, match="backend must be one of"):
         K.get("cuda")
-    out = K.get("auto").merge_lse(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
+    with pytest.raises(RuntimeError, match="backend 'triton' needs the triton package"):
+        K.merge_lse(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1), backend="triton")
+    assert K.get("auto", "cuda") is K.get("torch")  # auto falls back to torch
+    out = K.get("auto").merge(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
     assert out[1].item() == 0.0
 
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpkv.models.attention import attend, merge_partials, paged_attention, query_groups
+from cpkv.kernels.reference import attend, merge_partials, query_groups
+from cpkv.kernels.reference import gathered_attention as paged_attention
 
 
 def dense(q, k, v, mask, scaling):

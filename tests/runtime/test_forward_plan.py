@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
-from cpkv.kernels import triton_attention, triton_dsa, triton_store
+from cpkv.kernels import triton_backend
 from cpkv.models import DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama
 from cpkv.runtime.batch import ForwardBatch
 from cpkv.runtime.comm import LocalComm
-from cpkv.runtime.forward_plan import ForwardPlan, pack_left
+from cpkv.kernels.backend import pack_left
+from cpkv.runtime.forward_plan import ForwardPlan
 from cpkv.runtime.runner import CPRunner
 from cpkv.runtime.syncs import SyncCounter
 from support.forward_runs import reference, run_small
@@ -80,16 +81,12 @@ def test_replanning_per_layer_is_counted(llama, monkeypatch):
 @pytest.mark.parametrize("prefill,decode", SPLITS)
 def test_triton_plane_matches_transformers(request, monkeypatch, model, prefill, decode):
     adapter, cfg = (request.getfixturevalue(model), LLAMA if model == "llama" else DSA)
-    called = set()
-    for mod, names in ((triton_store, ["store"]), (triton_attention, ["paged_attention", "merge_lse"]),
-                       (triton_dsa, ["index_scores", "sparse_mla_attention"])):
-        for n in names:
-            fn = getattr(mod, n)
-            monkeypatch.setattr(mod, n, (lambda fn, n: lambda *a, **k: called.add(n) or fn(*a, **k))(fn, n))
+    called, run = set(), triton_backend.run
+    monkeypatch.setattr(triton_backend, "run", lambda launch: called.add(launch.name) or run(launch))
     (pre, dec), runners = run_small(adapter, cfg.vocab, 2, prefill, decode, kernels="triton")
     assert all(r.kernels == "triton" for r in runners)
-    want = {"store"} | ({"merge_lse"} if decode == "lse" else set())
-    want |= {"paged_attention"} if model == "llama" else {"index_scores", "sparse_mla_attention"}
+    want = {"store"} | ({"merge"} if decode == "lse" else set())
+    want |= {"decode", "extend"} if model == "llama" else {"index", "sparse_mla"}
     assert want <= called  # the kernels ran, not the torch path
     ref_pre, ref_dec = reference(adapter, cfg.vocab)
     assert (pre - ref_pre).abs().max() < 1e-4
