@@ -83,11 +83,13 @@ def test_triton_plane_matches_transformers(request, monkeypatch, model, prefill,
     adapter, cfg = (request.getfixturevalue(model), LLAMA if model == "llama" else DSA)
     called, run = set(), triton_backend.run
     monkeypatch.setattr(triton_backend, "run", lambda launch: called.add(launch.name) or run(launch))
+    counts = count_syncs(adapter, monkeypatch)  # the kernels' layers: no host sync, no host-to-device copy
     (pre, dec), runners = run_small(adapter, cfg.vocab, 2, prefill, decode, kernels="triton")
     assert all(r.kernels == "triton" for r in runners)
     want = {"store"} | ({"merge"} if decode == "lse" else set())
     want |= {"decode", "extend"} if model == "llama" else {"index", "sparse_mla"}
     assert want <= called  # the kernels ran, not the torch path
+    assert counts == [0] * (2 * 2 * adapter.num_layers)
     ref_pre, ref_dec = reference(adapter, cfg.vocab)
     assert (pre - ref_pre).abs().max() < 1e-4
     assert (dec - ref_dec).abs().max() < 1e-4
@@ -143,9 +145,12 @@ def test_sync_counter_counts_host_reads_only():
     x = torch.arange(6)
     with SyncCounter() as c:
         y = (x * 2 + 1).reshape(2, 3).sum(0)  # device work: nothing counted
+        torch.full((2,), 3), torch.zeros(2, dtype=torch.int32), torch.as_tensor(x), x.to("cpu")  # nor these
         assert c.total == 0
         int(y[0]), y.tolist(), bool(y.any()), x[x > 2], torch.nonzero(x), y.cpu()
-    assert c.by_name == {"int": 1, "tolist": 1, "bool": 1, "bool-index": 1, "nonzero": 1, "cpu": 1}
+        torch.tensor([0, 6]), torch.as_tensor([1.0])  # made from host data: a host-to-device copy on a GPU
+        x.to("meta"), torch.empty(6, dtype=x.dtype, device="meta").copy_(x)  # host to a device (meta stands in)
+    assert c.by_name == {"int": 1, "tolist": 1, "bool": 1, "bool-index": 1, "nonzero": 1, "cpu": 1, "h2d": 4}
 
 
 @settings(max_examples=40, deadline=None)
