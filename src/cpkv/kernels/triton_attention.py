@@ -29,9 +29,9 @@ import triton.language as tl
 from .triton_common import Launch, ViewFormat, block, dot_precision, load_values, owner_and_local, usable
 
 #: (BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel, by query dtype
-DECODE_CONFIG = {torch.float32: (32, 4, 2), torch.float16: (64, 4, 2), torch.bfloat16: (64, 4, 2)}
+DECODE_CONFIG = {torch.float32: (16, 4, 2), torch.float16: (64, 4, 3), torch.bfloat16: (64, 4, 3)}
 #: (query rows per program, BLOCK_N, num_warps, num_stages) of the extend kernel, by query dtype
-EXTEND_CONFIG = {torch.float32: (32, 32, 4, 2), torch.float16: (64, 64, 4, 2), torch.bfloat16: (64, 64, 4, 2)}
+EXTEND_CONFIG = {torch.float32: (32, 16, 8, 1), torch.float16: (128, 64, 8, 2), torch.bfloat16: (128, 64, 8, 2)}
 #: queries of one request per planned extend block; a program takes BLOCK_M = rows // G of them
 PLAN_M = 64
 
@@ -46,7 +46,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, OWN: tl.constexpr,
                    KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
-                   VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr, VTAIL: tl.constexpr):
+                   KPART: tl.constexpr, VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr,
+                   VTAIL: tl.constexpr, VPART: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     g = (pid // SPLITS) % HKV
@@ -78,8 +79,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
             ok = ok & (tl.load(tpos_ptr + req * st_b + offs, mask=inr, other=0) <= qp)
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], g * kh + d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
-                        KFMT, KBODY, KTILE, KTAIL)
+        k = load_values(k_ptr, row[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
+                        KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scaling
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -87,18 +88,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_values(v_ptr, row[:, None], g * vh + dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
-                        VFMT, VBODY, VTILE, VTAIL)
+        v = load_values(v_ptr, row[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
+                        VFMT, VBODY, VTILE, VTAIL, VPART)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
     seen = l_i > 0
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    o = tl.where(SPLITS > 1, i, t)  # partials are numbered by query of the launch, a direct output by token
-    rm = r < G
-    tl.store(lse_ptr + split * sl_s + o * sl_t + heads, lse, mask=rm)
-    tl.store(out_ptr + split * so_s + o * so_t + heads[:, None] * so_h + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=rm[:, None] & (dv < DV)[None, :])
+    rm = r < G  # partials are numbered by query of the launch
+    tl.store(lse_ptr + split * sl_s + i * sl_t + heads, lse, mask=rm)
+    tl.store(out_ptr + split * so_s + i * so_t + heads[:, None] * so_h + dv[None, :], out, mask=rm[:, None] & (dv < DV)[None, :])
 
 
 def decode_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv: int, dv: int, table, tpos, lens,
@@ -106,26 +105,25 @@ def decode_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv
     """The decode launch of ``qidx [Td]`` (int32: which queries of ``q [T, H,
     D]``) over ``table [B, L]`` rows (``tpos [B, L]`` their positions and
     ``lens [B]`` their lengths under the log-sum-exp split, else ``None``):
-    ``splits`` chunks of ``chunk`` keys each. With one split it writes ``out
-    [T, H, dv]``/``lse [T, H]`` at the queries' rows; with more, partials
-    ``out [splits, Td, H, dv]`` (float32) and ``lse [splits, Td, H]`` for
-    :func:`merge_launch`. ``k``/``v`` as :func:`~.triton_common.kernel_view`
+    ``splits`` chunks of ``chunk`` keys each, into the partials ``out
+    [splits, Td, H, dv]`` and ``lse [splits, Td, H]`` (float32) that
+    :func:`merge_launch` merges into the queries' rows (also for one split:
+    one compiled kernel for every batch, the merge a pass over ``Td x H x dv``). ``k``/``v`` as :func:`~.triton_common.kernel_view`
     gives them, ``kh``/``vh`` the stride of one head in a row's flat values."""
     Td = qidx.shape[0]
     H, D = q.shape[1], q.shape[2]
     Hkv, G = hkv, H // hkv
     bn, warps, stages = DECODE_CONFIG[q.dtype]
     own = tpos is not None
-    part = out.dim() == 4
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, table_ptr=table, tpos_ptr=tpos if own else table,
                 lens_ptr=lens if own else table, qidx_ptr=qidx, req_ptr=req, pos_ptr=pos, out_ptr=out, lse_ptr=lse,
                 sq_t=q.stride(0), sq_h=q.stride(1), sk_n=k.stride(0), kh=kh, sv_n=v.stride(0), vh=vh,
-                st_b=table.stride(0), so_s=out.stride(0) if part else 0, so_t=out.stride(-3), so_h=out.stride(-2),
-                sl_s=lse.stride(0) if part else 0, sl_t=lse.stride(-2), T=q.shape[0], L=table.shape[1],
+                st_b=table.stride(0), so_s=out.stride(0), so_t=out.stride(1), so_h=out.stride(2),
+                sl_s=lse.stride(0), sl_t=lse.stride(1), T=q.shape[0], L=table.shape[1],
                 CHUNK=chunk, SPLITS=splits, SPR=layout.slots_per_rank, CAP=layout.capacity, scaling=float(scaling))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HKV=Hkv, G=G, D=D, DV=dv,
                  BLOCK_G=block(G), BLOCK_N=bn, BLOCK_D=block(D), BLOCK_DV=block(dv), PREC=dot_precision(q.dtype),
-                 OWN=own, **kf.const("K"), **vf.const("V"))
+                 OWN=own, **kf.read("K", 0, kh, Hkv, D, block(D)), **vf.read("V", 0, vh, Hkv, dv, block(dv)))
     return Launch(_decode_kernel, (Td * Hkv * splits,), args, const, warps, stages, "decode")
 
 
@@ -138,7 +136,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PREC: tl.constexpr,
                    KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
-                   VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr, VTAIL: tl.constexpr):
+                   KPART: tl.constexpr, VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr,
+                   VTAIL: tl.constexpr, VPART: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     g = pid % HKV
     sub = (pid // HKV) % SUBS
@@ -168,8 +167,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
         ok = usable(s, PAD, CAP) & inr
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], g * kh + d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
-                        KFMT, KBODY, KTILE, KTAIL)
+        k = load_values(k_ptr, row[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
+                        KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scaling
         sc = tl.where(ok[None, :] & (offs[None, :] <= qp[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -177,8 +176,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_values(v_ptr, row[:, None], g * vh + dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
-                        VFMT, VBODY, VTILE, VTAIL)
+        v = load_values(v_ptr, row[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
+                        VFMT, VBODY, VTILE, VTAIL, VPART)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
     seen = l_i > 0
@@ -210,32 +209,44 @@ def extend_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv
                 SPR=layout.slots_per_rank, CAP=layout.capacity, scaling=float(scaling))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HKV=hkv, G=G, D=D, DV=dv,
                  SUBS=subs, BLOCK_M=bm, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=block(D), BLOCK_DV=block(dv),
-                 PREC=dot_precision(q.dtype), **kf.const("K"), **vf.const("V"))
+                 PREC=dot_precision(q.dtype), **kf.read("K", 0, kh, hkv, D, block(D)),
+                 **vf.read("V", 0, vh, hkv, dv, block(dv)))
     return Launch(_extend_kernel, (blocks.shape[0] * subs * hkv,), args, const, warps, stages, "extend")
 
 
-@triton.jit(do_not_specialize=["R", "M"])
+@triton.jit(do_not_specialize=["R", "M", "so_r", "sl_r"])
 def _merge_kernel(out_ptr, lse_ptr, outs_ptr, lses_ptr, idx_ptr, R, M, so_r, so_m, so_o, sl_r,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                   IDX: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)  # one (query, head) row of the partials
-    r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
-    lr = tl.load(lses_ptr + r * sl_r + m, mask=r < R, other=float("-inf")).to(tl.float32)
-    top = tl.max(lr, 0)
+    top = tl.max(tl.full([BLOCK_R], float("-inf"), tl.float32), 0)
+    for r0 in range(0, R, BLOCK_R):  # the partials a block at a time: any count, one compiled kernel
+        r = r0 + tl.arange(0, BLOCK_R)
+        top = tl.maximum(top, tl.max(tl.load(lses_ptr + r * sl_r + m, mask=r < R, other=float("-inf")), 0))
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.where(lr == float("-inf"), 0.0, tl.exp(lr - top_safe))
-    den = tl.sum(w, 0)
+    den = tl.sum(tl.zeros([BLOCK_R], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        lr = tl.load(lses_ptr + r * sl_r + m, mask=r < R, other=float("-inf"))
+        w = tl.where(lr == float("-inf"), 0.0, tl.exp(lr - top_safe))
+        x = tl.load(outs_ptr + r[:, None].to(tl.int64) * so_r + m * so_m + d[None, :],
+                    mask=(r < R)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        den += tl.sum(w, 0)
+        acc += tl.sum(w[:, None] * x, 0)
     seen = den > 0
-    x = tl.load(outs_ptr + r[:, None] * so_r + m * so_m + d[None, :], mask=(r < R)[:, None] & (d < D)[None, :],
-                other=0.0).to(tl.float32)
-    o = tl.sum(w[:, None] * x, 0) / tl.where(seen, den, 1.0)
+    o = acc / tl.where(seen, den, 1.0)
     if IDX:  # partials numbered by query of a launch: the output row is that query's
         dst = tl.load(idx_ptr + m // H).to(tl.int64) * H + m % H
     else:
         dst = m
     tl.store(out_ptr + dst * so_o + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
     tl.store(lse_ptr + dst, tl.where(seen, top_safe + tl.log(tl.where(seen, den, 1.0)), float("-inf")))
+
+
+#: partials a merge program reads at a time
+MERGE_BLOCK_R = 8
 
 
 def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -248,5 +259,5 @@ def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     ls = lses.reshape(R, Mq * H)
     args = dict(out_ptr=out, lse_ptr=lse, outs_ptr=o, lses_ptr=ls, idx_ptr=idx if idx is not None else ls,
                 R=R, M=Mq * H, so_r=o.stride(0), so_m=o.stride(1), so_o=D, sl_r=ls.stride(0))
-    const = dict(H=H, D=D, BLOCK_R=block(R, 1), BLOCK_D=block(D, 1), IDX=idx is not None)
+    const = dict(H=H, D=D, BLOCK_R=MERGE_BLOCK_R, BLOCK_D=block(D, 1), IDX=idx is not None)
     return Launch(_merge_kernel, (Mq * H,), args, const, 4 if D >= 256 else 2, 1, "merge")

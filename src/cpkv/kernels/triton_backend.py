@@ -87,6 +87,15 @@ def query_runs(q_req: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]
     return qidx.astype(np.int32), blocks.astype(np.int32)
 
 
+def chunks(work: int, length: int, tile: int, programs: int, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, chunk)`` of a launch: :func:`~.triton_common.split_chunks`,
+    or ``splits`` as given (a test's choice) with the chunk that covers
+    ``length`` in that many (a split past the context's end is empty)."""
+    if splits is None:
+        return split_chunks(work, length, tile, programs)
+    return splits, -(-max(1, -(-length // splits)) // tile) * tile
+
+
 def _head_view(view: LayerView):
     """``(tensor, format, kv heads, head dim, head stride)`` of a cache view as a kernel reads it."""
     t, f = kernel_view(view.data, view.fmt)
@@ -156,14 +165,12 @@ class TritonBackend(Backend):
         Td = plan.qidx.shape[0]
         if Td:
             bn = DECODE_CONFIG[qc.dtype][0]
-            n, chunk = (split_chunks(Td * hkv, plan.reach, bn, plan.programs) if splits is None
-                        else (splits, -(-max(1, -(-plan.reach // splits)) // bn) * bn))
-            o, s = (out, lse) if n == 1 else (torch.empty((n, Td, H, dv), dtype=torch.float32, device=q.device),
-                                              torch.empty((n, Td, H), dtype=torch.float32, device=q.device))
+            n, chunk = chunks(Td * hkv, plan.reach, bn, plan.programs, splits)
+            o = torch.empty((n, Td, H, dv), dtype=torch.float32, device=q.device)
+            s = torch.empty((n, Td, H), dtype=torch.float32, device=q.device)
             run(decode_launch(qc, kt, kf, kh, vt, vf, vh, hkv, dv, plan.ctx, plan.ctx_pos, plan.ctx_len, plan.qidx,
                               plan.q_req, plan.q_pos, o, s, plan.layout, scaling, n, chunk))
-            if n > 1:
-                run(merge_launch(o, s, out, lse, plan.qidx))
+            run(merge_launch(o, s, out, lse, plan.qidx))
         if plan.blocks.shape[0]:
             run(extend_launch(qc, kt, kf, kh, vt, vf, vh, hkv, dv, plan.ctx, plan.blocks, plan.q_pos, out, lse,
                               plan.layout, scaling))
@@ -184,8 +191,7 @@ class TritonBackend(Backend):
         bh, bk = MLA_CONFIG[qc.dtype][:2]
         hb = -(-H // min(bh, block(H)))
         K = slots.shape[1]
-        n, chunk = (split_chunks(T * hb, K, bk, plan.programs) if splits is None
-                    else (splits, -(-max(1, -(-K // splits)) // bk) * bk))
+        n, chunk = chunks(T * hb, K, bk, plan.programs, splits)
         o, s = (out, lse) if n == 1 else (torch.empty((n, T, H, value_dims), dtype=torch.float32, device=q.device),
                                           torch.empty((n, T, H), dtype=torch.float32, device=q.device))
         run(sparse_mla_launch(qc, lt, lf, slots, o, s, plan.layout, scaling, value_dims, plan.own_rank, n, chunk))
@@ -206,8 +212,7 @@ class TritonBackend(Backend):
             return out
         reach = plan.context.read.shape[1]
         bl = INDEX_CONFIG[qc.dtype][0]
-        n, chunk = (split_chunks(T, reach, bl, plan.programs) if splits is None
-                    else (splits, -(-max(1, -(-reach // splits)) // bl) * bl))
+        n, chunk = chunks(T, reach, bl, plan.programs, splits)
         run(index_launch(qc, weights.contiguous(), kt, kf, plan.table.contiguous(), plan.q_req, plan.q_pos, out,
                          plan.layout, scale, n, chunk))
         return out
@@ -225,4 +230,4 @@ class TritonBackend(Backend):
         return out, lse
 
 
-__all__ = ["TritonBackend", "TritonPlan", "query_runs", "run"]
+__all__ = ["TritonBackend", "TritonPlan", "chunks", "query_runs", "run"]

@@ -51,33 +51,71 @@ def bf16_bits_to_f32(b):
 
 
 @triton.jit
-def load_values(ptr, row, col, mask, stride, FMT: tl.constexpr, BODY: tl.constexpr, TILE: tl.constexpr,
-                TAIL: tl.constexpr):
-    """Values at flat index ``col`` of the cache rows ``row`` (rank-major),
-    decoded where ``mask`` (0 elsewhere): ``FMT`` 0 a float tensor read as it
-    is (``stride`` its row stride in elements, its dtype kept); 1 bfloat16
-    bytes (uint8 rows of ``stride`` bytes, float32 out); 2 scaled FP8
+def load_values(ptr, row, c0, cols, mask, stride, FMT: tl.constexpr, BODY: tl.constexpr, TILE: tl.constexpr,
+                TAIL: tl.constexpr, PART: tl.constexpr):
+    """Values at flat index ``c0 + cols`` of the cache rows ``row``
+    (rank-major; ``row [K, 1]``, ``cols [1, C]``, ``c0`` a scalar), decoded
+    where ``mask`` (0 elsewhere): ``FMT`` 0 a float tensor read as it is
+    (``stride`` its row stride in elements, its dtype kept); 1 bfloat16 bytes
+    (uint8 rows of ``stride`` bytes, float32 out); 2 scaled FP8
     (:class:`~cpkv.consumers.kv_format.ScaledFp8Format`: ``BODY`` e4m3 bytes,
     one float32 scale per ``TILE`` of them, then ``TAIL`` bfloat16 values;
-    float32 out). A formatted row must be 4-byte aligned, its body a multiple
-    of 4 bytes (:func:`readable`). [[RFC-0001:C-KV-FORMAT]]"""
+    float32 out). ``PART`` (FP8 only) says what the columns are, so that a
+    kernel loads no more than it needs: 0 any (a scale gathered per value),
+    1 body inside one tile (one scale per row), 2 body of ``C // TILE``
+    whole tiles from a tile boundary (one scale per tile, broadcast), 3 tail
+    only. A formatted row must be 4-byte aligned, its body a multiple of 4
+    bytes (:func:`unreadable`). [[RFC-0001:C-KV-FORMAT]]"""
+    col = c0 + cols
     if FMT == 0:
         x = tl.load(ptr + row * stride + col, mask=mask, other=0.0)
     elif FMT == 1:
         half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
         x = bf16_bits_to_f32(tl.load(half + row * (stride // 2) + col, mask=mask, other=0))
+    elif PART == 3:
+        half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        at = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
+        x = bf16_bits_to_f32(tl.load(half + row * (stride // 2) + at + (col - BODY), mask=mask, other=0))
     else:
         body = col < BODY
         b = tl.load(ptr + row * stride + col, mask=mask & body, other=0)
-        scales = ptr.to(tl.pointer_type(tl.float32), bitcast=True)
-        s = tl.load(scales + row * (stride // 4) + BODY // 4 + col // TILE, mask=mask & body, other=0.0)
-        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-        if TAIL > 0:
-            half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-            at = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
-            t = tl.load(half + row * (stride // 2) + at + (col - BODY), mask=mask & (col >= BODY), other=0)
-            x = tl.where(body, x, bf16_bits_to_f32(t))
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scales = ptr.to(tl.pointer_type(tl.float32), bitcast=True) + row * (stride // 4) + BODY // 4
+        if PART == 1:  # rows outside the mask read row 0's scale (in bounds) and are zeroed
+            x = tl.where(mask, x * tl.load(scales + c0 // TILE), 0.0)
+        elif PART == 2:
+            NT: tl.constexpr = cols.shape[1] // TILE
+            s = tl.load(scales + c0 // TILE + tl.arange(0, NT)[None, :])  # [K, NT]
+            x = tl.reshape(tl.reshape(x, [x.shape[0], NT, TILE]) * s[:, :, None], [x.shape[0], NT * TILE])
+            x = tl.where(mask, x, 0.0)
+        else:
+            x = x * tl.load(scales + col // TILE, mask=mask & body, other=0.0)
+            if TAIL > 0:
+                half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+                at = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
+                t = tl.load(half + row * (stride // 2) + at + (col - BODY), mask=mask & (col >= BODY), other=0)
+                x = tl.where(body, x, bf16_bits_to_f32(t))
     return x
+
+
+def fp8_part(vf: "ViewFormat", start: int, step: int, count: int, width: int, block: int) -> int:
+    """The ``PART`` of :func:`load_values` for the column ranges ``c0 .. c0 +
+    width - 1``, ``c0 = start + k * step`` for ``k < count`` (one per head),
+    read in a block of ``block`` columns: 3 when all are tail, 1 when each
+    lies in one scale tile of the body, 2 when each is whole tiles of the body
+    from a tile boundary and the block is exactly as wide, else 0."""
+    if vf.FMT != 2:
+        return 0
+    starts = [start + k * step for k in range(count)]
+    if start >= vf.BODY:
+        return 3
+    if starts[-1] + width > vf.BODY:
+        return 0
+    if all(c % vf.TILE + width <= vf.TILE for c in starts):
+        return 1
+    if all(c % vf.TILE == 0 for c in starts) and width % vf.TILE == 0 and block == width:
+        return 2
+    return 0
 
 
 @triton.jit
@@ -162,6 +200,10 @@ class ViewFormat:
         return {f"{prefix}FMT": self.FMT, f"{prefix}BODY": self.BODY, f"{prefix}TILE": self.TILE,
                 f"{prefix}TAIL": self.TAIL}
 
+    def read(self, prefix: str, start: int, step: int, count: int, width: int, block: int) -> dict[str, int]:
+        """:meth:`const` and ``{prefix}PART`` (:func:`fp8_part`) of one read site."""
+        return {**self.const(prefix), f"{prefix}PART": fp8_part(self, start, step, count, width, block)}
+
 
 def kernel_view(view: torch.Tensor, fmt: KVFormat | None) -> tuple[torch.Tensor, ViewFormat]:
     """The tensor a kernel reads for a cache ``view`` stored in ``fmt``
@@ -238,6 +280,6 @@ class Launch:
             self.kernel[self.grid](**self.args, **self.const, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-__all__ = ["DEFAULT_SMS", "Launch", "PROGRAMS_PER_SM", "ViewFormat", "bf16_bits_to_f32", "block", "dot_precision",
+__all__ = ["DEFAULT_SMS", "Launch", "fp8_part", "PROGRAMS_PER_SM", "ViewFormat", "bf16_bits_to_f32", "block", "dot_precision",
            "f32_to_bf16_bits", "f32_to_e4m3_bits", "interpreting", "launchable", "load_values", "owner_and_local",
            "kernel_view", "sm_count", "split_chunks", "unreadable", "usable", "tl"]

@@ -21,12 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import Launch, ViewFormat, block, dot_precision, load_values, owner_and_local, usable
+from .triton_common import Launch, ViewFormat, block, dot_precision, fp8_part, load_values, owner_and_local, usable
 
 #: (BLOCK_L keys per tile, num_warps, num_stages) of the indexer, by query dtype
 INDEX_CONFIG = {torch.float32: (32, 8, 1), torch.float16: (64, 4, 2), torch.bfloat16: (64, 4, 2)}
 #: (BLOCK_H heads, BLOCK_K selected slots per tile, num_warps, num_stages) of sparse MLA, by query dtype
-MLA_CONFIG = {torch.float32: (16, 16, 8, 1), torch.float16: (16, 32, 8, 2), torch.bfloat16: (16, 32, 8, 2)}
+MLA_CONFIG = {torch.float32: (16, 16, 8, 1), torch.float16: (16, 16, 8, 2), torch.bfloat16: (16, 16, 8, 2)}
 
 
 @triton.jit(do_not_specialize=["T", "L", "st_b", "so_t", "CHUNK", "SPLITS", "CAP", "SPR"])
@@ -34,7 +34,8 @@ def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
                   sq_t, sq_h, sw_t, sk_n, st_b, so_t, T, L, CHUNK, SPLITS, SPR, CAP, scale,
                   N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PREC: tl.constexpr,
-                  KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr):
+                  KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
+                  KPART: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     t = pid // SPLITS
@@ -54,8 +55,8 @@ def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
         ok = usable(s, PAD, CAP) & inr
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], d[None, :], ok[:, None] & (d < DI)[None, :], sk_n,
-                        KFMT, KBODY, KTILE, KTAIL)
+        k = load_values(k_ptr, row[:, None], 0, d[None, :], ok[:, None] & (d < DI)[None, :], sk_n,
+                        KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale, 0.0)  # [BLOCK_H, BLOCK_L]
         score = tl.sum(w[:, None] * sc, 0)
         tl.store(out_ptr + t * so_t + offs, tl.where(ok, score, float("-inf")), mask=inr)
@@ -74,7 +75,8 @@ def index_launch(q, w, k, kf: ViewFormat, table, req, pos, out, layout, scale: f
                 so_t=out.stride(0), T=T, L=table.shape[1], CHUNK=chunk, SPLITS=splits, SPR=layout.slots_per_rank,
                 CAP=layout.capacity, scale=float(scale))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HI=Hi, DI=Di,
-                 BLOCK_H=block(Hi), BLOCK_D=block(Di), BLOCK_L=bl, PREC=dot_precision(q.dtype), **kf.const("K"))
+                 BLOCK_H=block(Hi), BLOCK_D=block(Di), BLOCK_L=bl, PREC=dot_precision(q.dtype),
+                 **kf.read("K", 0, 0, 1, Di, block(Di)))
     return Launch(_index_kernel, (T * splits,), args, const, warps, stages, "index")
 
 
@@ -84,7 +86,8 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
                        N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
                        VD: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr, ONLY_SET: tl.constexpr,
-                       LFMT: tl.constexpr, LBODY: tl.constexpr, LTILE: tl.constexpr, LTAIL: tl.constexpr):
+                       LFMT: tl.constexpr, LBODY: tl.constexpr, LTILE: tl.constexpr, LTAIL: tl.constexpr,
+                       CPART: tl.constexpr, RPART: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     hb = (pid // SPLITS) % HB
@@ -110,10 +113,10 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
         if ONLY_SET:  # the log-sum-exp split: only the slots rank ONLY owns
             ok = ok & (owner == ONLY)
         row = owner * SPR + local
-        lat_c = load_values(lat_ptr, row[:, None], c[None, :], ok[:, None] & (c < VD)[None, :], sl_n,
-                            LFMT, LBODY, LTILE, LTAIL).to(q_c.dtype)
-        lat_r = load_values(lat_ptr, row[:, None], VD + e[None, :], ok[:, None] & (e < RD)[None, :], sl_n,
-                            LFMT, LBODY, LTILE, LTAIL).to(q_c.dtype)
+        lat_c = load_values(lat_ptr, row[:, None], 0, c[None, :], ok[:, None] & (c < VD)[None, :], sl_n,
+                            LFMT, LBODY, LTILE, LTAIL, CPART).to(q_c.dtype)
+        lat_r = load_values(lat_ptr, row[:, None], VD, e[None, :], ok[:, None] & (e < RD)[None, :], sl_n,
+                            LFMT, LBODY, LTILE, LTAIL, RPART).to(q_c.dtype)
         sc = tl.dot(q_c, tl.trans(lat_c), input_precision=PREC) + tl.dot(q_r, tl.trans(lat_r), input_precision=PREC)
         sc = tl.where(ok[None, :], sc * scaling, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -150,5 +153,6 @@ def sparse_mla_launch(q, lat, lf: ViewFormat, slots, out, lse, layout, scaling: 
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, H=H, HB=triton.cdiv(H, bh),
                  VD=value_dims, RD=Dl - value_dims, BLOCK_H=bh, BLOCK_K=bk, BLOCK_V=block(value_dims),
                  BLOCK_R=block(Dl - value_dims), PREC=dot_precision(q.dtype), ONLY_SET=only_rank >= 0,
-                 **lf.const("L"))
+                 **lf.const("L"), CPART=fp8_part(lf, 0, 0, 1, value_dims, block(value_dims)),
+                 RPART=fp8_part(lf, value_dims, 0, 1, Dl - value_dims, block(Dl - value_dims)))
     return Launch(_sparse_mla_kernel, (T * triton.cdiv(H, bh) * splits,), args, const, warps, stages, "sparse_mla")
