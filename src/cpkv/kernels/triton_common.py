@@ -28,7 +28,20 @@ DEFAULT_SMS = 132
 _SMS: dict[int, int] = {}
 
 
-@triton.jit
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_fn(fn):
+    """A helper the kernels call: ``triton.jit`` when compiling; under the
+    interpreter the plain function (the running kernel has patched
+    ``triton.language`` already, and a jitted helper would patch it again on
+    every call, most of the interpreter's time)."""
+    return fn if interpreting() else triton.jit(fn)
+
+
+@device_fn
 def owner_and_local(s, N: tl.constexpr, S: tl.constexpr):
     """Owner rank ``p % N`` and local slot ``(p // N) * S + s % S`` of logical
     slots ``s >= 0`` (``p = s // S``): :class:`~cpkv.contract.layout.SharedKVLayout`'s
@@ -38,19 +51,19 @@ def owner_and_local(s, N: tl.constexpr, S: tl.constexpr):
     return p % N, (p // N) * S + (s - p * S)
 
 
-@triton.jit
+@device_fn
 def usable(s, PAD: tl.constexpr, CAP):
     """Entries of ``s`` that name a slot: not padding and inside ``[0, CAP)``."""
     return (s != PAD) & (s >= 0) & (s < CAP)
 
 
-@triton.jit
+@device_fn
 def bf16_bits_to_f32(b):
     """bfloat16 values given as their int16 bits, widened to float32 (exact)."""
     return (b.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device_fn
 def load_values(ptr, row, c0, cols, mask, stride, FMT: tl.constexpr, BODY: tl.constexpr, TILE: tl.constexpr,
                 TAIL: tl.constexpr, PART: tl.constexpr):
     """Values at flat index ``c0 + cols`` of the cache rows ``row``
@@ -118,7 +131,7 @@ def fp8_part(vf: "ViewFormat", start: int, step: int, count: int, width: int, bl
     return 0
 
 
-@triton.jit
+@device_fn
 def f32_to_bf16_bits(x):
     """float32 ``x`` rounded to bfloat16 (nearest, ties to even; torch's
     rounding, overflow to inf as torch's), as int16 bits."""
@@ -127,7 +140,7 @@ def f32_to_bf16_bits(x):
     return (r >> 16).to(tl.int16)
 
 
-@triton.jit
+@device_fn
 def f32_to_e4m3_bits(x):
     """float32 ``x`` with ``|x| <= 448`` rounded to float8 e4m3fn (nearest,
     ties to even, subnormals kept: torch's ``.to(torch.float8_e4m3fn)``), as
@@ -147,11 +160,6 @@ def f32_to_e4m3_bits(x):
     q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
     m = tl.where(mag < 0x3C800000, q, normal)  # 0x3C800000 is 2^-6
     return (sign | m).to(tl.uint8)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def block(n: int, least: int = 16) -> int:
@@ -280,6 +288,6 @@ class Launch:
             self.kernel[self.grid](**self.args, **self.const, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-__all__ = ["DEFAULT_SMS", "Launch", "fp8_part", "PROGRAMS_PER_SM", "ViewFormat", "bf16_bits_to_f32", "block", "dot_precision",
+__all__ = ["DEFAULT_SMS", "Launch", "device_fn", "fp8_part", "PROGRAMS_PER_SM", "ViewFormat", "bf16_bits_to_f32", "block", "dot_precision",
            "f32_to_bf16_bits", "f32_to_e4m3_bits", "interpreting", "launchable", "load_values", "owner_and_local",
            "kernel_view", "sm_count", "split_chunks", "unreadable", "usable", "tl"]
