@@ -95,6 +95,58 @@ def test_triton_plane_matches_transformers(request, monkeypatch, model, prefill,
     assert (dec - ref_dec).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("model,split,kv_dtype", [("llama", ("page", "owner"), "fp8"),
+                                                  ("dsa", ("zigzag", "lse"), "fp8"),
+                                                  ("dsa", ("page", "owner"), "bfloat16")])
+def test_triton_plane_reads_and_writes_formatted_caches(request, monkeypatch, model, split, kv_dtype):
+    """FP8 and bfloat16-byte caches run on the Triton kernels (decoded and
+    encoded in the kernel, no fallback): the same logits as the torch backend
+    on the same formatted caches, no host sync per layer (no finiteness read)."""
+    adapter, cfg = (request.getfixturevalue(model), LLAMA if model == "llama" else DSA)
+    called, run = set(), triton_backend.run
+    monkeypatch.setattr(triton_backend, "run", lambda launch: called.add(launch.name) or run(launch))
+    counts = count_syncs(adapter, monkeypatch)
+    (pre, dec), runners = run_small(adapter, cfg.vocab, 2, *split, kernels="triton", kv_dtype=kv_dtype)
+    assert "store" in called and all(r.kernels == "triton" for r in runners)
+    assert counts == [0] * len(counts)
+    (ref_pre, ref_dec), _ = run_small(adapter, cfg.vocab, 2, *split, kv_dtype=kv_dtype)
+    assert (pre - ref_pre).abs().max() < 1e-4 and (dec - ref_dec).abs().max() < 1e-4
+
+
+def test_a_non_finite_value_in_a_formatted_cache_raises_once_per_batch(llama, monkeypatch):
+    """The finiteness of values cached in a byte format is read at the batch's
+    end (one read), not in each layer: a NaN raises ValueError there."""
+    layout = SharedKVLayout(1, 4, 16)
+    fams = llama.kv_families("fp8")
+    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
+    run = CPRunner(llama, pool, OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout),
+                   max_requests=1, max_len=32)
+    alloc = run.allocate([0], [5])
+    fb = ForwardBatch(pool, LocalComm(), alloc, run.table.rows(torch.tensor([0])), "page")
+    x = torch.randn(5, *fams[0].shape)
+    x[2, 0, 1] = float("nan")
+    with SyncCounter() as c:
+        fb.store(0, k=x, v=torch.randn(5, *fams[1].shape))
+    assert c.total == 0
+    with pytest.raises(ValueError, match="NaN or infinite value in a formatted family"):
+        fb.finish()
+
+
+def test_the_torch_mask_is_planned_for_the_torch_backend_only():
+    """A prefill planned for the Triton backend builds no causal mask or query
+    grouping (the torch path's, 16 GiB at a 128K-token prefill); the torch
+    backend's plan has them."""
+    from cpkv.kernels import get
+
+    pool, a, table = _pool_and_alloc()
+    torch_plan = ForwardPlan.build(pool, 0, a, table, "page").attn
+    triton_plan = ForwardPlan.build(pool, 0, a, table, "page", backend=get("triton")).attn
+    assert torch_plan.groups is not None and torch_plan.groups.mask.dtype == torch.bool
+    assert not hasattr(triton_plan, "groups")
+    assert not any(isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() == 3
+                   for v in vars(triton_plan).values())
+
+
 def _pool_and_alloc(N=2, rank=0):
     layout = SharedKVLayout(N, 4, 16)
     fams = LlamaAdapter.families(type("A", (), {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4})())
