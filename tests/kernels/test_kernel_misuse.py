@@ -120,3 +120,9 @@ def test_import_sets_the_interpreter_without_cuda():
     code = "import os, torch, cpkv.kernels; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert got.split() == (["True", "None"] if torch.cuda.is_available() else ["False", "1"])
+
+
+def test_a_backend_is_bound_once():
+    """get() hands out one instance per backend: a forward takes it once, per batch, with no checks to rerun."""
+    assert K.get("triton") is K.get("triton") and K.get("torch") is K.get("auto") is K.get("auto", "cpu")
+    assert K.get("triton").name == "triton" and K.get("torch").name == "torch"
