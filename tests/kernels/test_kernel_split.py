@@ -169,3 +169,30 @@ def test_sparse_mla_and_indexer_every_split_count():
         got_i = K.index_scores(qi, w, keys, table, torch.tensor([0]), torch.tensor([69]), layout, 0.3, splits=n,
                                backend="triton")
         _close(got_i, ref_i)
+
+
+def test_merge_of_more_partials_than_one_block_holds():
+    """The merge kernel reads the partials a block at a time: 11 partials
+    (with empty ones) merge as the torch backend merges them."""
+    from cpkv.kernels.triton_attention import MERGE_BLOCK_R
+
+    g = torch.Generator().manual_seed(50)
+    R = MERGE_BLOCK_R + 3
+    outs, lses = torch.randn(R, 2, 3, 8, generator=g), torch.randn(R, 2, 3, generator=g) * 3
+    lses[[0, 5, R - 1]] = float("-inf")
+    outs[lses == float("-inf")] = 0
+    got, want = K.merge_lse(outs, lses, backend="triton"), K.merge_lse(outs, lses, backend="torch")
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_torch_plan_without_lse_falls_back_to_the_masked_path_on_holes():
+    """The torch backend's grouped path assumes no padding before a query's
+    position; a table with a hole there is planned on the masked path (exact)."""
+    layout, table, _ = tables([20], 2, 4, seed=51)
+    b = K.get("torch")
+    q_req, q_pos = torch.zeros(3, dtype=torch.int64), torch.tensor([10, 11, 19])
+    assert b.plan(table, q_req, q_pos, layout, with_lse=False).groups is not None
+    table[0, 5] = -1
+    plan = b.plan(table, q_req, q_pos, layout, with_lse=False)
+    assert plan.groups is None and plan.with_lse
