@@ -147,6 +147,32 @@ def test_the_torch_mask_is_planned_for_the_torch_backend_only():
                    for v in vars(triton_plan).values())
 
 
+def test_a_format_the_kernels_cannot_read_runs_the_torch_backend_named():
+    """Triton asked for, a family whose FP8 scales would not be 4-byte aligned:
+    the batch runs on the torch backend, and ForwardBatch.fallback says why
+    (the run's report carries it as kernels_fallback)."""
+    from cpkv.consumers.kv_format import gqa_fp8
+    from cpkv.consumers.kv_pool import kv_families
+    from cpkv.runtime.batch import choose_backend
+
+    layout = SharedKVLayout(2, 4, 16)
+    fams = kv_families(1, 1, 6, format=gqa_fp8(1, 6))  # a body of 6 bytes
+    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
+    backend, why = choose_backend("triton", pool)
+    assert backend.name == "torch" and why.startswith("family k:") and "multiples of 4" in why
+    ok = SharedKVPool(layout, 0, kv_families(1, 1, 8, format=gqa_fp8(1, 8)),
+                      allocate_buffers(layout, kv_families(1, 1, 8, format=gqa_fp8(1, 8))))
+    assert choose_backend("triton", ok)[0].name == "triton" and choose_backend("triton", ok)[1] is None
+    a = OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 2, layout=layout).allocate_extend(
+        torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))
+    table = torch.full((1, 8), -1, dtype=torch.int64)
+    table[0, :3] = a.out_cache_loc
+    fb = ForwardBatch(pool, LocalComm(), a, table, "lse", kernels="triton")
+    assert fb.kernels == "torch" and fb.fallback == why
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        choose_backend("cuda", pool)
+
+
 def _pool_and_alloc(N=2, rank=0):
     layout = SharedKVLayout(N, 4, 16)
     fams = LlamaAdapter.families(type("A", (), {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4})())
