@@ -2,8 +2,9 @@
 
 The package is layered, arrows pointing one way: the contract
 (:mod:`cpkv.contract`: layout, plans, allocator, errors), its consumers
-(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the models
-(:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
+(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the data
+plane (:mod:`cpkv.kernels`: the backend interface, the torch reference and the
+Triton kernels), the models (:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
 (:mod:`cpkv.engine`) and the tools (:mod:`cpkv.tools`: the ``cpkv`` command,
 benchmarks, simulator).
 

@@ -5,7 +5,7 @@ import torch
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import Family, SharedKVPool, allocate_buffers, kv_families
-from cpkv.models import paged_attention
+from cpkv.kernels.reference import gathered_attention as paged_attention
 
 
 def _pools(N=2, S=4, ppr=6, H=2, D=3):

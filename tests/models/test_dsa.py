@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from cpkv import ContractViolation, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
-from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output, attend,
+from cpkv.kernels.reference import attend
+from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output,
                          glm_indexer_types, real_shape, topk_positions)
 from cpkv.runtime.parts import build_parts
 

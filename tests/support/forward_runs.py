@@ -20,15 +20,18 @@ def prompts(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=g) for n in PROMPTS]
 
 
-def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: str = "torch", page: int = 4):
+def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: str = "torch", page: int = 4,
+              kv_dtype: str = "float32"):
     """Prefill every prompt but its last token, then decode that token, on N
-    thread ranks. Returns rank 0's ``(prefill logits [E, V], decode logits
-    [B, V])`` in flattened batch order and every rank's runner."""
+    thread ranks, the caches stored as ``kv_dtype``. Returns rank 0's
+    ``(prefill logits [E, V], decode logits [B, V])`` in flattened batch order
+    and every rank's runner."""
     layout, shared = SharedKVLayout(N, page, 16), thread_buffers()
+    fams = adapter.kv_families(kv_dtype)
     ps = prompts(vocab)
 
     def rank(comm):
-        own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(ps), max_len=64,
+        own = build_parts(adapter, layout, comm, shared=shared, families=fams, max_requests=len(ps), max_len=64,
                           prefill_split=prefill, decode_split=decode, kernels=kernels)
         run, batches = own.runner, own.rows
         rows = list(range(len(ps)))

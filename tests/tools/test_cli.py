@@ -114,6 +114,7 @@ BAD = [
     (["bench", "splits", "--context", "0"], "--context"),
     (["bench", "splits", "--page", "0"], "--page"),
     (["bench", "splits", "--json=1"], "--json"),
+    (["bench", "kernels", "--compile=yes"], "--compile"),
     (["bench", "scheduler", "--batches", "64,0"], "--batches"),
     (["bench", "scheduler", "--contexts", "4096,x"], "--contexts"),
     (["bench", "scheduler", "--steps", "0"], "--steps"),

@@ -21,6 +21,7 @@ from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
 from ..models import build_adapter
+from ..runtime.batch import choose_backend
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, RankFailure, launch
 from ..runtime.progress import RunProgress, progress_bar
@@ -203,19 +204,23 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     if comm.rank != 0:
         return None
     checked = check(adapter.model, sched, ex, list(pool.families.values())) if cfg.check else None
-    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock))
+    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock),
+                  kernels_fallback=choose_backend(runner.kernels, pool)[1])
 
 
 def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
-           checked: dict | None, latency: dict | None = None) -> dict:
+           checked: dict | None, latency: dict | None = None, kernels_fallback: str | None = None) -> dict:
     """The run's figures (see ``cpkv run --help``); ``latency`` is
-    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request)."""
+    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request);
+    ``kernels_fallback``: why the data plane asked for is not the one that
+    ran (:func:`~cpkv.runtime.batch.choose_backend`), else ``None``."""
     st = sched.stats
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, sched.N))
     # a replicated copy holds every used page on every rank; a shared cache each lane on its rank
     peak_lane = np.full(cfg.cp_size, occ.sum(1).max()) if cfg.replicated else occ.max(0)
     return {
         "config": cfg.public(),  # without the test-only fault hooks
+        "kernels_fallback": kernels_fallback,
         "requests": len(sched.requests),
         "finished": st.finished,
         "steps": st.steps,

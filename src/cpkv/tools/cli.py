@@ -53,10 +53,13 @@ def _add_simulate(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler",
+                                    "kernels", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only; plan: host synchronisations per layer and step time before and after "
-                        "the forward plan; scheduler: the scheduler alone, by name only)")
+                        "the forward plan; scheduler: the scheduler alone, by name only; kernels: the Triton "
+                        "kernels against a device copy and torch SDPA on a GPU, their sm_90 compile report "
+                        "(registers, spills, shared memory, grids) anywhere)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5; scheduler: rounds of every case, 3; capacity: trace "
@@ -77,7 +80,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--contexts", type=positive_list, default=None, metavar="T,..",
                    help="scheduler: context tokens per case (default 4096,32768,131072)")
     b.add_argument("--steps", type=positive, default=None, help="scheduler: decode steps per case (default 64)")
-    b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
+    b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON; "
+                                                       "kernels: the sections as JSON")
+    b.add_argument("--compile", action="store_true",
+                   help="kernels: the sm_90 compile report too on a GPU (without a GPU it is all that runs)")
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")

@@ -77,6 +77,10 @@ def cmd_bench(args) -> int:
         return cmd_bench_kvdtype(args)
     if args.what == "capacity":
         return cmd_bench_capacity(args)
+    if args.what == "kernels":
+        from .bench.kernels import run_kernels_command
+
+        return run_kernels_command(args)
     if args.what == "plan":
         from .bench import bench_plan
 

@@ -34,6 +34,8 @@ def format_engine(r: dict) -> str:
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
     rows += latency_rows(r.get("latency"))
+    if r.get("kernels_fallback"):
+        rows += [("kernels fallback", r["kernels_fallback"])]
     if ck is not None:
         ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
         rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
