@@ -141,13 +141,11 @@ def test_triton_plane_reads_and_writes_formatted_caches(request, monkeypatch, mo
 def test_a_non_finite_value_in_a_formatted_cache_raises_once_per_batch(llama, monkeypatch):
     """The finiteness of values cached in a byte format is read at the batch's
     end (one read), not in each layer: a NaN raises ValueError there."""
-    layout = SharedKVLayout(1, 4, 16)
     fams = llama.kv_families("fp8")
-    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
-    run = CPRunner(llama, pool, OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout),
-                   max_requests=1, max_len=32)
-    alloc = run.allocate([0], [5])
-    fb = ForwardBatch(pool, LocalComm(), alloc, run.table.rows(torch.tensor([0])), "page")
+    own = build_parts(llama, SharedKVLayout(1, 4, 16), families=fams, max_requests=1, max_len=32)
+    pool = own.pool
+    alloc = own.rows.allocate([0], [5])
+    fb = ForwardBatch(pool, LocalComm(), alloc, own.rows.table.req_to_token, "page", rows=torch.tensor([0]))
     x = torch.randn(5, *fams[0].shape)
     x[2, 0, 1] = float("nan")
     with SyncCounter() as c:
