@@ -20,6 +20,7 @@ import torch
 
 from ..consumers.hicache import HostPool
 from ..consumers.kv_pool import SharedKVPool, allocate_buffers
+from ..consumers.kv_view import KVView
 from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixCache
 from ..consumers.replicated import ReplicatedHostPool, ReplicatedKVPool, replicated_buffers
@@ -29,8 +30,9 @@ from ..runtime.comm import Comm
 from ..runtime.runner import CPRunner
 from .config import RunConfig
 
-#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group.
-SharedBuffers = Callable[[str, tuple, torch.dtype], torch.Tensor]
+#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group
+#: (for the KV buffers, a :class:`~cpkv.consumers.kv_view.KVView` of per-rank segments will do as well).
+SharedBuffers = Callable[[str, tuple, torch.dtype], "torch.Tensor | KVView"]
 
 
 def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCache:
@@ -53,7 +55,7 @@ class RankParts:
 
 def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
                host_pages: int, *, page_table: PageTable | None = None,
-               host_shared: SharedBuffers | None = None) -> RankParts:
+               host_shared: SharedBuffers | None = None, device: torch.device | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
     ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
@@ -68,7 +70,7 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     host tier pinned host memory)."""
     fams = adapter.kv_families(cfg.kv_dtype)
     if cfg.replicated:  # a full private copy on every rank, over the scheduler's one-lane layout
-        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams), group_rank=group.rank,
+        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams, device or "cpu"), group_rank=group.rank,
                                 group_size=group.size, barrier=group.barrier)
     else:
         pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)

@@ -8,17 +8,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import block, dot_precision, launchable, owner_and_local, usable
+from .triton_common import block, dot_precision, launchable, owner_and_local, usable, view_args, view_offset
 
 BLOCK_N = 32
 
 
 @triton.jit
-def _paged_kernel(q_ptr, k_ptr, v_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, lse_ptr,
+def _paged_kernel(q_ptr, k_ptr, v_ptr, koff_ptr, voff_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, lse_ptr,
                   sq_t, sq_h, sk_n, sk_h, sv_n, sv_h, st_b, so_t, so_h,
                   L, H, G, D, DV, N, S, SPR, PAD, CAP, ONLY, scaling,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  PREC: tl.constexpr, ONLY_SET: tl.constexpr):
+                  PREC: tl.constexpr, ONLY_SET: tl.constexpr, HAS_OFF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)  # kv head; its G query heads are the rows of this program
     req = tl.load(req_ptr + t).to(tl.int64)
@@ -39,8 +39,9 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, lse
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         if ONLY_SET:  # the log-sum-exp split: only the slots rank ONLY owns
             ok = ok & (owner == ONLY)
-        row = owner * SPR + local
-        k = tl.load(k_ptr + row[:, None] * sk_n + g * sk_h + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+        k_at = view_offset(koff_ptr, owner, local, SPR, sk_n, HAS_OFF)  # the owner's segment, its local row
+        v_at = view_offset(voff_ptr, owner, local, SPR, sv_n, HAS_OFF)
+        k = tl.load(k_ptr + k_at[:, None] + g * sk_h + d[None, :], mask=ok[:, None] & (d < D)[None, :],
                     other=0.0)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scaling
         sc = tl.where(ok[None, :], sc, float("-inf"))
@@ -49,7 +50,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, lse
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] * sv_n + g * sv_h + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :],
+        v = tl.load(v_ptr + v_at[:, None] + g * sv_h + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :],
                     other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
@@ -67,6 +68,7 @@ def paged_attention(q, k_view, v_view, table, q_req, q_pos, layout, scaling, onl
     launchable(q, k_view, v_view, table)
     T, H, D = q.shape
     Hkv, Dv = k_view.shape[1], v_view.shape[2]
+    (k_view, k_off, has_off), (v_view, v_off, _) = view_args(k_view), view_args(v_view)
     out = torch.zeros((T, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or table.shape[1] == 0:
@@ -74,11 +76,11 @@ def paged_attention(q, k_view, v_view, table, q_req, q_pos, layout, scaling, onl
     q, table = q.contiguous(), table.contiguous()
     G = H // Hkv
     _paged_kernel[(T, Hkv)](
-        q, k_view, v_view, table, q_req.contiguous(), q_pos.contiguous(), out, lse,
+        q, k_view, v_view, k_off, v_off, table, q_req.contiguous(), q_pos.contiguous(), out, lse,
         q.stride(0), q.stride(1), k_view.stride(0), k_view.stride(1), v_view.stride(0), v_view.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         table.shape[1], H, G, D, Dv, layout.cp_size, layout.slots_per_page, layout.slots_per_rank,
-        layout.padding_value, layout.capacity, only_rank, float(scaling), ONLY_SET=only_rank >= 0,
+        layout.padding_value, layout.capacity, only_rank, float(scaling), ONLY_SET=only_rank >= 0, HAS_OFF=has_off,
         BLOCK_G=block(G), BLOCK_N=BLOCK_N, BLOCK_D=block(D), BLOCK_DV=block(Dv), PREC=dot_precision(q, k_view))
     return out, lse
 

@@ -26,6 +26,29 @@ def owner_and_local(s, N, S):
 
 
 @triton.jit
+def view_offset(off_ptr, owner, local, SPR, stride, HAS_OFF: tl.constexpr):
+    """Element offset of rank-major row ``owner * SPR + local`` from the view's
+    base: with a base table (``HAS_OFF``: the group's segments are separate
+    allocations, :class:`~cpkv.consumers.kv_view.LayerView`) the owner's
+    segment base ``off_ptr[owner]`` (a multiple of 16 elements) plus the local
+    row, else the row of one rank-major buffer. ``stride``: elements per row.
+    [[RFC-0001:C-READ-PATH]]"""
+    if HAS_OFF:
+        return tl.multiple_of(tl.load(off_ptr + owner), 16) + local * stride
+    return (owner * SPR + local) * stride
+
+
+def view_args(view):
+    """``(tensor, offsets, has_offsets)`` to launch a kernel on the group's view
+    of one layer: a rank-major tensor as it is (its own storage stands in for
+    the unused table), a :class:`~cpkv.consumers.kv_view.LayerView` as its
+    base segment and its table of segment offsets."""
+    if isinstance(view, torch.Tensor):
+        return view, view, False
+    return view.base, view.offsets, True
+
+
+@triton.jit
 def usable(s, PAD, CAP):
     """Entries of ``s`` that name a slot: not padding and inside ``[0, CAP)``."""
     return (s != PAD) & (s >= 0) & (s < CAP)
@@ -59,4 +82,4 @@ def dot_precision(*tensors: torch.Tensor) -> str:
     return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 
-__all__ = ["owner_and_local", "usable", "interpreting", "block", "launchable", "dot_precision", "tl"]
+__all__ = ["owner_and_local", "view_offset", "view_args", "usable", "interpreting", "block", "launchable", "dot_precision", "tl"]

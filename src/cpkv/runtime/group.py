@@ -31,8 +31,9 @@ Nothing outlives the launcher, however it ends:
 Sizing a group before it starts (memory, cores, start time) is
 :mod:`cpkv.runtime.sizing`.
 
-The group runs on the CPU (gloo) or, with ``device="cuda"``, one GPU per rank
-on NCCL (:mod:`cpkv.runtime.device`; untested on hardware).
+The group runs on the CPU (gloo) or, with ``device="cuda"``, on GPUs as
+:func:`cpkv.runtime.device.plan_devices` plans: one GPU per rank on NCCL, or
+several ranks per GPU on gloo.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class RankContext:
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self.device = torch.device("cpu") if device is None else device  # this rank's device
         self._segments = []
+        self._at_close: list[Callable[[], None]] = []
 
     @property
     def distributed(self) -> bool:
@@ -130,8 +132,16 @@ class RankContext:
             self.barrier(group)
         return t
 
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at :meth:`close`, before any segment is unmapped (the
+        host tier's ``cudaHostUnregister``); last registered, first run."""
+        self._at_close.append(fn)
+
     def close(self) -> None:
-        """Unmap every segment; the creator also unlinks a name still there."""
+        """Run the :meth:`at_close` calls, then unmap every segment; the creator
+        also unlinks a name still there."""
+        while self._at_close:
+            self._at_close.pop()()
         gc.collect()
         for seg, mine in self._segments:
             shm_mod.close(seg)
@@ -238,16 +248,14 @@ def _send(conn, msg) -> None:
 
 
 def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, launcher_pid: int,
-               lifeline, out, target: Callable, args: tuple, device: str = "cpu") -> None:
-    from .device import process_group_backend, rank_device
-
+               lifeline, out, target: Callable, args: tuple, plan=None) -> None:
     _guard_rank(launcher_pid, lifeline, prefix, run_dir)
     ctx = RankContext(rank, world_size, prefix)
     try:
         torch.set_num_threads(1)
-        ctx.device = rank_device(device, rank)
+        ctx.device = plan.rank_device(rank)
         if world_size > 1:
-            dist.init_process_group(process_group_backend(device), init_method=f"file://{os.path.join(run_dir, 'pg')}",
+            dist.init_process_group(plan.backend, init_method=f"file://{os.path.join(run_dir, 'pg')}",
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = target(ctx, *args)
         if rank == 0:
@@ -380,15 +388,18 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     failed, or the group (``rank=None``) when it does not finish within
     ``timeout`` seconds, after stopping every other rank. A
     :class:`KeyboardInterrupt` in the launcher stops the group and propagates.
-    Whatever happens, the run leaves no process, shared segment or semaphore.
-    ``device="cuda"``: rank r on ``cuda:r``, NCCL (``RuntimeError`` before
-    any process starts without enough GPUs; untested on hardware).
+    Whatever happens, the run leaves no process, shared segment or semaphore
+    (on a GPU also no CUDA IPC reference-counter file of a rank,
+    ``/dev/shm/torch_<rank pid>_*``, which a killed rank cannot remove).
+    ``device="cuda"``: as :func:`~cpkv.runtime.device.plan_devices` plans
+    (rank r on ``cuda:(r % GPUs)``; NCCL with one GPU per rank, gloo when
+    ranks share a GPU), or its ``RuntimeError`` before any process starts.
     """
-    from .device import check_devices
+    from .device import plan_devices
 
-    check_devices(device, world_size)
-    if int(world_size) != world_size or world_size < 1:
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    plan = plan_devices(device, int(world_size))
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     ctx = mp.get_context("spawn")
@@ -398,7 +409,7 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"cpkv-rank-{r}",
                          args=(r, world_size, prefix, run_dir, timeout, os.getpid(), lifelines[r][0], pipes[r][1],
-                               target, args, device))
+                               target, args, plan))
              for r in range(world_size)]
     group, failure = _Group(procs, [rd for rd, _ in pipes], [w for _, w in lifelines]), None
     try:
@@ -425,6 +436,8 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
             for conn in list(group.readers) + [c for pair in pipes + lifelines for c in pair]:
                 conn.close()
             shm_mod.unlink_prefix(prefix)
+            if plan.device == "cuda":
+                shm_mod.unlink_torch_files([p.pid for p in procs if p.pid is not None])
             shutil.rmtree(run_dir, ignore_errors=True)
     if failure is not None:
         raise failure
