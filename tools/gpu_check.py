@@ -43,6 +43,7 @@ import importlib
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -244,12 +245,18 @@ def _child(name: str, dry: bool, result: str) -> int:
     return 0
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of every ended child process this process waited for, and theirs."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str]:
     """Run ``step`` in its own process group, killed at ``limit`` seconds; its record and its output."""
     result, log = tmp / f"{step.name}.json", tmp / f"{step.name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--result", str(result)]
     cmd += ["--dry-run"] if dry else []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True)
         try:
@@ -260,7 +267,8 @@ def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str
             rc = None
     seconds = time.perf_counter() - t0
     text = log.read_text(errors="replace")
-    record = {"ok": False, "seconds": round(seconds, 2), "deadline_s": round(limit, 1)}
+    record = {"ok": False, "seconds": round(seconds, 2), "deadline_s": round(limit, 1),
+              "cpu_seconds": round(_children_cpu() - cpu0, 2)}
     if rc is None:
         record["error"] = f"past its deadline of {limit:.0f} s: stopped"
     elif not result.exists():
