@@ -43,6 +43,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import subprocess
@@ -68,7 +69,14 @@ REQUIRED = {"torch": "torch (the CUDA build of the machine)", "numpy": "numpy-*-
 
 
 def _env() -> dict:
+    """The steps' environment: cpkv from ``src/``, unbuffered output, and the
+    caching allocator's ``expandable_segments`` off (cpkv refuses it: its KV
+    segments are shared over CUDA IPC)."""
     env = dict(os.environ)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if var in env:
+            env[var] = re.sub(r"expandable_segments\s*:\s*(true|1)", "expandable_segments:False", env[var],
+                              flags=re.IGNORECASE)
     env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -87,6 +95,8 @@ def step_versions(dry: bool) -> dict:
                                   "and install it with pip --no-index")
     import torch
 
+    out["alloc_conf"] = {v: os.environ[v] for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                         if v in os.environ}
     out["cuda_build"] = torch.version.cuda
     out["cuda_available"] = torch.cuda.is_available()
     out["devices"] = [{"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),

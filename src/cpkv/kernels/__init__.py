@@ -22,6 +22,13 @@ bfloat16 there: bfloat16 is GPU-only for this backend). Set the variable
 yourself if triton may be imported before this package. Without triton
 installed, ``backend="triton"`` raises ``RuntimeError`` and ``torch`` works.
 
+The group's view of a layer (``k_view``, ``v_view``, ``latent_view``) is a
+rank-major tensor ``[N * slots_per_rank, *row]`` over one buffer, or a
+:class:`~cpkv.consumers.kv_view.LayerView` over per-rank segments (each rank's
+its own allocation, on GPUs): the torch backend gathers it owner by owner, a
+Triton kernel adds the owner's base from the view's table
+(``triton_common.view_offset``; the interface is in :mod:`cpkv.runtime.device`).
+
 Dtypes: float32 and float16 inputs (bfloat16 on GPUs), math and accumulation
 in float32; outputs in the input's dtype, log-sum-exps float32. Index tensors
 int32 or int64. Every call checks its arguments first (same errors on both
@@ -168,8 +175,8 @@ def paged_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
     """Causal GQA attention of queries over the shared paged cache, with log-sum-exp.
 
     ``q [T, H, D]``; ``k_view [N * slots_per_rank, Hkv, D]`` and ``v_view
-    [N * slots_per_rank, Hkv, Dv]``: one layer of the rank-major view, in
-    q's dtype (``H`` a multiple of ``Hkv``); ``table [B, L]`` logical slots of
+    [N * slots_per_rank, Hkv, Dv]``: one layer of the rank-major view (a
+    tensor or a ``LayerView``), in q's dtype (``H`` a multiple of ``Hkv``); ``table [B, L]`` logical slots of
     each request by position (``-1``: padding, masked); ``q_req [T]`` the
     table row of query t, ``q_pos [T]`` its position: it sees positions
     ``0 .. q_pos[t]`` (prefill after a prefix of any length, or decode; a

@@ -76,6 +76,7 @@ pinned memory (:mod:`cpkv.consumers.placement`).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -256,13 +257,19 @@ def pin_host(t: torch.Tensor, at_close: Callable[[Callable[[], None]], None]) ->
     ``cudaHostRegisterPortable``) and hand ``at_close`` the release
     (``cudaHostUnregister``), to run before ``t``'s mapping goes (a
     :meth:`~cpkv.runtime.group.RankContext.at_close`). Returns ``t``; a no-op
-    without CUDA or for an empty tensor. ``RuntimeError`` if CUDA refuses."""
+    without CUDA or for an empty tensor. Where CUDA refuses (a sandbox that
+    cannot lock shared mappings), a ``RuntimeWarning`` names the error and
+    ``t`` stays pageable: the host tier's copies go through pinned staging
+    memory either way (:mod:`cpkv.consumers.placement`), so only the lock is
+    lost."""
     if t.numel() == 0 or not torch.cuda.is_available():
         return t
     rt, ptr, size = _cudart(), t.data_ptr(), t.numel() * t.element_size()
     err = rt.cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes (portable) failed: error {int(err)}")
+        warnings.warn(f"cudaHostRegister of {size} bytes (portable) failed: error {int(err)}; the host tier stays "
+                      "pageable", RuntimeWarning, stacklevel=2)
+        return t
 
     def release() -> None:
         rt.cudaHostUnregister(ptr)
