@@ -58,8 +58,12 @@ def test_torchrun_and_replicated_with_device_cuda_get_the_launchers_refusal_word
 
     with pytest.raises(RuntimeError) as want:
         plan_devices("cuda", 2)
-    with pytest.raises(RuntimeError) as joined:
-        run_engine_joined(EngineConfig(cp_size=2, device="cuda", requests=1), environ=TORCHRUN)
+    import cpkv.engine.joined as joined_mod
+
+    with monkeypatch.context() as m:  # refused before the trace is even planned, let alone joined
+        m.setattr(joined_mod, "build_scheduler", lambda *a: pytest.fail("planned the trace before refusing"))
+        with pytest.raises(RuntimeError) as joined:
+            run_engine_joined(EngineConfig(cp_size=2, device="cuda", requests=1), environ=TORCHRUN)
     with pytest.raises(RuntimeError) as replicated:
         run_engine(EngineConfig(cp_size=2, device="cuda", kv="replicated", requests=1))
     assert str(joined.value) == str(replicated.value) == str(want.value)
