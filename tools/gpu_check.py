@@ -60,6 +60,8 @@ SRC = ROOT / "src"
 #: The whole run's budget (seconds), inside the 8 minutes it must end in on one H200; the dry run's (a CPU
 #: shared with other work may be slow: these only bound a broken dry run).
 TOTAL_S, DRY_TOTAL_S = 460.0, 900.0
+#: The environment variable that tells a step's process its deadline (seconds since the epoch).
+DEADLINE_ENV = "GPU_CHECK_DEADLINE"
 #: Lines of a failed step's output printed under the summary.
 TAIL_LINES = 40
 #: What cpkv imports on this path, and the wheel that would carry each when it is missing.
@@ -157,7 +159,17 @@ def engine_runs(dry: bool) -> list[Run]:
     return runs
 
 
+def time_left(margin: float = 10.0) -> float:
+    """Seconds this step may still use, ``margin`` kept for writing its section
+    (from the deadline its parent set in :data:`DEADLINE_ENV`; an hour without one)."""
+    at = os.environ.get(DEADLINE_ENV)
+    return (float(at) - time.time() - margin) if at else 3600.0
+
+
 def _engine_run(run: Run, dry: bool, timeout: float) -> dict:
+    timeout = min(timeout, time_left() - 20)
+    if timeout < 10:
+        return {"ok": False, "command": " ".join(run.flags), "error": "not run: the step's deadline is too close"}
     cmd = [sys.executable, "-m", "cpkv", "run", *run.flags, "--device", "cpu" if dry else "cuda", "--check",
            "--json", "--no-progress", "--timeout", str(int(timeout))]
     t0 = time.perf_counter()
@@ -210,19 +222,22 @@ def step_ipc(dry: bool) -> dict:
     """N ranks on one device: segments, IPC, the fence (:func:`cpkv.tools.gpu_probe.ipc_section`)."""
     from cpkv.tools.gpu_probe import ipc_section
 
-    return ipc_section("cpu" if dry else "cuda", dry, sizes=(2,) if dry else (2, 3, 4),
-                       timeout=150.0 if dry else 70.0)
+    sizes = (2,) if dry else (2, 3, 4)
+    return ipc_section("cpu" if dry else "cuda", dry, sizes=sizes,
+                       timeout=max(10.0, min(150.0 if dry else 60.0, time_left() / len(sizes))))
 
 
 @dataclass(frozen=True)
 class Step:
     """One step: ``fn(dry) -> section`` run in its own process within
-    ``deadline_s`` seconds on a GPU, ``dry_deadline_s`` in the dry run."""
+    ``deadline_s`` seconds on a GPU, ``dry_deadline_s`` in the dry run, and
+    never into the ``reserve_s`` seconds every later step keeps of the total."""
 
     name: str
     fn: Callable[[bool], dict]
     deadline_s: float
     dry_deadline_s: float
+    reserve_s: float = 0.0
 
     def deadline(self, dry: bool) -> float:
         """This step's deadline in seconds."""
@@ -230,11 +245,11 @@ class Step:
 
 
 STEPS = [
-    Step("versions", step_versions, 30, 90),
-    Step("kernels", step_kernels, 90, 180),
-    Step("bandwidth", step_bandwidth, 30, 90),
-    Step("engine", step_engine, 240, 360),
-    Step("ipc", step_ipc, 70, 180),
+    Step("versions", step_versions, 30, 90, reserve_s=10),
+    Step("kernels", step_kernels, 150, 180, reserve_s=60),
+    Step("bandwidth", step_bandwidth, 40, 90, reserve_s=20),
+    Step("engine", step_engine, 240, 360, reserve_s=120),
+    Step("ipc", step_ipc, 100, 180, reserve_s=60),
 ]
 
 
@@ -268,7 +283,8 @@ def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str
     cmd += ["--dry-run"] if dry else []
     t0, cpu0 = time.perf_counter(), _children_cpu()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True)
+        env = {**_env(), DEADLINE_ENV: str(time.time() + limit)}
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         try:
             rc = p.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -330,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "total_budget_s": DRY_TOTAL_S if args.dry_run else TOTAL_S, "ok": False, "steps": {}}
     logs, start = [], time.monotonic()
+    todo = [s for s in STEPS if s.name in only]
     with tempfile.TemporaryDirectory(prefix="cpkv_gpu_check_") as tmp:
-        for step in STEPS:
-            if step.name not in only:
-                continue
-            left = results["total_budget_s"] - (time.monotonic() - start)
+        for i, step in enumerate(todo):
+            later = 0.0 if args.dry_run else sum(s.reserve_s for s in todo[i + 1:])
+            left = results["total_budget_s"] - (time.monotonic() - start) - later
             if left < 5:
                 record, text = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
             else:

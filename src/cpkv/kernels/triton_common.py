@@ -82,4 +82,5 @@ def dot_precision(*tensors: torch.Tensor) -> str:
     return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 
-__all__ = ["owner_and_local", "view_offset", "view_args", "usable", "interpreting", "block", "launchable", "dot_precision", "tl"]
+__all__ = ["owner_and_local", "view_offset", "view_args", "usable", "interpreting", "block", "launchable",
+           "dot_precision", "tl"]
