@@ -70,7 +70,8 @@ def test_a_group_of_one_creates_no_ipc_handle(monkeypatch):
     monkeypatch.setattr(D, "export_segment", no)
     monkeypatch.setattr(D, "open_segment", no)
     v = group_segments(LocalComm(), "kv_k", (2, 12, 3), torch.float32, torch.device("cpu"))
-    assert v.num_ranks == 1 and v.whole is None and v.shape == (2, 12, 3) and not bool(v.segment(0).any())
+    assert v.num_ranks == 1 and v.shape == (2, 12, 3) and not bool(v.segment(0).any())
+    assert isinstance(v.layer(0), torch.Tensor)  # its own buffer: no base table
 
 
 def test_each_rank_allocates_its_own_segment_and_opens_only_its_peers(monkeypatch):

@@ -60,8 +60,9 @@ combination that cannot work, with the reason.
 **No IPC for a group of one**: its segment is a plain allocation.
 
 **Allocator settings**: ``expandable_segments`` makes the caching allocator
-map memory with VMM, whose blocks PyTorch shares through file descriptors
-and ``pidfd_getfd`` rather than ``cudaIpcGetMemHandle``; the KV segments need
+map memory with VMM, whose blocks PyTorch shares another way (file
+descriptors of the physical allocation, not ``cudaIpcGetMemHandle``, which a
+sandbox may not pass between processes); the KV segments need
 plain ``cudaMalloc`` blocks, so a run with ``expandable_segments:True`` in
 ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) is refused, naming it.
 
@@ -220,14 +221,15 @@ def group_segments(comm, tag: str, shape: tuple, dtype: torch.dtype, device: tor
     rank: this rank allocates its own ``[L, slots_per_rank, *row]`` on
     ``device`` and opens every peer's from the handle it exports (one
     all-gather of the handles on ``comm``, a :class:`~cpkv.runtime.comm.Comm`).
-    A group of one exports nothing. ``tag`` names the buffer in errors.
+    A group of one exports nothing (its view is its own buffer). ``tag`` names
+    the buffer in errors.
     Collective."""
     N = comm.size
     if len(shape) < 3 or shape[1] % N:
         raise ValueError(f"{tag}: shape {shape} is not [layers, {N} * slots_per_rank, *row]")
     own = allocate_segment((shape[0], shape[1] // N, *shape[2:]), dtype, device)
-    if N == 1:
-        return KVView.of_segments([own])
+    if N == 1:  # its own buffer is the whole view: no table
+        return KVView.of_buffer(own, 1)
     handles = comm.all_gather_object(export_segment(own))
     return KVView.of_segments([own if r == comm.rank else open_segment(h, device) for r, h in enumerate(handles)])
 
