@@ -21,6 +21,14 @@ Two parts, as the allocator and the pool are two parts on the device:
   it (the host holds the data before its device pages are reused), and after a
   load (before anyone reads the loaded pages).
 
+  On a GPU both copies gather on the device side: a backup reads the device
+  rows into one device tensor, moves it with ONE non-blocking copy into
+  pinned memory and scatters it into the host rows; a load gathers the host
+  rows into pinned memory and moves them with ONE non-blocking copy to the
+  device (:mod:`cpkv.consumers.placement`). The host buffers themselves are
+  the group's shared segments, page-locked in place
+  (:func:`cpkv.runtime.device.pin_host`).
+
 Consumers take the device allocation and its owner lanes as given: the host
 tier never recomputes owners ([[RFC-0001:C-DOWNSTREAM-CONTRACT]],
 [[RFC-0001:C-HICACHE]]).
@@ -34,6 +42,7 @@ import numpy as np
 import torch
 
 from ..contract.allocator import OwnerLaneAllocator
+from . import placement
 from .kv_events import MEDIUM_HOST
 from .kv_pool import Family, SharedKVPool
 from .prefix_cache import PrefixCache, PrefixHit
@@ -174,9 +183,9 @@ class HostPool:
                                                             io_rank=self.io_rank)
         if not host.numel():
             return 0
-        data = pool.read_all_layers(device_slots)
+        data = pool.read_all_layers(device_slots)  # gathered where the device rows are
         for n, b in self.buffers.items():
-            b.index_copy_(1, host, data[n])
+            b.index_copy_(1, placement.place(host, b), placement.to_host(data[n]))
         return host.numel()
 
     def load(self, pool: SharedKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> int:
@@ -185,5 +194,10 @@ class HostPool:
         The caller fences after."""
         mine = pool.layout.owned_slot_mask(device_slots, owner_rank=pool.rank)
         host, _ = pool.layout.select_host_to_device_indices(host_slots, device_slots, owner_rank=pool.rank)
-        pool.write_all_layers(device_slots[mine], {n: b.index_select(1, host) for n, b in self.buffers.items()})
+        rows = {}
+        for n, b in self.buffers.items():
+            staged = placement.pinned_like((b.shape[0], host.numel(), *b.shape[2:]), b.dtype, pool.device)
+            rows[n] = placement.to_device(torch.index_select(b, 1, placement.place(host, b), out=staged),
+                                          pool.device)
+        pool.write_all_layers(device_slots[mine], rows)
         return host.numel()

@@ -10,7 +10,8 @@ from the unquantized model: the largest logit difference from the plain float
 forward of the same sequence, and how many requests' tokens equal the plain
 model's greedy decoding (teacher-forced over the run's own tokens: a request's
 tokens equal the plain model's greedy decoding exactly when the plain argmax
-at every generated position is the run's token there).
+at every generated position is the run's token there). The reference runs on
+the model's device (``--device cuda``: the GPU) and is compared on the CPU.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
         got = ex.logits.get(r.index, {})
         if got:
             pos = torch.tensor(sorted(got))
-            ours = torch.stack([got[p] for p in pos.tolist()])
+            ours = torch.stack([got[p] for p in pos.tolist()]).cpu()  # compared on the CPU, as the reference
             worst = max(worst, float((ours - ref[pos]).abs().max()))
             plain_worst = max(plain_worst, float((ours - plain[pos]).abs().max()))
             logits_checked += pos.numel()

@@ -55,7 +55,8 @@ class RunConfig:
     prefix cache's KV events in vLLM's format (``None``: no events)
     ([[RFC-0001:C-KV-EVENTS]]).
     ``device`` where the model and the KV cache live (``"cpu"``, or
-    ``"cuda"``: untested on hardware); ``kernels`` the data plane, ``"torch"``
+    ``"cuda"``: each rank's KV segment on its GPU, :mod:`cpkv.runtime.device`;
+    not yet run on hardware); ``kernels`` the data plane, ``"torch"``
     or ``"triton"`` (``None``: triton on a GPU, torch on the CPU, resolved at
     construction).
     """

@@ -134,38 +134,56 @@ def kv_event_publisher(cfg: EngineConfig, rank: int):
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
-    if cfg.device == "cuda":  # untested on hardware: NCCL, KV buffers over CUDA IPC, pinned host tier
-        from ..runtime.device import pin_shared, share_device_buffer
-
-        comm: Comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
-        adapter = build_adapter(cfg.model)
-        adapter.model.to(ctx.device)
-        return engine_rank(lambda tag, shape, dtype: share_device_buffer(ctx, tag, shape, dtype, ctx.device),
-                           comm, cfg, adapter, progress,
-                           host_shared=lambda tag, shape, dtype: pin_shared(ctx.shared(tag, shape, dtype)))
+    if cfg.device == "cuda":
+        return gpu_engine_rank(ctx, DistComm(device=ctx.device) if ctx.distributed else LocalComm(), cfg, progress)
     comm = DistComm() if ctx.distributed else LocalComm()
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
 
 
+def gpu_engine_rank(ctx, comm: Comm, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
+    """One rank of the engine on ``ctx.device`` (a GPU), in ``ctx``'s group
+    (:class:`~cpkv.runtime.group.RankContext`, or a torchrun rank's
+    :class:`~cpkv.runtime.torchrun.JoinedContext`) with ``comm`` its
+    collectives: the model on the device; each family's KV one segment per
+    rank on its own GPU, the others' opened over CUDA IPC
+    (:func:`~cpkv.runtime.device.group_segments`; a private copy on the device
+    for ``--kv replicated``); the host tier in the group's shared memory,
+    page-locked until ``ctx`` closes (:func:`~cpkv.runtime.device.pin_host`);
+    the fence ``comm.barrier`` (on the device). Returns the report on rank 0."""
+    from ..runtime.device import group_segments, pin_host
+
+    adapter = build_adapter(cfg.model)
+    adapter.model.to(ctx.device)
+    return engine_rank(lambda tag, shape, dtype: group_segments(comm, tag, shape, dtype, ctx.device),
+                       comm, cfg, adapter, progress,
+                       host_shared=lambda tag, shape, dtype: pin_host(ctx.shared(tag, shape, dtype), ctx.at_close),
+                       device=ctx.device)
+
+
 def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
-                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None) -> dict | None:
+                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None,
+                device: torch.device | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared KV buffers (``host_shared`` its host tier's, default ``shared``),
-    ``comm`` its collectives; rank 0 keeps ``progress`` (when given) up to
+    shared KV buffers (a rank-major tensor, or a
+    :class:`~cpkv.consumers.kv_view.KVView` of per-rank segments;
+    ``host_shared`` its host tier's, default ``shared``), ``comm`` its
+    collectives, ``device`` where a replicated copy lives (default the CPU);
+    rank 0 keeps ``progress`` (when given) up to
     date after every step. Idle steps (nothing runs, nothing is due) are
     skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
     With ``cfg.kv_events``, rank 0 publishes its caches' KV events there."""
     with kv_event_publisher(cfg, comm.rank) as pub:
-        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared)
+        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared, device)
 
 
 def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub,
-              progress: RunProgress | None, host_shared: SharedBuffers | None) -> dict | None:
+              progress: RunProgress | None, host_shared: SharedBuffers | None,
+              device: torch.device | None = None) -> dict | None:
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, cfg.host_pages, host_shared=host_shared)
+    parts = build_rank(cfg, adapter, layout, comm, shared, cfg.host_pages, host_shared=host_shared, device=device)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)

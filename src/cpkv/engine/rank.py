@@ -49,7 +49,8 @@ class RankParts:
 
 
 def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers,
-               host_pages: int, *, host_shared: SharedBuffers | None = None) -> RankParts:
+               host_pages: int, *, host_shared: SharedBuffers | None = None,
+               device: torch.device | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
     ``host_pages`` pages (none for 0) and a runner with ``cfg``'s splits
@@ -65,7 +66,7 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     prefill_split, decode_split = cfg.splits()
     parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
                         replicated=cfg.replicated, prefill_split=prefill_split, decode_split=decode_split,
-                        check_plans=cfg.check_plans, kernels=cfg.kernels)
+                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device)
     pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool
     host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..consumers.kv_pool import Family, SharedKVPool, allocate_buffers
+from ..consumers.kv_view import KVView
 from ..consumers.replicated import ReplicatedKVPool, replicated_buffers
 from ..consumers.row_batches import RowBatches
 from ..contract.allocator import OwnerLaneAllocator
@@ -18,8 +19,9 @@ from ..models import ModelAdapter
 from .comm import Comm, LocalComm
 from .runner import CPRunner
 
-#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group.
-SharedBuffers = Callable[[str, tuple, torch.dtype], torch.Tensor]
+#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group
+#: (for the KV buffers, a :class:`~cpkv.consumers.kv_view.KVView` of per-rank segments will do as well).
+SharedBuffers = Callable[[str, tuple, torch.dtype], "torch.Tensor | KVView"]
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Parts:
 def build_parts(adapter: ModelAdapter, layout: SharedKVLayout, comm: Comm | None = None, *,
                 shared: SharedBuffers | None = None, families: Sequence[Family] | None = None,
                 replicated: bool = False, max_requests: int | None = None, max_len: int | None = None,
-                **runner_options) -> Parts:
+                device: torch.device | str | None = None, **runner_options) -> Parts:
     """Rank ``comm.rank``'s parts (one rank alone when ``comm`` is None) over
     ``layout``: the families (default ``adapter.families()``), the pool over
     the buffers ``shared`` gives (default private zeroed buffers, for a group
@@ -69,14 +71,15 @@ def build_parts(adapter: ModelAdapter, layout: SharedKVLayout, comm: Comm | None
     of every usable page of the layout (:meth:`OwnerLaneAllocator.for_layout`);
     without them no rows (a scheduler keeps the allocator and the page table).
     With ``replicated`` the pool is the rank's private full copy over the
-    one-rank ``layout`` (:class:`~cpkv.consumers.replicated.ReplicatedKVPool`).
+    one-rank ``layout`` (:class:`~cpkv.consumers.replicated.ReplicatedKVPool`)
+    on ``device`` (default the CPU; the shared pool's device is its buffers').
     Every rank of the group builds the same parts from the same arguments."""
     if (max_requests is None) != (max_len is None):
         raise ValueError("give both max_requests and max_len (rows of the parts' own), or neither")
     comm = comm or LocalComm()
     fams = tuple(adapter.families() if families is None else families)
     if replicated:
-        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams), group_rank=comm.rank,
+        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams, device or "cpu"), group_rank=comm.rank,
                                 group_size=comm.size, barrier=comm.barrier)
     else:
         pool = SharedKVPool(layout, comm.rank, fams, allocate_buffers(layout, fams, shared), fence=comm.barrier)

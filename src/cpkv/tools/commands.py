@@ -300,7 +300,9 @@ def validate_run(args, parser) -> None:
     refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
                                  else args.cp or default_cp_size())
     if args.device == "cuda" and args.disagg:
-        parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
+        from ..engine.joined import DISAGG_ON_GPU
+
+        parser.error(DISAGG_ON_GPU)
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     if args.kv_events is not None and args.disagg is not None:

@@ -190,17 +190,19 @@ def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None
                         "default triton on a GPU, torch on the CPU")
     if device:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="where the model and the KV cache live (default cpu); cuda: one GPU per rank, NCCL, "
-                            "buffers mapped across the ranks (untested on hardware)")
+                       help="where the model and the KV cache live (default cpu); cuda: each rank's KV segment on "
+                            "its own GPU, read by the others over CUDA IPC; one GPU per rank (NCCL) or several "
+                            "ranks per GPU (gloo)")
 
 
 def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, ranks: int = 1) -> None:
-    """``parser.error`` (exit 2, before any process starts) for ``--device
-    cuda`` on a machine where torch sees no CUDA device, or fewer GPUs than
-    ``ranks`` (:func:`cpkv.runtime.device.check_devices`)."""
-    from ..runtime.device import check_devices
+    """``parser.error`` (exit 2, before any process starts) for a ``--device
+    cuda`` group of ``ranks`` that :func:`cpkv.runtime.device.plan_devices`
+    refuses (no CUDA device, ``expandable_segments`` on, GPUs without peer
+    access), with its reason."""
+    from ..runtime.device import plan_devices
 
     try:
-        check_devices(device, ranks)
+        plan_devices(device, ranks)
     except RuntimeError as e:
         parser.error(f"refused before starting: {e}")

@@ -64,7 +64,7 @@ class SplitsSpec:
     ragged: bool = True
     seed: int = 0
     decode_repeats: int | None = None
-    device: str = "cpu"  # cuda: one GPU per rank, KV over CUDA IPC (untested on hardware)
+    device: str = "cpu"  # cuda: each rank's KV segment on its GPU, read over CUDA IPC (runtime.device)
     kernels: str = "torch"
 
     def decode_rounds(self) -> int:
@@ -163,10 +163,10 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     adapter = build_adapter(spec.model)
     tag = f"{type(spec.model).__name__}_"  # one pool per model in the one group
     if spec.device == "cuda":
-        from ...runtime.device import share_device_buffer
+        from ...runtime.device import group_segments
 
         adapter.model.to(ctx.device)
-        shared = lambda name, shape, dtype: share_device_buffer(ctx, tag + name, shape, dtype, ctx.device)  # noqa: E731
+        shared = lambda name, shape, dtype: group_segments(comm, tag + name, shape, dtype, ctx.device)  # noqa: E731
     else:
         shared = lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype)  # noqa: E731
     contexts = spec.decode_contexts()
