@@ -19,7 +19,7 @@ from ..contract import layout
 from ..contract.layout import lane_base_of_last_loc, owner_of
 from .records import Request, Stats, append_tokens, id_runs
 from .step_plan import StepPlan
-from .trace import CacheTooSmall, RequestSpec, TraceError, validate
+from .trace import CacheTooSmall, RequestSpec, TraceError, check_fits, validate
 
 
 class RequestLifecycle:
@@ -59,19 +59,8 @@ class RequestLifecycle:
     # -- set-up ----------------------------------------------------------------------------
     def _check_capacity(self) -> None:
         """Refuse, before anything runs, the requests that could never fit the
-        cache: every one of them in one :class:`CacheTooSmall`."""
-        lengths, too_large = {}, []
-        self.max_len = 0  # the most KV tokens any request will hold
-        for r in self.requests:  # a follow-up's prompt: parent prompt + parent replies + own tokens
-            s = r.spec
-            base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
-            lengths[s.id] = base + len(s.tokens)
-            try:
-                self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
-            except CacheTooSmall as e:
-                too_large += e.requests
-        if too_large:
-            raise CacheTooSmall(too_large, self.cache.lane_pages, self.S)
+        cache: every one of them in one :class:`CacheTooSmall` (:func:`check_fits`)."""
+        self.max_len = check_fits([r.spec for r in self.requests], self.cache.lane_pages, self.S)
 
     def _check_fits(self, rid: str, kv_tokens: int) -> None:
         pages = -(-kv_tokens // self.S)
