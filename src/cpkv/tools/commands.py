@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_cuda_unless_available, refuse_unless_fits, refuse_unless_kv_events_bind
+from .flags import refuse_cuda_unless_available, refuse_unless_fits, refuse_unless_kv_events_bind, refuse_without
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -64,10 +64,7 @@ def validate_simulate(args, parser) -> None:
     """``--plot`` needs matplotlib; ``--kv-events`` one trace under one policy
     and endpoints this machine can bind."""
     if args.plot:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            parser.error("--plot needs matplotlib: pip install 'cpkv[plot]'")
+        refuse_without(parser, "matplotlib", "--plot")
     from ..engine.rank import cache_lane_pages
     from ..engine.trace import CacheTooSmall, check_fits
     from ..engine.config import BOOKKEEPING_BYTES_PER_PAGE
@@ -209,6 +206,10 @@ def validate_bench(args, parser) -> None:
     for dest, value in defaults.items():
         if not hasattr(args, dest):
             setattr(args, dest, value)
+    if args.what in ("engine", "splits", "kvdtype", "capacity", "plan", "all"):
+        refuse_without(parser, "transformers", f"bench {args.what} (its models are transformers' own)")
+    if args.kernels == "triton":
+        refuse_without(parser, "triton", "--kernels triton")
     if args.what != "scheduler":
         args.cp, args.page = args.cp or 4, args.page or 16
     refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
@@ -369,6 +370,11 @@ def validate_run(args, parser) -> None:
     from ..engine.trace import TraceError
     from .refusals import refuse_group_size, refuse_if_past_timeout, refuse_sizes, refuse_torchrun_mismatch
 
+    refuse_without(parser, "transformers", "cpkv run (its models are transformers' own)")
+    if args.plot:
+        refuse_without(parser, "matplotlib", "--plot")
+    if args.kernels == "triton":
+        refuse_without(parser, "triton", "--kernels triton")
     if args.disagg is not None and args.cp is not None:
         parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
                      f"decode ranks); it does not take --cp {args.cp}")

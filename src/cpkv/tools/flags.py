@@ -180,6 +180,28 @@ def add_kv_events_flags(p: argparse.ArgumentParser, what: str) -> None:
                    help="with --kv-events-replay: batches kept for replay (default 10000, vLLM's buffer_steps)")
 
 
+def missing(module: str) -> bool:
+    """Whether ``module`` cannot be imported here (not installed, or hidden as
+    ``sys.modules[module] = None``), found without importing it."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is None
+    return importlib.util.find_spec(module) is None
+
+
+#: The optional packages by extra: ``pip install 'cpkv[EXTRA]'`` installs them.
+EXTRAS = {"transformers": "model", "matplotlib": "plot", "triton": "kernels", "zmq": "events", "msgspec": "events"}
+
+
+def refuse_without(parser: argparse.ArgumentParser, module: str, what: str) -> None:
+    """``parser.error`` (one line, exit 2) when ``what`` needs ``module`` and it
+    is not installed, naming the extra that installs it."""
+    if missing(module):
+        parser.error(f"{what} needs {module}: pip install 'cpkv[{EXTRAS[module]}]'")
+
+
 def refuse_unless_kv_events_bind(parser: argparse.ArgumentParser, args) -> None:
     """``parser.error`` (exit 2, before anything starts) naming the flag when
     ``--kv-events``/``--kv-events-replay`` is given wrongly or cannot be
@@ -191,12 +213,10 @@ def refuse_unless_kv_events_bind(parser: argparse.ArgumentParser, args) -> None:
         return
     if args.kv_events_replay == args.kv_events:
         parser.error(f"--kv-events-replay must differ from --kv-events (both {args.kv_events})")
-    try:
-        import zmq
+    refuse_without(parser, "zmq", "--kv-events")
+    refuse_without(parser, "msgspec", "--kv-events")
+    import zmq
 
-        from ..consumers import kv_wire  # noqa: F401  (the schema: msgspec)
-    except ImportError:
-        parser.error("--kv-events needs pyzmq and msgspec: pip install 'cpkv[events]'")
     ctx = zmq.Context()
     try:
         for flag, ep in (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay)):
