@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 from support.dynamo_indexer import WHY_NOT, Indexer, free_port  # noqa: E402
+from support.vllm_kv_events import VLLM, BlockStored, doc_block_hash, doc_hashes  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 
@@ -163,6 +164,20 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
         prompts[w] = final_prompts(config(w, workloads[w]), generated[w])
         truth[w], payloads[w], tiers = replay(config(w, workloads[w]), generated[w], prompts[w])
         assert min(tiers.values()) > 0, f"worker {w} must evict to the host and load back: {tiers}"
+    # every block's hash is the documented function of (parent hash, its page's tokens, the key): the system
+    # prompt's blocks are the same blocks in the CP group of 2 and in the CP group of 1
+    for w in WORKERS:
+        stored = {}
+        for p in payloads[w]:
+            for ev in VLLM.decode(p).events:
+                if isinstance(ev, BlockStored):
+                    assert ev.block_size == S
+                    parent = ev.parent_block_hash
+                    for j, h in enumerate(ev.block_hashes):
+                        page = ev.token_ids[j * S:(j + 1) * S]
+                        assert h == doc_block_hash(parent, page), (w, h)
+                        stored[h], parent = page, h
+        assert set(doc_hashes(SYSTEM, S)) <= set(stored), f"worker {w} never announced the system prompt's blocks"
     assert len(payloads[1]) > PAUSE_AT[-1] + 2, "worker 1's trace is too short for its pauses"
 
     eps = {w: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for w in WORKERS}

@@ -112,6 +112,13 @@ def doc_hashes(tokens, page_size, key=None):
     return out
 
 
+def doc_block_hash(parent: int | None, page, key: bytes = b"") -> int:
+    """One block's hash by the documented definition: its parent's hash (``None``: the chain's first
+    page, hashed with 0), its page's tokens and the namespace key."""
+    msg = struct.pack(">I", len(key)) + key + struct.pack(">Q", parent or 0) + struct.pack(f">{len(page)}Q", *page)
+    return int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
+
+
 # -- a router's view, rebuilt from events --------------------------------------------------
 def apply(state: dict, batch) -> None:
     """(medium, hash) -> (parent hash, tokens of the block)."""
