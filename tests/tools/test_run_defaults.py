@@ -134,3 +134,24 @@ def test_a_long_run_says_how_long_it_expects(tmp_path, monkeypatch, capsys):
     main(["run", "--workload", long, "--timeout", "230"])
     err = capsys.readouterr().err
     assert "cpkv run: expect about 3 min: about 3000 steps on 4 ranks and 2 cores" in err
+
+
+def test_json_and_print_tokens_give_every_requests_generated_tokens(llama, monkeypatch, capsys):
+    """``--json``'s ``outputs`` and ``--print-tokens``'s lines: every request, its prompt length and the
+    tokens it generated, equal between the two and to the run's own requests."""
+    runs = []
+
+    def threads(cfg):
+        runs.append(run_engine_threads(cfg, llama))
+        return runs[-1]
+
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", threads)
+    argv = ["run", "--cp", "2", "--device-pages", "8", "--requests", "2", "--scale", "0.05", "--no-progress"]
+    assert main(argv + ["--json"]) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    assert main(argv + ["--print-tokens"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = lines[lines.index("generated tokens (id, prompt tokens: ids):") + 1:]
+    assert shown == [f"{o['id']} {o['prompt_tokens']}: {' '.join(map(str, o['generated']))}" for o in outputs]
+    assert [o["generated"] for o in outputs] == [o["generated"] for o in runs[1]["outputs"]]
+    assert len(outputs) == runs[0]["requests"] and all(len(o["generated"]) >= 1 for o in outputs)

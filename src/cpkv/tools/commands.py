@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_cuda_unless_available, refuse_unless_fits, refuse_unless_kv_events_bind, refuse_without
+from .flags import (refuse_cuda_unless_available, refuse_other_bench_flags, refuse_unless_fits,
+                    refuse_unless_kv_events_bind, refuse_without)
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -65,30 +66,9 @@ def validate_simulate(args, parser) -> None:
     and endpoints this machine can bind."""
     if args.plot:
         refuse_without(parser, "matplotlib", "--plot")
-    from ..engine.rank import cache_lane_pages
-    from ..engine.trace import CacheTooSmall, check_fits
-    from ..engine.config import BOOKKEEPING_BYTES_PER_PAGE
-    from ..runtime.sizing import format_size
-    from .refusals import usable_bytes
-    from .simulate import SIM_WORKLOADS
+    from .refusals import refuse_simulate_sizes
 
-    for name in list(SIM_WORKLOADS) if args.workload == "all" else [args.workload]:
-        w = SIM_WORKLOADS[name](seed=args.seed)
-        lane_pages = args.lane_pages or w.lane_pages
-        pages, usable = args.cp * lane_pages + args.host_pages, usable_bytes()
-        if BOOKKEEPING_BYTES_PER_PAGE * pages > usable:  # no KV is simulated, only the caches' page bookkeeping
-            most = max((usable // BOOKKEEPING_BYTES_PER_PAGE - args.host_pages) // lane_pages, 1)
-            parser.error(f"--cp {args.cp} with --lane-pages {lane_pages}: {pages} pages take "
-                         f"{format_size(BOOKKEEPING_BYTES_PER_PAGE * pages)} of bookkeeping, more than this machine "
-                         f"can give ({format_size(usable)} usable); give --cp {most} or fewer")
-        lanes = [(1, args.cp * lane_pages) if p == "oblivious" else (args.cp, lane_pages) for p in args.policies]
-        try:
-            for n, pages in lanes:
-                check_fits(list(w.requests), cache_lane_pages(n, pages), args.page)
-        except CacheTooSmall as e:
-            parser.error(f"--lane-pages {lane_pages}: {name}'s cache can never hold {len(e.requests)} of its "
-                         f"{len(w.requests)} requests (the longest needs {e.pages_per_rank_needed} pages per lane); "
-                         f"give --lane-pages {e.pages_per_rank_needed} or more")
+    refuse_simulate_sizes(parser, args)
     if args.kv_events is not None and (args.workload == "all" or len(args.policies) != 1):
         parser.error("--kv-events publishes one cache: name one --workload and one of --policies "
                      f"(got --workload {args.workload}, --policies {','.join(args.policies)})")
@@ -178,34 +158,12 @@ def cmd_bench_capacity(args) -> int:
     return EXIT_OK
 
 
-#: The flags each benchmark takes (``all``: those of alloc, kv and engine); any other given is refused.
-BENCH_FLAGS = {
-    "alloc": {"repeats", "json"},
-    "engine": {"repeats", "json"},
-    "kv": {"repeats", "json", "tokens", "device", "kernels"},
-    "splits": {"repeats", "json", "model", "cp", "tokens", "bs", "decode_bs", "context", "page", "device", "kernels"},
-    "kvdtype": {"json", "cp", "kv_dtype"},
-    "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as"},
-    "plan": {"repeats", "json", "device", "kernels"},
-    "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
-}
-BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
-
-
 def validate_bench(args, parser) -> None:
     """``cpkv bench``: a flag the benchmark does not take is refused, naming the benchmarks that take it
-    (:data:`BENCH_FLAGS`), then the defaults of the others are set; ``--device cuda`` needs CUDA;
+    (:data:`~cpkv.tools.flags.BENCH_FLAGS`), then the defaults of the others are set; ``--device cuda`` needs CUDA;
     ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
     given, and ``--cp``/``--page`` to 4/16 for every bench but scheduler (whose defaults are 8/64)."""
-    defaults = args.bench_defaults
-    for dest in defaults:
-        if hasattr(args, dest) and dest not in BENCH_FLAGS[args.what]:
-            takes = [w for w, f in BENCH_FLAGS.items() if dest in f and w != "all"]
-            flag = "--" + dest.replace("_", "-")
-            parser.error(f"{flag} is not a flag of bench {args.what}; it sets bench {', '.join(takes)}")
-    for dest, value in defaults.items():
-        if not hasattr(args, dest):
-            setattr(args, dest, value)
+    refuse_other_bench_flags(parser, args)
     if args.what in ("engine", "splits", "kvdtype", "capacity", "plan", "all"):
         refuse_without(parser, "transformers", f"bench {args.what} (its models are transformers' own)")
     if args.kernels == "triton":
@@ -423,6 +381,7 @@ def cmd_run(args) -> int:
     the others print nothing and exit 0."""
     from ..engine import engine
     from ..runtime.torchrun import torchrun_env
+    from .report import format_outputs
 
     joined = torchrun_env() is not None
     if args.disagg:
@@ -442,7 +401,8 @@ def cmd_run(args) -> int:
             r = {**r, "config": {k: v for k, v in r["config"].items() if k not in FAULT_HOOKS}}
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
-        print_tokens(r, args)
+        if args.print_tokens and not args.json:
+            print(format_outputs(r["outputs"]))
         return check_exit(r, args)
     if joined:
         from ..engine.joined import run_engine_joined
@@ -465,16 +425,9 @@ def cmd_run(args) -> int:
         print(format_engine(r))
         if args.plot:
             print(f"occupancy plot: {args.plot}")
-    print_tokens(r, args)
-    return check_exit(r, args)
-
-
-def print_tokens(r: dict, args) -> None:
-    """``--print-tokens`` (text reports): one line a request, its id, prompt length and generated token ids."""
     if args.print_tokens and not args.json:
-        print("\ngenerated tokens (id, prompt tokens: ids):")
-        for o in r["outputs"]:
-            print(f"{o['id']} {o['prompt_tokens']}: {' '.join(map(str, o['generated']))}")
+        print(format_outputs(r["outputs"]))
+    return check_exit(r, args)
 
 
 def default_cp_size() -> int:

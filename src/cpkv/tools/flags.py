@@ -283,3 +283,33 @@ def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, r
         check_devices(device, ranks)
     except RuntimeError as e:
         parser.error(f"refused before starting: {e}")
+
+
+#: The flags each benchmark takes (``all``: those of alloc, kv and engine); any other given is refused.
+BENCH_FLAGS = {
+    "alloc": {"repeats", "json"},
+    "engine": {"repeats", "json"},
+    "kv": {"repeats", "json", "tokens", "device", "kernels"},
+    "splits": {"repeats", "json", "model", "cp", "tokens", "bs", "decode_bs", "context", "page", "device", "kernels"},
+    "kvdtype": {"json", "cp", "kv_dtype"},
+    "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as"},
+    "plan": {"repeats", "json", "device", "kernels"},
+    "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
+}
+BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
+
+
+def refuse_other_bench_flags(parser: argparse.ArgumentParser, args) -> None:
+    """``cpkv bench``: ``parser.error`` for a flag given that the benchmark does
+    not take, naming the benchmarks it sets (:data:`BENCH_FLAGS`); then every
+    flag not given takes its default (``args.bench_defaults``: the parser leaves
+    a flag not given unset, so that one given is told apart)."""
+    defaults = args.bench_defaults
+    for dest in defaults:
+        if hasattr(args, dest) and dest not in BENCH_FLAGS[args.what]:
+            takes = [w for w, f in BENCH_FLAGS.items() if dest in f and w != "all"]
+            flag = "--" + dest.replace("_", "-")
+            parser.error(f"{flag} is not a flag of bench {args.what}; it sets bench {', '.join(takes)}")
+    for dest, value in defaults.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, value)

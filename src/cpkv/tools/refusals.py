@@ -8,7 +8,8 @@ the first flag at fault is the one named: the group's size against the cores
 ``--device-pages``), the host tier (``--host-pages``), the scheduler's page table
 (``--max-running``), then the trace against the cache (``--workload``), and
 last the whole group together (:func:`~cpkv.tools.flags.refuse_unless_fits`)
-and the run's expected time against ``--timeout``.
+and the run's expected time against ``--timeout``. ``cpkv simulate``'s lanes
+are checked the same way (:func:`refuse_simulate_sizes`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,36 @@ def refuse_if_past_timeout(parser, cfg, specs, world_size: int, capacity=None) -
     if secs > SAY_HOW_LONG_S:
         print(f"cpkv run: expect about {secs / 60:.0f} min: {what}", file=sys.stderr)
     return secs
+
+
+def refuse_simulate_sizes(parser, args) -> None:
+    """``cpkv simulate``: ``parser.error`` for lanes whose bookkeeping this
+    machine cannot hold (the simulator allocates no KV, only the caches' page
+    bookkeeping: ``--cp`` times ``--lane-pages``), then for a workload whose
+    longest request its cache could never hold, with the ``--lane-pages`` to give."""
+    from ..engine.rank import cache_lane_pages
+    from ..engine.trace import CacheTooSmall, check_fits
+    from ..engine.config import BOOKKEEPING_BYTES_PER_PAGE
+    from ..runtime.sizing import format_size
+    from .simulate import SIM_WORKLOADS
+
+    for name in list(SIM_WORKLOADS) if args.workload == "all" else [args.workload]:
+        w = SIM_WORKLOADS[name](seed=args.seed)
+        lane_pages = args.lane_pages or w.lane_pages
+        pages, usable = args.cp * lane_pages + args.host_pages, usable_bytes()
+        if BOOKKEEPING_BYTES_PER_PAGE * pages > usable:  # no KV is simulated, only the caches' page bookkeeping
+            most = max((usable // BOOKKEEPING_BYTES_PER_PAGE - args.host_pages) // lane_pages, 1)
+            parser.error(f"--cp {args.cp} with --lane-pages {lane_pages}: {pages} pages take "
+                         f"{format_size(BOOKKEEPING_BYTES_PER_PAGE * pages)} of bookkeeping, more than this machine "
+                         f"can give ({format_size(usable)} usable); give --cp {most} or fewer")
+        lanes = [(1, args.cp * lane_pages) if p == "oblivious" else (args.cp, lane_pages) for p in args.policies]
+        try:
+            for n, pages in lanes:
+                check_fits(list(w.requests), cache_lane_pages(n, pages), args.page)
+        except CacheTooSmall as e:
+            parser.error(f"--lane-pages {lane_pages}: {name}'s cache can never hold {len(e.requests)} of its "
+                         f"{len(w.requests)} requests (the longest needs {e.pages_per_rank_needed} pages per lane); "
+                         f"give --lane-pages {e.pages_per_rank_needed} or more")
 
 
 #: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.
