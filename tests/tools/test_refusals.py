@@ -18,6 +18,7 @@ CASES = [
     (["run", "--kv-memory", "100TiB"], "--kv-memory 102400.0 GiB: the device cache takes"),
     (["run", "--device-pages", "1e10"], "argument --device-pages: must be an integer >= 1"),
     (["run", "--device-pages", "10000000000"], "--device-pages 10000000000: the device cache takes"),
+    (["run", "--disagg", "1:1", "--device-pages", "10000000000"], "--device-pages 10000000000: the device cache"),
     (["run", "--host-pages", "1e11"], "argument --host-pages: must be an integer >= 0"),
     (["run", "--host-pages", "100000000000"], "--host-pages 100000000000: the host tier takes"),
     (["run", "--max-running", "100000000"], "--max-running 100000000: the scheduler's page table takes"),

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract import layout
+
 
 #: The trace format's limits, one sentence (``cpkv run --help`` shows it).
 TRACE_LIMITS = ("one JSON object a line with id (a string used once), arrival (a step >= 0), tokens (ids below "
@@ -126,14 +128,16 @@ def kv_tokens(specs: list["RequestSpec"]) -> list[int]:
 def check_fits(specs: list["RequestSpec"], lane_pages, page_size: int) -> int:
     """Raise :class:`CacheTooSmall` naming every request of ``specs`` a cache
     with ``lane_pages`` [N] pages per lane could never hold (a request's pages go
-    round robin from any lane base, so it needs ``ceil(pages / N)`` on the
-    smallest lane); else return the most KV tokens any request holds. Pure:
+    round robin from any lane base, so its fullest lane,
+    :func:`~cpkv.contract.layout.chain_lane_pages`, must fit the smallest lane); else return the most KV tokens any request holds. Pure:
     nothing is allocated, so a command refuses a trace before it builds a cache."""
     lanes = [int(x) for x in lane_pages]
     N, smallest = len(lanes), min(lanes)
     kv = kv_tokens(specs)
-    pages = [-(-k // page_size) for k in kv]
-    too_large = [(s.id, k) for s, k, p in zip(specs, kv, pages) if -(-p // N) > smallest]
+    def fullest(k: int) -> int:  # pages on the fullest lane, whatever the lane base: one lane rule
+        return int(layout.chain_lane_pages(0, 0, -(-k // page_size), N).max())
+
+    too_large = [(s.id, k) for s, k in zip(specs, kv) if fullest(k) > smallest]
     if too_large:
         raise CacheTooSmall(too_large, lanes, page_size)
     return max(kv, default=0)

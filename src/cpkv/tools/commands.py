@@ -305,6 +305,9 @@ def validate_disagg(args, parser, cfg) -> None:
     d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
     if args.device_pages is None:  # sized from memory for this world of M + N ranks
         d = dataclasses.replace(d, device_pages=None)
+    from .refusals import refuse_sizes
+
+    refuse_sizes(parser, dataclasses.replace(cfg, cp_size=M), d.trace(), trace=False)  # before DisaggControl allocates
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
     except CacheTooSmall as e:

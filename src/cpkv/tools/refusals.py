@@ -51,10 +51,11 @@ def refuse_torchrun_mismatch(parser, cp: int | None) -> None:
                      f"{env.world_size} or leave --cp out")
 
 
-def refuse_sizes(parser, cfg, specs, capacity=None) -> None:
+def refuse_sizes(parser, cfg, specs, capacity=None, trace: bool = True) -> None:
     """``parser.error`` for a device cache, host tier or page table this
-    machine cannot hold (each alone, before the group's total), then for a
-    trace the cache could never hold (one short line, the memory to give)."""
+    machine cannot hold (each alone, before the group's total), then, with
+    ``trace``, for a trace the cache could never hold (one short line, the
+    memory to give)."""
     from ..engine.rank import cache_lane_pages
     from ..engine.trace import CacheTooSmall, check_fits, kv_tokens
     from ..runtime.sizing import format_size
@@ -80,6 +81,8 @@ def refuse_sizes(parser, cfg, specs, capacity=None) -> None:
         parser.error(f"--max-running {cfg.max_running}: the scheduler's page table takes {format_size(table)} "
                      f"({cfg.max_running} rows of {longest} slots on each of {cfg.cp_size} ranks), {have}; give "
                      f"--max-running {max(most, 1)} or less (the trace has {len(specs)} requests)")
+    if not trace:
+        return
     lanes = 1 if cfg.replicated else cfg.cp_size
     try:
         check_fits(specs, cache_lane_pages(lanes, cfg.device_pages), cfg.page_size)
