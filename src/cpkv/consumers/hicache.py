@@ -103,9 +103,10 @@ class HostTier:
         (every token from the root through the evicted node). Allocates host
         slots for the whole pages the host lacks (evicting host pages LRU) and
         indexes them; returns ``(device_slots, host_slots)`` to copy, or
-        ``None`` when the host holds them already or has no room."""
+        ``None`` when the host holds them already or has no room (a chain
+        longer than the whole tier is not backed up)."""
         n = len(tokens) // self.S * self.S
-        if n == 0:
+        if n == 0 or n // self.S > self.num_pages:  # nothing whole, or more than the whole tier could hold
             return None
         tokens, index = np.asarray(tokens)[:n], self.index
         have = index.lookup(tokens, max_length=n, key=key).shared

@@ -21,7 +21,6 @@ from typing import Sequence
 import torch
 
 from ..consumers.kv_pool import Family
-from ..models.round_trip import reference_logits
 
 
 def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
@@ -33,6 +32,8 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
     ``mismatched`` (spec ids) against that reference, and ``unquantized``:
     ``{"max_abs_diff", "greedy_agreement"}`` against the plain float model
     (the same figures as the check when nothing is formatted)."""
+    from ..models.round_trip import reference_logits  # transformers: imported where the check runs
+
     formats = {f.name: f.format for f in families if f.format is not None}
     worst, plain_worst, mismatched, plain_agree, logits_checked = 0.0, 0.0, [], 0, 0
     for r in sched.requests:

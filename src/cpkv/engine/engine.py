@@ -29,6 +29,7 @@ from ..runtime.runner import CPRunner
 from .check import check
 from .config import EngineConfig
 from .latency import LatencyClock, latency_report
+from .records import outputs
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Scheduler
 from .step_plan import Forward, StepPlan
@@ -119,14 +120,15 @@ def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
 
 @contextmanager
 def kv_event_publisher(cfg: EngineConfig, rank: int):
-    """Rank 0's publisher bound on ``cfg.kv_events`` (``None`` elsewhere, or
-    without ``kv_events``), closed on the way out, error or not."""
+    """Rank 0's publisher bound on ``cfg.kv_events`` and its replay socket on
+    ``cfg.kv_events_replay`` (``None`` elsewhere, or without ``kv_events``),
+    closed on the way out, error or not."""
     if not cfg.kv_events or rank != 0:
         yield None
         return
     from ..consumers.kv_events_zmq import KVEventPublisher
 
-    pub = KVEventPublisher(cfg.kv_events)
+    pub = KVEventPublisher(cfg.kv_events, cfg.kv_events_replay, buffer_steps=cfg.kv_events_buffer)
     try:
         yield pub
     finally:
@@ -267,6 +269,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "ranks": ranks,
         "check": checked,
         "latency": latency,
+        "outputs": outputs(sched.requests),
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,

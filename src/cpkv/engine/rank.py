@@ -38,6 +38,13 @@ def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCach
     return PrefixCache(OwnerLaneAllocator.for_layout(layout))
 
 
+def cache_lane_pages(cp_size: int, pages_per_rank: int) -> list[int]:
+    """The pages per lane of :func:`build_cache`'s cache, without building it:
+    ``pages_per_rank`` on every lane but lane 0, which holds one fewer (page 0
+    is reserved). A command refuses a trace with it before any allocation."""
+    return [pages_per_rank - 1] + [pages_per_rank] * (cp_size - 1)
+
+
 @dataclass
 class RankParts:
     """A rank's KV pool (its segment of the group's shared cache), its host pool

@@ -18,7 +18,7 @@ from ..contract.allocator import OwnerLaneAllocator
 from ..contract.layout import owner_of
 from .trace import RequestSpec
 
-__all__ = ["Request", "Stats", "append_tokens", "id_runs", "lanes_used"]
+__all__ = ["Request", "Stats", "append_tokens", "id_runs", "lanes_used", "outputs"]
 
 
 @dataclass(eq=False)
@@ -108,6 +108,15 @@ class Request:
     def prefilling(self) -> bool:
         """Whether the request still has prompt (or recomputed) tokens to prefill."""
         return self.computed < self.target
+
+
+def outputs(reqs: list[Request]) -> list[dict]:
+    """What each request of a run produced, in trace order: ``id``,
+    ``prompt_tokens`` (its whole prompt, a follow-up's history included) and
+    ``generated`` (its greedy token ids), so a run can be diffed against
+    another engine's on the same trace (``cpkv run --json``, ``--print-tokens``)."""
+    return [{"id": r.spec.id, "prompt_tokens": len(r.prompt), "generated": [int(t) for t in r.generated]}
+            for r in reqs]
 
 
 def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:

@@ -74,7 +74,7 @@ from ..contract.allocation import Allocation
 from ..contract.layout import lane_base_of_last_loc, owner_of, page_of
 from .records import Request, Stats, append_tokens, id_runs, lanes_used
 from .step_plan import Arrival, Backup, Copy, Forward, Load, StepPlan
-from .trace import CacheTooSmall, RequestSpec, TraceError, validate
+from .trace import RequestSpec, TraceError, check_fits, validate
 
 __all__ = ["ADMISSION", "Request", "Scheduler", "Stats", "StepPlan"]
 
@@ -147,26 +147,8 @@ class Scheduler:
     # -- set-up and arrivals -----------------------------------------------------------------------
     def _check_capacity(self) -> None:
         """Refuse, before anything runs, the requests that could never fit the
-        cache: every one of them in one :class:`CacheTooSmall`."""
-        lengths, too_large = {}, []
-        self.max_len = 0  # the most KV tokens any request will hold
-        for r in self.requests:  # a follow-up's prompt: parent prompt + parent replies + own tokens
-            s = r.spec
-            base = 0 if s.after is None else lengths[s.after] + self._by_id[s.after].spec.max_new_tokens
-            lengths[s.id] = base + len(s.tokens)
-            try:
-                self._check_fits(s.id, lengths[s.id] + s.max_new_tokens - 1)
-            except CacheTooSmall as e:
-                too_large += e.requests
-        if too_large:
-            raise CacheTooSmall(too_large, self.cache.alloc.lane_pages, self.S)
-
-    def _check_fits(self, rid: str, kv_tokens: int) -> None:
-        pages = -(-kv_tokens // self.S)
-        per_lane = int(layout.chain_lane_pages(0, 0, pages, self.N).max())  # the fullest lane, whatever the base
-        if per_lane > int(self.cache.alloc.lane_pages.min()):
-            raise CacheTooSmall([(rid, kv_tokens)], self.cache.alloc.lane_pages, self.S)
-        self.max_len = max(self.max_len, kv_tokens)
+        cache: every one of them in one :class:`CacheTooSmall` (:func:`check_fits`)."""
+        self.max_len = check_fits([r.spec for r in self.requests], self.cache.alloc.lane_pages, self.S)
 
     def submit(self, spec: RequestSpec) -> Request:
         """Add a request while the trace runs (a router's arrival): due at
@@ -179,7 +161,7 @@ class Scheduler:
         if spec.id in self._by_id:
             raise TraceError(f"request {spec.id!r}: id {spec.id!r} is used twice")
         validate([spec])
-        self._check_fits(spec.id, len(spec.tokens) + spec.max_new_tokens - 1)
+        self.max_len = max(self.max_len, check_fits([spec], self.cache.alloc.lane_pages, self.S))
         r = Request(spec, len(self.requests), prompt=spec.tokens, due=max(spec.arrival, self.step))
         self.requests.append(r)
         self._by_id[spec.id] = r

@@ -5,6 +5,12 @@ from __future__ import annotations
 from .table import format_rows
 
 
+def format_outputs(outputs: list[dict]) -> str:
+    """``--print-tokens``: one line a request, its id, prompt length and generated token ids."""
+    lines = ["", "generated tokens (id, prompt tokens: ids):"]
+    return "\n".join(lines + [f"{o['id']} {o['prompt_tokens']}: {' '.join(map(str, o['generated']))}" for o in outputs])
+
+
 def format_engine(r: dict) -> str:
     """The human-readable report of one ``cpkv run`` (the engine)."""
     c = r["config"]
