@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import floor_div, floor_mod
+from .layout import floor_div, floor_mod, lane_ids
 
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -47,7 +47,7 @@ def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
     is ``i // N``; otherwise one stable radix sort of the lane ids."""
     N, i = counts.size, np.arange(lanes.size)
-    if lanes.size and not floor_mod(lanes - lanes[0] - i, N).any():  # a multiple of N everywhere iff they cycle
+    if lanes.size and not np.count_nonzero(floor_mod(lanes - lanes[0] - i, N)):  # a multiple of N everywhere iff they cycle
         return floor_div(i, N)
     order = np.argsort(lanes.astype(np.int16) if N < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
@@ -85,6 +85,7 @@ class LaneFreeLists:
             self._initial[lane, : pages.size] = pages[::-1]
         self.stack = self._initial.copy()
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
+        self._lane_mod = self._lane_div = np.zeros(0, dtype=np.int64)  # see _cycle
         self.free = self.lane_pages.copy()
         # fill and pos have one more entry, a page that is never allocated: a gather clipped to it
         # (np.take(..., mode="clip")) reads a free page for any index outside the usable pages
@@ -110,7 +111,7 @@ class LaneFreeLists:
     def deficit(self, counts: np.ndarray) -> np.ndarray | None:
         """Pages each lane lacks to hand out ``counts[l]`` pages, or None if none lacks."""
         short = counts > self.free
-        return np.where(short, counts - self.free, 0) if short.any() else None
+        return np.where(short, counts - self.free, 0) if np.count_nonzero(short) else None
 
     def peek(self, lanes: np.ndarray, rank: np.ndarray) -> np.ndarray:
         """The pages :meth:`take` would hand out: entry i is the ``rank[i]``-th
@@ -144,16 +145,28 @@ class LaneFreeLists:
         the stack index of request r's next page of its i-th lane from
         ``first_lane[r]``, its stack index is ``top[r, j % N] - j // N``."""
         N, bs = self.cp_size, counts.size
-        lanes = floor_mod(first_lane[:, None] + np.arange(N), N)  # [bs, N]: request r's lanes from its first
-        top = (self._lane_top + self.free)[lanes] - np.take_along_axis(before, lanes, 1)
-        if bs == 1:
+        top = self._lane_top + self.free  # stack index of each lane's next page
+        if bs == 1:  # no request before it: j % N and j // N are the same for every chain of n pages
             j = iota[:n]
-            idx = top[0][floor_mod(j, N)]
-        else:
-            j = iota[:n] - starts.repeat(counts)
-            idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
+            lane_mod, lane_div = self._cycle(n)
+            idx = top[floor_mod(first_lane[0] + lane_ids(N), N)][lane_mod]
+            idx -= lane_div
+            return self.stack.ravel()[idx], j
+        lanes = floor_mod(first_lane[:, None] + lane_ids(N), N)  # [bs, N]: request r's lanes from its first
+        top = top[lanes] - before[iota[:bs, None], lanes]
+        j = iota[:n] - starts.repeat(counts)
+        idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
         idx -= floor_div(j, N)
         return self.stack.ravel()[idx], j
+
+    def _cycle(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``j % N`` and ``j // N`` for ``j = 0 .. n - 1``: where page j of a
+        chain lies relative to its first lane, and its round. Made once for
+        the longest chain seen (views of them; never written)."""
+        if self._lane_mod.size < n:
+            j = np.arange(max(n, 2 * self._lane_mod.size))
+            self._lane_mod, self._lane_div = floor_mod(j, self.cp_size), floor_div(j, self.cp_size)
+        return self._lane_mod[:n], self._lane_div[:n]
 
     def page_bitmap(self) -> np.ndarray:
         """An empty bitmap over pages ``0 .. num_pages``."""

@@ -21,7 +21,7 @@ import torch
 from . import plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
-from .layout import floor_div, floor_mod, lane_base_of_last_loc
+from .layout import floor_div, floor_mod, lane_base_of_last_loc, slot_at
 from .rules import AllocationRules
 
 
@@ -60,7 +60,8 @@ class PendingAllocation:
 
     ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
     ``new_fill`` (an array, or one value for all); ``grown`` are allocated
-    partial pages the batch writes further, their new marks ``grown_fill``;
+    pages the batch writes further (a full page among them keeps its mark),
+    their new marks ``grown_fill``;
     ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
     plan fields of :class:`~cpkv.contract.allocation.Allocation`; ``cursor``
@@ -105,9 +106,8 @@ class BatchPlanner:
         fresh = has is None
         if fresh:  # no request has a prefix
             n_new = floor_div(seq + (S - 1), S)
-            first_new, zeros = 0, np.zeros(seq.size, dtype=np.int64)
-            base, cursor = plan.choose_lane_bases(zeros, zeros != 0, zeros, n_new, lists.free, N, self.base_policy,
-                                                  lists.cursor)
+            first_new = 0
+            base, cursor = plan.choose_lane_bases(None, None, 0, n_new, lists.free, N, self.base_policy, lists.cursor)
         else:
             first_new = floor_div(prefix + (S - 1), S)
             n_new = floor_div(seq + (S - 1), S) - first_new
@@ -125,18 +125,18 @@ class BatchPlanner:
         new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
         grown = grown_fill = None
-        if (partial is None or not partial.any()) and total == new_pages.size * S:  # whole new pages only
-            written = S  # one broadcast add on the device (torch's is faster than numpy's on the CPU)
-            out = (_device_tensor(new_pages * S, self.device)[:, None] + self._page_iota).view(-1)
+        if (partial is None or not np.count_nonzero(partial)) and total == new_pages.size * S:  # whole new pages only
+            written = S  # one broadcast on the device (torch's is faster than numpy's on the CPU)
+            out = slot_at(_device_tensor(new_pages * S, self.device)[:, None], self._page_iota, S).view(-1)
         else:
             written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
             last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
-            if (n_new > 0).all():
+            if np.count_nonzero(n_new) == n_new.size:
                 written[last_new] = tail
             else:
                 grows = n_new > 0
                 written[last_new[grows]] = tail[grows]
-            if partial is not None and partial.any():  # a run into the partial page before the request's new pages
+            if partial is not None and np.count_nonzero(partial):  # a run into the partial page before the request's new pages
                 lead = partial.astype(np.int64)
                 mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
                 mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
@@ -179,8 +179,7 @@ class BatchPlanner:
             rules.check_capacity(prefix, seq, None, last_page)
             if gen is not None:
                 rules.check_chain(prefix, last, gen, positions=False)
-            grows = ~needs
-            grown, grown_fill = last_page[grows], fill[grows] + 1
+            grown, grown_fill = last_page, fill + ~needs  # a full page keeps its mark: S, written again
             idx = needs.nonzero()[0]
             lanes = floor_mod(last_page[idx] + 1, N)  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         else:

@@ -181,15 +181,16 @@ def _bench_alloc(page, cp, pool_pages, tokens, batch_sizes, decode_bs, repeats) 
     for by_pages in (False, True):
         ours, deq, one = allocs()
 
-        def deque_free_setup(d=deq):
+        def deque_free_setup(d=deq, by_pages=by_pages):
             d.clear()
-            held["pages"] = (d.alloc_extend([tokens])[::page] // page).tolist()
+            slots = d.alloc_extend([tokens])
+            held["free"] = (slots[::page] // page).tolist() if by_pages else slots
 
         what = f"free_pages of {tokens // page} pages" if by_pages else \
             f"free of {tokens // page} pages by slots ({tokens} slots)"
         row(what, {
             "cp": _free_case(ours, tokens, by_pages),
-            "deque": (lambda d=deq: d.free_pages(held["pages"]), deque_free_setup),
+            "deque": (lambda d=deq, f=deq.free_pages if by_pages else deq.free: f(held["free"]), deque_free_setup),
             "cp1": _free_case(one, tokens, by_pages),
         })
     return rows
