@@ -106,12 +106,36 @@ def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.n
     scheduler all call it). [[RFC-0001:C-OWNER-LANE]]
 
     Vectorised over requests: ints or numpy arrays ``[bs]`` (broadcast) give
-    int64 ``[..., N]`` (``[N]`` for scalars). ``O(bs * N)``: nothing per page.
+    int64 ``[..., N]`` (``[N]`` for scalars). ``O(bs * N)``: nothing per page;
+    up to N = 32 the remainder's lanes are read from a table made once per N.
     """
-    start = np.asarray(lane_base + first_position, dtype=np.int64)  # lane_of_position, reduced below
+    N = cp_size
+    if type(lane_base) is int and type(first_position) is int and type(num_pages) is int:  # one chain, no array
+        q, k = divmod(num_pages, N)
+        if N <= _TABLE_UP_TO:
+            return np.add(_remainder_lanes(N)[(lane_base + first_position) % N, k], q, dtype=np.int64)
+        return ((lane_ids(N) - (lane_base + first_position)) % N < k) + q
+    start = floor_mod(np.asarray(lane_base + first_position, dtype=np.int64), N)  # lane_of_position
     n = np.asarray(num_pages, dtype=np.int64)
-    return floor_div(n, cp_size)[..., None] + (floor_mod(lane_ids(cp_size) - start[..., None], cp_size)
-                                               < floor_mod(n, cp_size)[..., None])
+    if N <= _TABLE_UP_TO:
+        return floor_div(n, N)[..., None] + _remainder_lanes(N)[start, floor_mod(n, N)]
+    return floor_div(n, N)[..., None] + (floor_mod(lane_ids(N) - start[..., None], N) < floor_mod(n, N)[..., None])
+
+
+#: Up to this group size :func:`chain_lane_pages` reads the lanes of a remainder from a table (N**3 bytes).
+_TABLE_UP_TO = 32
+
+
+@functools.lru_cache(maxsize=64)
+def _remainder_lanes(cp_size: int) -> np.ndarray:
+    """``t[f, k, l]``: whether lane l holds one of the ``k`` remainder pages of
+    a chain whose first page is in lane f, ``(l - f) % N < k`` (uint8 ``[N, N,
+    N]``, read-only)."""
+    N = cp_size
+    lanes = np.arange(N)
+    t = (floor_mod(lanes[None, None, :] - lanes[:, None, None], N) < lanes[None, :, None]).astype(np.uint8)
+    t.flags.writeable = False
+    return t
 
 
 @functools.lru_cache(maxsize=64)

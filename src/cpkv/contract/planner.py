@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import plan
+from . import layout, plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
 from .layout import floor_div, floor_mod, lane_base_of_last_loc, slot_at
@@ -101,28 +101,36 @@ class BatchPlanner:
         ``check_capacity`` (``total`` new tokens): the :class:`PendingAllocation`, or the
         per-lane deficit when some lane lacks pages."""
         S, N, lists = self.S, self.N, self.lists
-        ext = seq - prefix
         # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
         fresh = has is None
+        n_new = floor_div(seq + (S - 1), S)
         if fresh:  # no request has a prefix
-            n_new = floor_div(seq + (S - 1), S)
-            first_new = 0
+            ext, first_new = seq, 0
             base, cursor = plan.choose_lane_bases(None, None, 0, n_new, lists.free, N, self.base_policy, lists.cursor)
         else:
-            first_new = floor_div(prefix + (S - 1), S)
-            n_new = floor_div(seq + (S - 1), S) - first_new
+            ext, first_new = seq - prefix, floor_div(prefix + (S - 1), S)
+            n_new -= first_new
             fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
             base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
                                                   lists.cursor)
-        take = plan.lane_take(base, first_new, n_new, N)
-        if (deficit := lists.deficit(take.lane_counts)) is not None:
-            return deficit
-        # page level: the new pages, then every run of slots the extend writes;
-        # a partial prefix page (the prefix ends mid-page) is its request's first run
-        starts = _excl_cumsum(n_new)
-        n = int(starts[-1] + n_new[-1]) if seq.size else 0
+        ends = n_new.cumsum()
+        starts = ends - n_new
+        n = int(ends[-1]) if ends.size else 0
         iota = self._iota(max(total, n + seq.size))
-        new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
+        # page level: a request's pages cycle through the lanes from its first; every lane
+        # hands out its pages in batch order  [[RFC-0001:C-OWNER-LANE]]
+        if seq.size == 1:  # one chain: page j is the (j // N)-th page the batch takes from lane (first + j) % N
+            f = (int(base[0]) + (0 if fresh else int(first_new[0]))) % N  # layout.lane_of_position
+            lane_counts = layout.chain_lane_pages(f, 0, n, N)
+            if (deficit := lists.deficit(lane_counts)) is not None:
+                return deficit
+            new_pages, j = lists.peek_cycle(f, n), iota[:n]
+        else:
+            take = plan.lane_take(base, first_new, n_new, N)
+            lane_counts = take.lane_counts
+            if (deficit := lists.deficit(lane_counts)) is not None:
+                return deficit
+            new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
         grown = grown_fill = None
         if (partial is None or not np.count_nonzero(partial)) and total == new_pages.size * S:  # whole new pages only
@@ -156,7 +164,7 @@ class BatchPlanner:
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages,
                     "new_page_owners": floor_mod(new_pages, N), "new_page_positions": positions}
 
-        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions,
+        return PendingAllocation(out, new_pages, lane_counts, written, grown, grown_fill, host_plan, positions,
                                  cursor)
 
     def decode(self, seq: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> PendingAllocation | np.ndarray:

@@ -267,7 +267,8 @@ class AllocationRules:
             np.greater(full[1:], full[:-1], out=rises[:-1])
             rises[S - 1 :: S] = True  # between rows anything goes
             head, tail = full[::S], full[S - 1 :: S]
-            if rises.all() and not (head % S).any() and (tail - head == S - 1).all():
+            if (np.count_nonzero(rises) == rises.size and not np.count_nonzero(floor_mod(head, S))
+                    and np.count_nonzero(tail - head == S - 1) == rows):
                 pg = np.concatenate([pages_of(head, S), pages_of(s[rows * S :], S)])
         if pg is None:
             pg = pages_of(s, S)
@@ -292,12 +293,14 @@ class AllocationRules:
         p = int_vector(pages, "pages")
         if p.size == 0:
             return None
-        lo, hi = int(p.min()), int(p.max())
-        if lo < 1 or hi > self.P:
-            raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
-        if np.count_nonzero(last := self._last_of_each(p)) < p.size:
-            raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
-        self.check_freeable(p)
+        # one test for "usable" and "allocated": outside 1..P the gather reads a page never allocated
+        if np.count_nonzero(self.lists.fill.take(p, mode="clip")) < p.size or self._repeats(p):
+            lo, hi = int(p.min()), int(p.max())
+            if lo < 1 or hi > self.P:
+                raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
+            if np.count_nonzero(last := self._last_of_each(p)) < p.size:
+                raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
+            self.check_freeable(p)
         return p
 
     def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
