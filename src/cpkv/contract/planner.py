@@ -25,6 +25,11 @@ from .layout import floor_div, floor_mod, lane_base_of_last_loc, slot_at
 from .rules import AllocationRules
 
 
+#: A batch of one request takes its pages as one chain (:meth:`LaneFreeLists.peek_cycle`), its lane counts from
+#: Python ints; False sends it through the general path, as the tests do to compare the two.
+ONE_CHAIN = True
+
+
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
     return x.cumsum() - x
 
@@ -119,7 +124,7 @@ class BatchPlanner:
         iota = self._iota(max(total, n + seq.size))
         # page level: a request's pages cycle through the lanes from its first; every lane
         # hands out its pages in batch order  [[RFC-0001:C-OWNER-LANE]]
-        if seq.size == 1:  # one chain: page j is the (j // N)-th page the batch takes from lane (first + j) % N
+        if ONE_CHAIN and seq.size == 1:  # one chain: page j is the (j // N)-th page the batch takes from lane (first + j) % N
             f = (int(base[0]) + (0 if fresh else int(first_new[0]))) % N  # layout.lane_of_position
             lane_counts = layout.chain_lane_pages(f, 0, n, N)
             if (deficit := lists.deficit(lane_counts)) is not None:
