@@ -1,9 +1,11 @@
 """``cpkv bench alloc`` on a small pool: every row's baselines return what the
 allocator returns (the benchmark asserts it before timing), and each row
-carries its ratios and goal."""
+carries its ratios, goal and verdict."""
+
+import pytest
 
 from cpkv.tools.bench import bench_alloc
-from cpkv.tools.bench.alloc import GOALS
+from cpkv.tools.bench.alloc import ARANGE_GOAL, GOALS, goals_met
 
 
 def test_a_small_bench_alloc_agrees_with_its_baselines():
@@ -15,3 +17,13 @@ def test_a_small_bench_alloc_agrees_with_its_baselines():
         assert r["cp2/deque"] > 0 and r["cp2/cp1"] > 0
         assert r["goal"] == f"<= {next(v for k, v in GOALS.items() if r['case'].startswith(k))}"
         assert (r["cp2/arange"] != "-") == r["case"].startswith("extend")
+        assert r["met"] == goals_met(r["cp2/deque"], r["cp2/arange"], float(r["goal"][3:]))
+
+
+@pytest.mark.parametrize("deque, arange, want", [
+    (0.4, 2.0, "yes"), (0.41, 2.0, "no (deque)"), (0.4, 2.01, "no (arange)"), (0.5, 3.0, "no (both)"),
+    (0.39, "-", "yes"), (0.5, "-", "no (deque)"),
+])
+def test_goals_met_is_at_most_each_goal(deque, arange, want):
+    """At the goal is met; past either ratio is not, and the verdict names which."""
+    assert ARANGE_GOAL == 2.0 and goals_met(deque, arange, 0.4) == want

@@ -84,7 +84,7 @@ def cmd_bench(args) -> int:
         "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
                   "out_cache_loc; arange = writing that out_cache_loc from the same pages; goal = the most "
-                  "cp8/deque may be (extend also cp8/arange <= 2)"),
+                  "cp8/deque may be (extend also cp8/arange <= 2); met = whether this run met it"),
         "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
         "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
