@@ -72,6 +72,7 @@ class CPRunner:
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family
         self.moved_bytes = 0
+        self.selected: torch.Tensor | None = None  # the last forward's sparse selection (see forward)
 
     # -- the page table ------------------------------------------------------------------
     @property
@@ -127,7 +128,10 @@ class CPRunner:
 
         ``ids [E]`` are the batch's new token ids in flattened order. Returns
         ``(token_indices, logits [t, vocab])``: which entries of the flattened
-        batch this rank computed, and their logits.
+        batch this rank computed, and their logits. :attr:`selected` is then
+        the model's sparse selection of those tokens
+        (:meth:`~cpkv.models.ModelAdapter.selection`, on the pool's device;
+        ``None`` for a dense model).
         """
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
@@ -141,6 +145,7 @@ class CPRunner:
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
+            self.selected = ad.selection(fb)
         fb.finish()
         self.tokens_computed += fb.num_tokens
         self.kv_read += fb.kv_read
