@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from cpkv.consumers.kv_pool import SharedKVPool
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.engine.check import run_record
 from cpkv.engine.exactness import TOLERANCE, failures
 from cpkv.models import build_adapter, model_config
+from support.engine_checks import other_row, perturb_first_stored, scale_off
 
 torch.set_num_threads(1)
 CFG = dict(cp_size=2, page_size=16, device_pages=10, host_pages=0, requests=1, scale=0.03, chunk=16,
@@ -25,39 +25,10 @@ def dsa():
     return build_adapter(model_config("deepseek-v3.2"))
 
 
-def _stored_once(monkeypatch, family: str, change):
-    """The first rows the pool stores of ``family`` (one rank's first write of
-    two rows or more, at layer 0): ``change(rows, fmt)`` perturbs the encoded
-    bytes of the first."""
-    orig, lock, done = SharedKVPool._stored, threading.Lock(), []
-
-    def stored(self, name, x):
-        out = orig(self, name, x)
-        with lock:
-            if name != family or done or out.shape[0] < 2:
-                return out
-            done.append(name)
-        out = out.clone()
-        change(out, self.families[name].format)
-        return out
-
-    monkeypatch.setattr(SharedKVPool, "_stored", stored)
-    return done
-
-
-def _scale(out, fmt):  # the first tile's float32 scale of the first row, 10% off
-    b = fmt.body
-    out[0, b : b + 4] = (out[0, b : b + 4].contiguous().view(torch.float32) * 1.1).view(torch.uint8)
-
-
-def _row(out, fmt):  # the first row holds the second's bytes
-    out[0] = out[1]
-
-
-@pytest.mark.parametrize("family,change", [("latent", _scale), ("latent", _row), ("index_k", _scale)],
+@pytest.mark.parametrize("family,change", [("latent", scale_off), ("latent", other_row), ("index_k", scale_off)],
                          ids=["latent-scale", "latent-row", "index-key-scale"])
 def test_a_perturbed_stored_value_fails_the_check(dsa, monkeypatch, family, change):
-    done = _stored_once(monkeypatch, family, change)
+    done = perturb_first_stored(monkeypatch, family, change)
     c = run_engine_threads(EngineConfig(**CFG), dsa)["check"]
     assert done == [family]
     why = failures(c)

@@ -1,5 +1,11 @@
 """The exactness check every engine test applies to a run's report."""
 
+import threading
+
+import torch
+
+from cpkv.consumers.kv_format import ScaledFp8Format
+from cpkv.consumers.kv_pool import SharedKVPool
 from cpkv.engine.exactness import failures
 
 
@@ -15,3 +21,35 @@ def assert_exact(r: dict) -> None:
     pre = r["preemptions"]
     pre = sum(pre.values()) if isinstance(pre, dict) else pre
     assert (c["logits_checked"] == r["computed_tokens"]) if not pre else (0 < c["logits_checked"] < r["computed_tokens"])
+
+
+def perturb_first_stored(monkeypatch, family: str, change) -> list:
+    """Make the pool store one wrong row: the first write of two rows or more
+    of ``family`` in FP8 (one rank's, at layer 0) has ``change(rows, fmt)``
+    applied to its encoded bytes. Returns a list that holds ``family`` once it has."""
+    orig, lock, done = SharedKVPool._stored, threading.Lock(), []
+    fmt = lambda pool, name: pool.families[name].format  # noqa: E731
+
+    def stored(self, name, x):
+        out = orig(self, name, x)
+        with lock:
+            if name != family or done or out.shape[0] < 2 or not isinstance(fmt(self, name), ScaledFp8Format):
+                return out
+            done.append(name)
+        out = out.clone()
+        change(out, self.families[name].format)
+        return out
+
+    monkeypatch.setattr(SharedKVPool, "_stored", stored)
+    return done
+
+
+def scale_off(out, fmt) -> None:
+    """The first row's first FP8 tile scale, 10% off."""
+    b = fmt.body
+    out[0, b : b + 4] = (out[0, b : b + 4].contiguous().view(torch.float32) * 1.1).view(torch.uint8)
+
+
+def other_row(out, fmt) -> None:
+    """The first row holds the second's bytes."""
+    out[0] = out[1]

@@ -5,8 +5,12 @@ accuracy rows exact by the one definition of :mod:`cpkv.engine.exactness`
 values and selection within 1e-4), whatever the CPU's kernels.
 [[RFC-0001:C-KV-FORMAT]] [[RFC-0001:C-EXACTNESS]]"""
 
+import pytest
+
 from cpkv.engine.exactness import TOLERANCE
-from cpkv.tools.bench.kvdtype import bench_kvdtype, format_kvdtype
+from cpkv.models import build_adapter
+from cpkv.tools.bench.kvdtype import _accuracy_rows, bench_kvdtype, bench_model, format_kvdtype
+from support.engine_checks import other_row, perturb_first_stored, scale_off
 
 
 def test_kvdtype_bench_measures_the_dsa_goal_and_exact_accuracy_rows():
@@ -23,3 +27,12 @@ def test_kvdtype_bench_measures_the_dsa_goal_and_exact_accuracy_rows():
         ties, selections = map(int, row["near-ties / selections"].split(" / "))
         assert values > 0 and 0 <= flips < values / 100 and selections > 0 and 0 <= ties < selections / 10
     assert "goal <= 0.57: met" in format_kvdtype(r)
+
+
+@pytest.mark.parametrize("change", [scale_off, other_row], ids=["fp8-scale", "latent-row"])
+def test_an_accuracy_row_with_one_wrong_stored_latent_is_not_exact(monkeypatch, change):
+    """The row of the test above, with one stored FP8 latent scale 10% off or
+    one latent row another token's: not exact, and why."""
+    done = perturb_first_stored(monkeypatch, "latent", change)
+    (row,) = _accuracy_rows("deepseek-v3.2", build_adapter(bench_model("deepseek-v3.2")), ("fp8",), 2, ("multiturn",))
+    assert done == ["latent"] and "stored values are no rounding of the reference's" in row["exact"]
