@@ -65,7 +65,8 @@ def test_a_flip_is_the_neighbouring_rounding_at_a_boundary_only():
     off = own.clone()
     off[0, 1] = 1 + 2.0**-7  # the next value up from 1.0, which is far from any boundary: an error
     got = admit(own, x, off)
-    assert (got["flips"], got["outside"]) == (0, 1) and got["worst"] == pytest.approx(2.0**-7 / mid)  # of the slot's largest value
+    assert (got["flips"], got["outside"]) == (0, 1)
+    assert got["worst"] == pytest.approx(2.0**-7 / mid)  # of the slot's largest value
     assert admit(own[:0], x[:0], own[:0])["values"] == 0
 
 

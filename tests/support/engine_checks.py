@@ -28,13 +28,13 @@ def perturb_first_stored(monkeypatch, family: str, change) -> list:
     of ``family`` in FP8 (one rank's, at layer 0) has ``change(rows, fmt)``
     applied to its encoded bytes. Returns a list that holds ``family`` once it has."""
     orig, lock, done = SharedKVPool._stored, threading.Lock(), []
-    fmt = lambda pool, name: pool.families[name].format  # noqa: E731
 
     def stored(self, name, x):
         out = orig(self, name, x)
         with lock:
-            if name != family or done or out.shape[0] < 2 or not isinstance(fmt(self, name), ScaledFp8Format):
-                return out
+            fp8 = isinstance(self.families[name].format, ScaledFp8Format)
+            if name != family or done or out.shape[0] < 2 or not fp8:
+                return out  # another family, a write of one row, or not FP8
             done.append(name)
         out = out.clone()
         change(out, self.families[name].format)

@@ -33,9 +33,10 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
     against ``transformers``' ``model``, with ``ex.logits[request][position]``
     the logits the run computed and ``families`` the caches as the run stored
     them (their formats, if any, make the reference quantized), and, when
-    ``ex`` has them, ``ex.stored[request][position]`` (``{family: [layers,
-    *shape]}``, the values the run stored) and ``ex.selected`` (the same,
-    ``[indexer layers, k]``, a DSA run's top-k). Returns ``max_abs_diff``,
+    ``ex`` has them, ``ex.stored[request]`` (``{family: [layers, S,
+    *shape]}``, the values its context held) and
+    ``ex.selected[request][position]`` (``[indexer layers, k]``, a DSA run's
+    top-k), the reference at them (:func:`run_record`). Returns ``max_abs_diff``,
     ``logits_checked``, ``requests``, ``requests_matched``, ``mismatched``
     (spec ids) against that reference, ``tolerance`` (the logits',
     :data:`~cpkv.engine.exactness.TOLERANCE`), ``agreement`` (the run's

@@ -110,7 +110,8 @@ def cmd_bench_kvdtype(args) -> int:
 
     report = bench_kvdtype(args.kv_dtype, cp=args.cp)
     print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
-    bad = [f"{r['model']} {r['trace']} {r['kv dtype']}: {r['exact']}" for r in report["accuracy"] if r["exact"] != "yes"]
+    bad = [f"{r['model']} {r['trace']} {r['kv dtype']}: {r['exact']}" for r in report["accuracy"]
+           if r["exact"] != "yes"]
     if bad:
         print(f"FAIL: not exact: {'; '.join(bad)}", file=sys.stderr)
         return EXIT_CHECK_FAILED

@@ -42,7 +42,8 @@ def format_engine(r: dict) -> str:
         if a:
             rows += [("stored values: rounding flips / outside", f"{a['flips']} / {a['outside']} of {a['values']}")]
             if a["rows"]:
-                rows += [("selections: near-ties / mismatches", f"{a['near_ties']} / {a['mismatches']} of {a['rows']}")]
+                rows += [("selections: near-ties / mismatches",
+                          f"{a['near_ties']} / {a['mismatches']} of {a['rows']}")]
         u = ck.get("unquantized")
         if u and r["kv_dtype"] != "float32":
             rows += [("vs unquantized: max |logit diff| / greedy agreement",
