@@ -3,6 +3,7 @@
 * :mod:`~cpkv.runtime.group` - process lifetime: :func:`launch`, :class:`RankFailure`
 * :mod:`~cpkv.runtime.sizing` - sizing a group before it starts: :func:`check_capacity`
 * :mod:`~cpkv.runtime.shm` - shared-memory segment lifetime
+* :mod:`~cpkv.runtime.reaper` - what removes a run's names and folders when its processes died first
 * :mod:`~cpkv.runtime.comm` - the collectives a rank uses (process group or threads)
 * :mod:`~cpkv.runtime.forward_plan` - a batch planned once per rank before its layers: :class:`ForwardPlan`
 * :mod:`~cpkv.runtime.batch` - one rank's share of a batch under each split: :class:`ForwardBatch`
