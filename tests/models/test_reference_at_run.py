@@ -173,3 +173,12 @@ def test_misuse_is_refused(dsa):
         run_reference(dsa, seq, {"latent": fmt}, wrong)
     with pytest.raises(ValueError, match="do not end in"):
         fmt.rounding(torch.zeros(3, 7))
+    n = len(indexer_layers(dsa))
+    for sel, pinned in ((torch.zeros(12, n + 1, 4), torch.ones(12)), (torch.zeros(12, n, 4), None),
+                        (torch.zeros(11, n, 4), torch.ones(11))):
+        with pytest.raises(ValueError, match="indexer layers"):
+            run_reference(dsa, seq, {}, RunRecord({}, {}, sel, pinned))
+    assert all("forward" not in vars(dsa.model.layers[i].self_attn.indexer) for i in indexer_layers(dsa))
+    with pytest.raises(ValueError, match="expected"):
+        compare_selection(torch.zeros(3, 5), None, torch.zeros(3, 2, dtype=torch.long),
+                          torch.zeros(2, 2, dtype=torch.long), torch.arange(3))

@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from ..consumers.kv_format import KVFormat
-from .selection import NOISE, pinned_indexers
+from .selection import NOISE, indexer_layers, pinned_indexers
 
 
 def round_trip(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +215,13 @@ def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
     reference's. [[RFC-0001:C-EXACTNESS]]"""
     if seq.dim() != 1:
         raise ValueError(f"seq must be 1-D token ids, got shape {tuple(seq.shape)}")
+    if run.selected is not None:
+        n, S = len(indexer_layers(model)), seq.numel()
+        if run.selected.dim() != 3 or run.selected.shape[:2] != (S, n) or run.pinned is None \
+                or run.pinned.shape != (S,):
+            raise ValueError(f"a selection of {S} tokens over {n} indexer layers is [{S}, {n}, k] with pinned "
+                             f"[{S}]; got {tuple(run.selected.shape)} and "
+                             f"{None if run.pinned is None else tuple(run.pinned.shape)}")
     cache = RoundTripCache(model.config, formats, run)
     rows: list[dict] = []
     with torch.no_grad():

@@ -58,8 +58,13 @@ def compare_selection(scores: torch.Tensor, band, own: torch.Tensor, run: torch.
     ``{"rows", "equal", "near_ties", "mismatches", "worst"}`` (``worst``: the
     largest score gap between a dropped and a taken key over the sum of the
     largest bands of both, over the differing rows). Vectorised over rows;
-    the module doc gives the rule."""
-    S, L = scores.shape
+    the module doc gives the rule. Raises ``ValueError`` for shapes that do
+    not agree."""
+    S, L = scores.shape if scores.dim() == 2 else (-1, -1)
+    if S < 0 or own.shape[:1] != (S,) or run.shape[:1] != (S,) or positions.shape != (S,) or own.dim() != 2 \
+            or run.dim() != 2:
+        raise ValueError(f"scores [S, L], own [S, K], run [S, K'], positions [S] expected; got "
+                         f"{tuple(scores.shape)}, {tuple(own.shape)}, {tuple(run.shape)}, {tuple(positions.shape)}")
     visible = torch.arange(L, device=scores.device)[None] <= positions[:, None]
     want = (positions + 1).clamp(max=own.shape[1])  # min(k, position + 1)
     in_r = torch.zeros(S, L + 1, dtype=torch.bool, device=scores.device)
