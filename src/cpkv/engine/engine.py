@@ -4,9 +4,10 @@ Every rank builds the same scheduler over the same trace and runs the same
 steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
 copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
-``check``, rank 0 keeps every computed logit and compares each finished
-request with ``transformers``' own forward of its full sequence and its greedy
-tokens (:mod:`.check`).
+``check``, rank 0 keeps every computed logit, every DSA selection and each
+request's stored context, and compares each finished request with
+``transformers``' own forward of its full sequence at those values and
+selections and its greedy tokens (:mod:`.check`, :mod:`.exactness`).
 """
 
 from __future__ import annotations
