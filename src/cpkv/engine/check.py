@@ -105,10 +105,10 @@ def run_record(r, requests, stored: dict, selected: dict, layers: dict[str, tupl
         for p, t in rec.items():
             if p < same and p not in source:
                 source[p] = t
-    first = next(iter(source.values()))
-    sel = torch.full((S, *first.shape), -1, dtype=first.dtype)
+    if not source:  # no position of it selected anything here: the reference selects on its own
+        return RunRecord(values, {n: layers[n] for n in values})
+    at, got = torch.tensor(list(source)), torch.stack(list(source.values()))
+    sel = torch.full((S, *got.shape[1:]), -1, dtype=got.dtype)
     pinned = torch.zeros(S, dtype=torch.bool)
-    if source:
-        at = torch.tensor(list(source))
-        sel[at], pinned[at] = torch.stack(list(source.values())), True
+    sel[at], pinned[at] = got, True
     return RunRecord(values, {n: layers[n] for n in values}, sel, pinned)
