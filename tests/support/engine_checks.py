@@ -5,8 +5,8 @@ import threading
 import torch
 
 from cpkv.consumers.kv_format import ScaledFp8Format
-from cpkv.consumers.kv_pool import SharedKVPool
 from cpkv.engine.exactness import failures
+from cpkv.runtime.batch import ForwardBatch
 
 
 def assert_exact(r: dict) -> None:
@@ -24,23 +24,27 @@ def assert_exact(r: dict) -> None:
 
 
 def perturb_first_stored(monkeypatch, family: str, change) -> list:
-    """Make the pool store one wrong row: the first write of two rows or more
-    of ``family`` in FP8 (one rank's, at layer 0) has ``change(rows, fmt)``
-    applied to its encoded bytes. Returns a list that holds ``family`` once it has."""
-    orig, lock, done = SharedKVPool._stored, threading.Lock(), []
+    """Make the pool hold one wrong row: right after the first store of two
+    rows or more of ``family`` in FP8 (one rank's, at layer 0, before any
+    read of that layer), ``change(rows, fmt)`` is applied to the encoded
+    bytes of the first two rows it wrote and the first is written back.
+    Returns a list that holds ``family`` once it has."""
+    orig, lock, done = ForwardBatch.store, threading.Lock(), []
 
-    def stored(self, name, x):
-        out = orig(self, name, x)
+    def store(self, layer, **values):
+        orig(self, layer, **values)
+        f, local = self.pool.families.get(family), self.plan.write.local
         with lock:
-            fp8 = isinstance(self.families[name].format, ScaledFp8Format)
-            if name != family or done or out.shape[0] < 2 or not fp8:
-                return out  # another family, a write of one row, or not FP8
-            done.append(name)
-        out = out.clone()
-        change(out, self.families[name].format)
-        return out
+            fp8 = f is not None and isinstance(f.format, ScaledFp8Format)
+            if family not in values or done or not fp8 or local is None or local.numel() < 2:
+                return  # another family, not FP8, an unplanned write or a write of one row
+            done.append(family)
+        seg = self.pool.segment(family, layer)
+        rows = seg[local[:2]].clone()
+        change(rows, f.format)
+        seg[local[0]] = rows[0]
 
-    monkeypatch.setattr(SharedKVPool, "_stored", stored)
+    monkeypatch.setattr(ForwardBatch, "store", store)
     return done
 
 

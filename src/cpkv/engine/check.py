@@ -13,19 +13,22 @@ from the unquantized model: the largest logit difference from the plain float
 forward of the same sequence, and how many requests' tokens equal the plain
 model's greedy decoding (teacher-forced over the run's own tokens: a request's
 tokens equal the plain model's greedy decoding exactly when the plain argmax
-at every generated position is the run's token there).
+at every generated position is the run's token there). The reference runs on
+the model's device (``--device cuda``: the GPU) and is compared on the CPU.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from ..consumers.kv_pool import Family
-from ..models.round_trip import Agreement, RunRecord, reference_logits, run_reference
 from .exactness import TOLERANCE
+
+if TYPE_CHECKING:
+    from ..models.round_trip import RunRecord
 
 
 def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
@@ -45,6 +48,9 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
     ``unquantized``: ``{"max_abs_diff", "greedy_agreement"}`` against the
     plain float model (the same figures as the check when nothing is
     formatted)."""
+    # transformers: imported where the check runs
+    from ..models.round_trip import Agreement, reference_logits, run_reference
+
     formats = {f.name: f.format for f in families if f.format is not None}
     layers = {f.name: tuple(f.layers) for f in families}
     stored, selected = getattr(ex, "stored", None) or {}, getattr(ex, "selected", None) or {}
@@ -61,7 +67,7 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
         got = ex.logits.get(r.index, {})
         if got:
             pos = torch.tensor(sorted(got))
-            ours = torch.stack([got[p] for p in pos.tolist()])
+            ours = torch.stack([got[p] for p in pos.tolist()]).cpu()  # compared on the CPU, as the reference
             worst = max(worst, float((ours - ref[pos]).abs().max()))
             plain_worst = max(plain_worst, float((ours - plain[pos]).abs().max()))
             logits_checked += pos.numel()
@@ -84,6 +90,8 @@ def run_record(r, requests, stored: dict, selected: dict, layers: dict[str, tupl
     it found cached) takes the selection of a request that did, with the same
     tokens up to it, so the reference computes the values the run cached
     there. Raises ``ValueError`` when the run kept no values of ``r``."""
+    from ..models.round_trip import RunRecord  # transformers: imported where the check runs
+
     if r.index not in stored:
         raise ValueError(f"the run recorded no stored values of request {r.spec.id!r}: it cannot be checked")
     S = len(r.seq) - 1

@@ -39,6 +39,7 @@ from typing import Mapping
 import torch
 from transformers import DynamicCache
 
+from ..consumers import placement
 from ..consumers.kv_format import KVFormat
 from .selection import NOISE, indexer_layers, pinned_indexers
 
@@ -194,14 +195,17 @@ def reference_logits(model, seq: torch.Tensor, formats: Mapping[str, KVFormat] |
     """``transformers``' logits ``[S, vocab]`` of ``seq [S]`` (int64): with
     ``formats`` (cache family name -> format, non-empty), one forward with a
     :class:`RoundTripCache` (``use_cache=True``), the quantized reference;
-    without, the plain forward (no cache)."""
+    without, the plain forward (no cache). The forward runs on the model's
+    device (the ids are placed there); the logits come back on the CPU,
+    where ``--check`` compares them."""
     if seq.dim() != 1:
         raise ValueError(f"seq must be 1-D token ids, got shape {tuple(seq.shape)}")
+    ids = placement.place(seq, next(model.parameters()))[None]
     with torch.no_grad():
         if not formats:
-            return model(seq[None]).logits[0]
+            return model(ids).logits[0].cpu()
         cache = RoundTripCache(model.config, formats)
-        return model(seq[None], cache=cache, use_cache=True).logits[0]
+        return model(ids, cache=cache, use_cache=True).logits[0].cpu()
 
 
 def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
@@ -212,7 +216,8 @@ def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
     and, with ``run.selected``, each indexer's top-k pinned to the run's
     (:func:`~cpkv.models.selection.pinned_indexers`). Returns the logits and
     the :class:`Agreement` of the run's values and selection with the
-    reference's. [[RFC-0001:C-EXACTNESS]]"""
+    reference's. Runs on the model's device; the logits come back on the CPU.
+    [[RFC-0001:C-EXACTNESS]]"""
     if seq.dim() != 1:
         raise ValueError(f"seq must be 1-D token ids, got shape {tuple(seq.shape)}")
     if run.selected is not None:
@@ -222,14 +227,15 @@ def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
             raise ValueError(f"a selection of {S} tokens over {n} indexer layers is [{S}, {n}, k] with pinned "
                              f"[{S}]; got {tuple(run.selected.shape)} and "
                              f"{None if run.pinned is None else tuple(run.pinned.shape)}")
+    ids = placement.place(seq, next(model.parameters()))[None]
     cache = RoundTripCache(model.config, formats, run)
     rows: list[dict] = []
     with torch.no_grad():
         if run.selected is None:
-            logits = model(seq[None], cache=cache, use_cache=True).logits[0]
+            logits = model(ids, cache=cache, use_cache=True).logits[0].cpu()
         else:
             with pinned_indexers(model, run.selected, run.pinned, rows):
-                logits = model(seq[None], cache=cache, use_cache=True).logits[0]
+                logits = model(ids, cache=cache, use_cache=True).logits[0].cpu()
     for a in rows:
         cache.agreement.add_rows(a)
     return logits, cache.agreement

@@ -129,7 +129,7 @@ class _Pin(TorchFunctionMode):
             return scale * torch.matmul(w[0, r].abs(), torch.matmul(q[0, r].abs(), kt[0, 0].abs()))[:, 0].float()
 
         return compare_selection(scores[0, rows].float(), band, own[0, rows].long(),
-                                 self.pins[rows].to(scores.device), rows)
+                                 self.pins.to(scores.device)[rows], rows)
 
 
 @contextmanager

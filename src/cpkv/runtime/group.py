@@ -52,8 +52,9 @@ cleans up after them.
 Sizing a group before it starts (memory, cores, start time) is
 :mod:`cpkv.runtime.sizing`.
 
-The group runs on the CPU (gloo) or, with ``device="cuda"``, one GPU per rank
-on NCCL (:mod:`cpkv.runtime.device`; untested on hardware).
+The group runs on the CPU (gloo) or, with ``device="cuda"``, on GPUs as
+:func:`cpkv.runtime.device.plan_devices` plans: one GPU per rank on NCCL, or
+several ranks per GPU on gloo.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class RankContext:
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self.device = torch.device("cpu") if device is None else device  # this rank's device
         self._segments = []
+        self._at_close: list[Callable[[], None]] = []
 
     @property
     def distributed(self) -> bool:
@@ -149,8 +151,16 @@ class RankContext:
             self.barrier(group)
         return t
 
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at :meth:`close`, before any segment is unmapped (the
+        host tier's ``cudaHostUnregister``); last registered, first run."""
+        self._at_close.append(fn)
+
     def close(self) -> None:
-        """Unmap every segment; the creator also unlinks a name still there."""
+        """Run the :meth:`at_close` calls, then unmap every segment; the creator
+        also unlinks a name still there."""
+        while self._at_close:
+            self._at_close.pop()()
         gc.collect()
         for seg, mine in self._segments:
             shm_mod.close(seg)
@@ -237,19 +247,17 @@ def _send(conn, msg) -> None:
             _send(conn, ("error", f"rank 0's result cannot be sent to the launcher: {type(e).__name__}: {e}", None))
 
 
-def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, device: str, outbox: int,
+def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, plan, outbox: int,
                target: Callable, args: tuple) -> None:
     from multiprocessing.connection import Connection
-
-    from .device import process_group_backend, rank_device
 
     out = Connection(outbox, readable=False)
     ctx = RankContext(rank, world_size, prefix)
     try:
         torch.set_num_threads(1)
-        ctx.device = rank_device(device, rank)
+        ctx.device = plan.rank_device(rank)
         if world_size > 1:
-            dist.init_process_group(process_group_backend(device), init_method=f"file://{os.path.join(run_dir, 'pg')}",
+            dist.init_process_group(plan.backend, init_method=f"file://{os.path.join(run_dir, 'pg')}",
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = target(ctx, *args)
         if rank == 0:
@@ -466,16 +474,19 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     ``timeout`` seconds, after stopping every other rank. A
     :class:`KeyboardInterrupt` in the launcher stops the group and propagates.
     Whatever happens, the run leaves no process, shared segment or folder (see
-    the module docstring for the launcher's own death). It may run in any
+    the module docstring for the launcher's own death; on a GPU, a living
+    launcher also removes the CUDA IPC reference counters a killed rank leaves,
+    ``/dev/shm/torch_<rank pid>_*``). It may run in any
     thread: that thread spawns the ranks and waits for them.
-    ``device="cuda"``: rank r on ``cuda:r``, NCCL (``RuntimeError`` before
-    any process starts without enough GPUs; untested on hardware).
+    ``device="cuda"``: as :func:`~cpkv.runtime.device.plan_devices` plans
+    (rank r on ``cuda:(r % GPUs)``; NCCL with one GPU per rank, gloo when
+    ranks share a GPU), or its ``RuntimeError`` before any process starts.
     """
-    from .device import check_devices
+    from .device import plan_devices
 
-    check_devices(device, world_size)
-    if int(world_size) != world_size or world_size < 1:
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    plan = plan_devices(device, int(world_size))
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     world_size = int(world_size)
@@ -496,7 +507,7 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
             try:
                 inbox.send_bytes(messages[r])
                 inbox.send_bytes(work)
-                inbox.send_bytes(pickle.dumps((_rank_main, (r, world_size, prefix, run_dir, timeout, device))))
+                inbox.send_bytes(pickle.dumps((_rank_main, (r, world_size, prefix, run_dir, timeout, plan))))
             except OSError:
                 pass  # the rank is gone already: its exit code says so
             inbox.close()
@@ -521,6 +532,8 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
             reaper.remove(prefix=prefix)
             if run_dir is not None:
                 reaper.remove(path=run_dir)
+            if plan.device == "cuda":  # a killed rank's CUDA IPC reference counters
+                shm_mod.unlink_torch_files([p.pid for p in group.procs])
     if failure is not None:
         raise failure
     return group.result

@@ -84,6 +84,17 @@ def unlink_prefix(prefix: str) -> list[str]:
     return [name for name in sorted(shm_names(prefix)) if unlink(name)]
 
 
+#: PyTorch names its shared files (a CUDA IPC producer's reference counters among them) ``torch_<pid>_...``.
+TORCH_PREFIX = "torch_"
+
+
+def unlink_torch_files(pids) -> list[str]:
+    """Unlink the ``/dev/shm/torch_<pid>_*`` files of processes ``pids`` (ended
+    ranks: a CUDA IPC producer's reference counters stay when it is killed);
+    returns their names."""
+    return [n for pid in pids for n in unlink_prefix(f"{TORCH_PREFIX}{int(pid)}_")]
+
+
 def shm_names(prefix: str = SHM_PREFIX) -> set[str]:
     """Names of the segments in ``/dev/shm`` that start with ``prefix``."""
     try:

@@ -57,9 +57,11 @@ whether its parent is still the agent. A rank whose agent died before it called
 launcher has no such window (:data:`cpkv.runtime.group._BOOT` sets the signal
 before any import).
 
-Backends: gloo on the CPU; ``device="cuda"`` runs ``cpu:gloo,cuda:nccl`` (CPU
-tensors on gloo, CUDA tensors on NCCL, one GPU per local rank); the CUDA path is
-not exercised by this project's tests.
+Backends: gloo on the CPU; ``device="cuda"`` as
+:func:`~cpkv.runtime.device.plan_devices` plans for the node's ranks:
+``cpu:gloo,cuda:nccl`` (CPU tensors on gloo, CUDA tensors on NCCL) with one GPU
+per local rank, gloo when local ranks share a GPU; rank ``LOCAL_RANK`` runs on
+``cuda:(LOCAL_RANK % GPUs)``, and ``ctx.comm`` fences on its device.
 """
 
 from __future__ import annotations
@@ -206,12 +208,14 @@ class JoinedContext(RankContext):
     * ``role`` and ``world`` (:class:`WorldMap`); :meth:`role_group` gives any
       role's process group, :meth:`role_ranks` its ranks;
     * ``comm``: a :class:`~cpkv.runtime.comm.DistComm` on the node's group (the
-      CP group this rank belongs to), ``world_comm`` on the whole world.
+      CP group this rank belongs to) with this rank's ``device``, ``world_comm``
+      on the whole world (the CPU).
 
     Process groups equal to the whole world are the world's group (``None``)."""
 
-    def __init__(self, env: TorchrunEnv, world: WorldMap, prefix: str, groups: dict):
-        super().__init__(env.rank, env.world_size, prefix)
+    def __init__(self, env: TorchrunEnv, world: WorldMap, prefix: str, groups: dict,
+                 device: torch.device | None = None):
+        super().__init__(env.rank, env.world_size, prefix, device)
         self.local_rank, self.local_world_size = env.local_rank, env.local_world_size
         self.world = world
         self.node = world.node_of(env.rank)
@@ -219,7 +223,7 @@ class JoinedContext(RankContext):
         self.role = world.role_of(env.rank)
         self._groups = groups
         self.node_group = groups[("node", self.node)]
-        self.comm = DistComm(self.node_group, self.node_ranks)
+        self.comm = DistComm(self.node_group, self.node_ranks, device=self.device)
         self.world_comm = DistComm()
 
     def role_ranks(self, role: str) -> tuple[int, ...]:
@@ -282,16 +286,6 @@ class _StopGuard:
             self._reaper.remove(prefix=self.prefix)
 
 
-def _backend(device: str) -> str:
-    if device == "cpu":
-        return "gloo"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available here; use device='cpu'")
-        return "cpu:gloo,cuda:nccl"
-    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-
-
 def _make_groups(world: WorldMap, world_size: int) -> dict:
     """Every node's and every role's group, made by every rank in the same order."""
     everyone = tuple(range(world_size))
@@ -311,8 +305,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     torchrun may have numbered otherwise).
 
     Collective: every rank of the world calls it, from its main thread.
-    Initialises ``torch.distributed`` from ``env://`` (gloo; ``device="cuda"``
-    adds NCCL for CUDA tensors and sets this rank's GPU to its local rank) with
+    Initialises ``torch.distributed`` from ``env://`` (gloo; ``device="cuda"``:
+    the backend and this rank's GPU that
+    :func:`~cpkv.runtime.device.plan_devices` plans for the node's local ranks) with
     ``timeout`` seconds for any collective, agrees on a run id (global rank 0's)
     and on the node and role of every rank, makes every node's and role's group,
     runs the target, waits at a barrier for every rank to finish it, and tears
@@ -321,7 +316,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     for this rank's place; ``env://`` itself always reads ``os.environ``.
 
     Raises ``RuntimeError`` when this process was not started by torchrun (see
-    :func:`torchrun_env`) or not from the main thread, ``ValueError`` on a bad
+    :func:`torchrun_env`) or not from the main thread, or a ``device="cuda"``
+    that :func:`~cpkv.runtime.device.plan_devices` refuses (the reason, as
+    ``cpkv run`` gives it), ``ValueError`` on a bad
     environment, ``timeout`` or ``device``; whatever ``target`` raises
     propagates after this rank unlinked its node's segments (so the process
     exits non-zero and torchrun stops the others). Implements the run-time side
@@ -335,7 +332,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
         raise RuntimeError("join() must run in the main thread (it installs signal handlers)")
     if not (timeout > 0 and timeout < float("inf")):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    backend = _backend(device)
+    from .device import plan_devices
+
+    plan = plan_devices(device, env.local_world_size)
     if role is not None and (not isinstance(role, str) or not role):
         raise ValueError(f"role must be a non-empty string, got {role!r}")
     if role is not None:
@@ -344,9 +343,8 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     ctx, ok = None, False
     try:
         torch.set_num_threads(1)
-        if device == "cuda":
-            torch.cuda.set_device(env.local_rank)
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        rank_device = plan.rank_device(env.local_rank)
+        dist.init_process_group(plan.backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout))
         mine = (env.node, env.local_rank, env.local_world_size, env.role, os.getpid(), uuid.uuid4().hex[:8])
         everyone = [None] * env.world_size
@@ -356,7 +354,7 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
         creator_pid, run_id = everyone[world.nodes[node][0]][4], everyone[0][5]
         prefix = shm_mod.run_prefix(f"{run_id}_n{node}", pid=creator_pid)
         guard.watch(prefix)  # before this rank can create a name under it
-        ctx = JoinedContext(env, world, prefix, _make_groups(world, env.world_size))
+        ctx = JoinedContext(env, world, prefix, _make_groups(world, env.world_size), rank_device)
         result = target(ctx, *args)
         dist.barrier()  # every rank is done with every segment before any prefix is unlinked
         ok = True

@@ -58,8 +58,7 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     agree(world, side, fams, cfg.prefill_size)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
-    parts = build_rank(cfg, adapter, mine.layout, group, shared, ctl.max_len + 1,
-                       cfg.host_pages if side == "prefill" else 0, page_table=mine.table)
+    parts = build_rank(cfg, adapter, mine.layout, group, shared, cfg.host_pages if side == "prefill" else 0)
     runner = parts.runner
     link = TransferLink(cfg, world.rank, side, parts.pool, transport)
     ex = RankExecutor(runner, parts.host, check=cfg.check, receive=link.receive if side == "decode" else None)
