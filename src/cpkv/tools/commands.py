@@ -131,11 +131,17 @@ def cmd_bench(args) -> int:
 
 
 def cmd_bench_kvdtype(args) -> int:
-    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces."""
+    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces;
+    :data:`EXIT_CHECK_FAILED` (one line on stderr) when an accuracy row is not exact."""
     from .bench.kvdtype import bench_kvdtype, format_kvdtype
 
     report = bench_kvdtype(args.kv_dtype, cp=args.cp)
     print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
+    bad = [f"{r['model']} {r['trace']} {r['kv dtype']}: {r['exact']}" for r in report["accuracy"]
+           if r["exact"] != "yes"]
+    if bad:
+        print(f"FAIL: not exact: {'; '.join(bad)}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     return EXIT_OK
 
 
@@ -448,11 +454,14 @@ def default_cp_size() -> int:
 
 
 def check_exit(r: dict, args) -> int:
-    """:data:`EXIT_CHECK_FAILED` (with one line on stderr) when the run's check failed
-    beyond ``--tolerance``, else :data:`EXIT_OK`."""
+    """:data:`EXIT_CHECK_FAILED` (with one line on stderr) when the run's check
+    failed (:func:`~cpkv.engine.exactness.failures`, logits within
+    ``--tolerance`` when given), else :data:`EXIT_OK`."""
+    from ..engine.exactness import failures
+
     c = r["check"]
-    if c is not None and (c["max_abs_diff"] > args.tolerance or c["requests_matched"] != c["requests"]):
-        print(f"FAIL: max abs logit difference {c['max_abs_diff']:.3g} (tolerance {args.tolerance:g}), "
-              f"greedy tokens equal for {c['requests_matched']} of {c['requests']} requests", file=sys.stderr)
+    why = failures(c, args.tolerance) if c is not None else []
+    if why:
+        print(f"FAIL: {'; '.join(why)}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK

@@ -48,9 +48,11 @@ class CheckFailed(RuntimeError):
 
 
 def _checked(r: dict, tolerance: float) -> dict:
-    c = r["check"]
-    if c is None or c["requests_matched"] != c["requests"] or c["max_abs_diff"] > tolerance:
-        raise CheckFailed(f"{r['config']['kv']} run failed its check: {c}")
+    from ...engine.exactness import failures
+
+    why = failures(r["check"], tolerance)
+    if why:
+        raise CheckFailed(f"{r['config']['kv']} run failed its check: {'; '.join(why)}")
     return r
 
 
