@@ -102,8 +102,9 @@ def test_the_wheel_without_extras_in_a_fresh_venv(tmp_path):
     """``pip install cpkv`` as a user does it: the wheel built from this checkout (no dependencies),
     installed with its own requirements only into a fresh venv (torch from wherever pip finds torch==2.13.0:
     a local wheel where one is configured), then ``import cpkv`` and a small allocation there, with no
-    optional package installed. Measured on a 2-core machine under load: about 3 minutes (2 min 44 s, 33 CPU
-    seconds), past the suite's budget: marked ``slow``."""
+    optional package installed. Measured on a 2-core machine shared with other jobs: 2 min 44 s by hand (33 CPU
+    seconds, nearly all of it pip installing torch) and 6 min 6 s as a test under a load of 35, past the
+    suite's budget: marked ``slow``."""
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     pip = dict(capture_output=True, text=True, timeout=1200)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
