@@ -35,6 +35,17 @@ def test_a_longer_chain_copies_only_the_pages_the_host_lacks():
     assert torch.equal(d, torch.arange(58, 62)) and h.numel() == 4 and host.used_pages() == 3
 
 
+def test_a_chain_longer_than_the_host_is_backed_up_as_far_as_it_holds():
+    """A device chain of more pages than the whole host tier (a Mooncake request of 2,720 tokens against
+    64 host pages of 16) keeps its first pages; it used to raise UnsupportedPagePlan (exceeds-capacity)."""
+    host = HostTier(3, S)
+    host.backup((9,) * 4, torch.arange(4))
+    d, h = host.backup(tuple(range(22)), torch.arange(100, 122))  # 5 whole pages, 3 held by the host
+    assert torch.equal(d, torch.arange(100, 112)) and h.numel() == 12 and host.used_pages() == 3
+    hit = PrefixCache(OwnerLaneAllocator(64, S, 2)).lookup(tuple(range(22)))
+    assert host.lookup(tuple(range(22)), hit) == 12  # the chain's first three pages; the older chain evicted
+
+
 def test_a_full_host_evicts_least_recently_used_chains_but_not_pinned_ones():
     host = HostTier(2, S)
     host.backup((1,) * 4, torch.arange(4))

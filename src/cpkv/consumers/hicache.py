@@ -92,8 +92,10 @@ class HostTier:
         (every token from the root through the evicted node). Allocates host
         slots for the whole pages the host lacks (evicting host pages LRU) and
         indexes them; returns ``(device_slots, host_slots)`` to copy, or
-        ``None`` when the host holds them already or has no room."""
-        n = len(tokens) // self.S * self.S
+        ``None`` when the host holds them already or has no room. A chain
+        longer than the whole host tier is backed up as far as it holds
+        (its first ``num_pages`` pages)."""
+        n = min(len(tokens) // self.S, self.num_pages) * self.S
         if n == 0:
             return None
         tokens = np.asarray(tokens)[:n]
