@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from ..models import TinyDsa, TinyLlama
+from .mooncake import load_mooncake, mooncake_path
 from .trace import WORKLOADS, RequestSpec, load_jsonl
 
 
@@ -37,8 +38,12 @@ class RunConfig:
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
     ``kv_dtype`` what the caches store (:data:`~cpkv.models.KV_DTYPES`:
     ``"float32"``, ``"bfloat16"`` or ``"fp8"``, the model's FP8 formats;
-    pools, host tier and transfers alike); ``workload`` a built-in trace or a JSONL path, with ``requests`` and
-    ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
+    pools, host tier and transfers alike); ``workload`` a built-in trace, a JSONL path or a Mooncake trace
+    (``mooncake:PATH``, or a file recognised by its fields: :mod:`cpkv.engine.mooncake`), with ``requests`` and
+    ``scale`` for the built-in ones; a Mooncake trace takes its first ``requests``, those arriving in its first
+    ``window_ms`` (None: all), at ``block_tokens`` tokens a hash id (its lengths scaled with them), outputs
+    capped at ``max_output`` (None: none), each arriving at step ``timestamp // step_ms``;
+    ``check`` compares with ``transformers``;
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
@@ -74,6 +79,10 @@ class RunConfig:
     requests: int = 8
     scale: float = 0.1
     seed: int = 0
+    block_tokens: int = 16
+    window_ms: int | None = None
+    max_output: int | None = None
+    step_ms: float = 1000.0
     model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
     check_plans: bool = False
@@ -144,10 +153,15 @@ class RunConfig:
         return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page), page)
 
     def trace(self) -> list[RequestSpec]:
-        """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""
+        """The requests of this run (``TraceError``/``OSError`` for a bad JSONL or Mooncake file,
+        ``ValueError`` for a Mooncake slice with no request)."""
         vocab = self.model.vocab
         if self.workload in WORKLOADS:
             return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
+        path = mooncake_path(self.workload)
+        if path is not None:
+            return load_mooncake(path, block=self.block_tokens, requests=self.requests, window_ms=self.window_ms,
+                                 max_output=self.max_output, step_ms=self.step_ms, vocab=vocab).specs
         return load_jsonl(self.workload, vocab=vocab)
 
     def run_fields(self) -> dict:
