@@ -123,6 +123,27 @@ BAD = [
     (["run", "--device", "tpu"], "--device"),
     (["bench", "kv", "--kernels", "cuda"], "--kernels"),
     (["bench", "plan", "--device", "cuda"], "--device"),  # refused without CUDA, and bench plan is CPU-only
+    # Mooncake traces: cpkv run's slice of one, cpkv simulate's replay (its flags refused with built-in traces)
+    (["run", "--workload", "mooncake:/no/such/trace.jsonl"], "--workload"),
+    (["run", "--block-tokens", "0"], "--block-tokens"),
+    (["run", "--block-tokens", "513"], "--block-tokens"),
+    (["run", "--window", "0"], "--window"),
+    (["run", "--max-output", "-1"], "--max-output"),
+    (["run", "--step-ms", "0"], "--step-ms"),
+    (["simulate", "--kv", "copied"], "--kv"),
+    (["simulate", "--kv-memory", "1XB"], "--kv-memory"),
+    (["simulate", "--kv-dtype", "float32"], "--kv-dtype"),
+    (["simulate", "--host-memory", "0,lots"], "--host-memory"),
+    (["simulate", "--decode-split", "page"], "--decode-split"),
+    (["simulate", "--chunk", "0"], "--chunk"),
+    (["simulate", "--max-running", "0"], "--max-running"),
+    (["simulate", "--requests", "0"], "--requests"),
+    (["simulate", "--gpu-results", "/no/such/results.json"], "--gpu-results"),
+    (["simulate", "--markdown=1"], "--markdown"),
+    (["simulate", "--block-tokens", "0"], "--block-tokens"),
+    (["simulate", "--window", "x"], "--window"),
+    (["simulate", "--max-output", "0"], "--max-output"),
+    (["simulate", "--workload", "longdoc", "--kv", "shared"], "--kv"),  # a replay flag with a built-in trace
 ]
 
 

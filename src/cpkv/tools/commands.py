@@ -14,15 +14,20 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def cmd_simulate(args) -> int:
-    """``cpkv simulate``: each workload through the scheduler without a model, policies side by side."""
-    from .table import format_rows
-    from .simulate import SIM_WORKLOADS as WORKLOADS, compare, plot
+    """``cpkv simulate``: each workload through the scheduler without a model, policies side by side; or
+    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`)."""
+    if args.mooncake:
+        from .replay_report import cmd_replay
 
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+        return cmd_replay(args)
+    from .table import format_rows
+    from .simulate import POLICIES, SIM_WORKLOADS as WORKLOADS, compare, plot
+
+    names = list(WORKLOADS) if "all" in args.workload else list(dict.fromkeys(args.workload))
     results, tables = [], []
     for name in names:
         w = WORKLOADS[name](seed=args.seed)
-        runs = compare(w, policies=args.policies, cp_size=args.cp, page_size=args.page,
+        runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
                        lane_pages=args.lane_pages, admission=args.admission,
                        progress=not args.no_progress and not args.json)
         results += runs
@@ -46,13 +51,34 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
+#: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
+BUILTIN_ONLY = ("policies", "lane_pages")
+MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests",
+                 "gpu_results", "markdown", "window", "max_output")
+
+
 def validate_simulate(args, parser) -> None:
-    """``--plot`` needs matplotlib."""
+    """``--plot`` needs matplotlib; built-in and Mooncake workloads are not mixed, and each takes only its own
+    flags; sets ``args.mooncake`` and ``args.page`` (16, or 64 for Mooncake traces)."""
     if args.plot:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: pip install 'cpkv[plot]'")
+    from .simulate import SIM_WORKLOADS
+
+    builtin = [w for w in args.workload if w in SIM_WORKLOADS or w == "all"]
+    if builtin and len(builtin) != len(args.workload):
+        parser.error("--workload: built-in traces and Mooncake traces are simulated apart; give one kind")
+    args.mooncake = not builtin
+    wrong = [f for f in (BUILTIN_ONLY if args.mooncake else MOONCAKE_ONLY) if getattr(args, f) not in (None, False)]
+    if not args.mooncake and args.block_tokens != 512:
+        wrong.append("block_tokens")
+    if wrong:
+        kind = "Mooncake traces" if args.mooncake else "built-in traces"
+        parser.error(f"{', '.join('--' + f.replace('_', '-') for f in wrong)} do not apply to {kind}")
+    if args.page is None:
+        args.page = 64 if args.mooncake else 16
 
 
 def cmd_bench(args) -> int:
@@ -252,7 +278,8 @@ def run_config(args):
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
         progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events, device=args.device,
-        kernels=args.kernels,
+        kernels=args.kernels, block_tokens=args.block_tokens, window_ms=args.window, max_output=args.max_output,
+        step_ms=args.step_ms,
     )
 
 
