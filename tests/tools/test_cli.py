@@ -144,6 +144,13 @@ BAD = [
     (["simulate", "--window", "x"], "--window"),
     (["simulate", "--max-output", "0"], "--max-output"),
     (["simulate", "--workload", "longdoc", "--kv", "shared"], "--kv"),  # a replay flag with a built-in trace
+    (["bench", "capacity", "--workload", "multiturn"], "--workload"),  # bench takes a Mooncake trace only
+    (["bench", "alloc", "--workload", "README.md"], "--workload"),
+    (["bench", "capacity", "--requests", "0"], "--requests"),
+    (["bench", "capacity", "--block-tokens", "1000"], "--block-tokens"),
+    (["bench", "capacity", "--window", "0"], "--window"),
+    (["bench", "capacity", "--max-output", "0"], "--max-output"),
+    (["bench", "capacity", "--step-ms", "-1"], "--step-ms"),
 ]
 
 

@@ -22,7 +22,7 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
 from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_mooncake_flags, comma_choices,
-                    disagg_arg, existing_file, finite_float, non_negative, output_file, positive, positive_list,
+                    disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file, positive, positive_list,
                     simulate_workload_arg, size_arg, size_list, workload_arg, zmq_endpoint)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -121,6 +121,12 @@ def _add_bench(sub) -> None:
                    help="capacity: start each run's ranks as processes (default, as a deployment runs them) or as "
                         "threads of this process (quicker to start; their Python runs one rank at a time)")
     add_device_flags(b)
+    b.add_argument("--workload", type=mooncake_arg, default=None, metavar="PATH",
+                   help="capacity: a Mooncake trace (mooncake:PATH, or a file with its fields) instead of the longdoc "
+                        "trace, sliced and scaled by the flags below")
+    b.add_argument("--requests", type=positive, default=200,
+                   help="capacity with a Mooncake --workload: its first K requests (default 200)")
+    add_mooncake_flags(b, block=16)
     b.set_defaults(func=cmd_bench, validate=validate_bench)
 
 

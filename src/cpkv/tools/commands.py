@@ -145,17 +145,18 @@ def cmd_bench_capacity(args) -> int:
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory),
-                                 ranks=args.ranks_as, rounds=args.repeats or 5)
+        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats or 5)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
     except CheckFailed as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    trace = (f"{args.workload}, its first {args.requests} requests at {args.block_tokens} tokens a block" if args.workload
+             else "longdoc trace")
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
                             f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
-                            "run to the end; longdoc trace; every run checked against transformers"))
+                            f"run to the end; {trace}; every run checked against transformers"))
     return EXIT_OK
 
 
@@ -177,6 +178,8 @@ def validate_bench(args, parser) -> None:
         parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
     if args.what == "capacity":
         refuse_capacity_unless_fits(args, parser)
+    elif args.workload:
+        parser.error("--workload (a Mooncake trace) applies to bench capacity only")
 
 
 def refuse_capacity_unless_fits(args, parser) -> None:
@@ -187,15 +190,31 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     own message."""
     import dataclasses
 
-    from ..engine.config import EngineConfig, engine_footprint
+    from ..engine.config import engine_footprint
+    from ..engine.trace import TraceError
 
     try:
-        base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory)
+        base = capacity_config(args)
+        if args.workload:
+            base.trace()
+    except TraceError as e:
+        parser.error(f"--workload: {e}")
     except ValueError:
         return
     for kv in ("shared", "replicated"):
         cfg = dataclasses.replace(base, kv=kv, check=True, host_pages=0)
         refuse_unless_fits(parser, engine_footprint(cfg), timeout=cfg.timeout)
+
+
+def capacity_config(args):
+    """``cpkv bench capacity``'s :class:`~cpkv.engine.config.EngineConfig`: the group, the memory, and a
+    Mooncake ``--workload`` slice when one is given (``ValueError`` for a memory that holds no page)."""
+    from ..engine.config import EngineConfig
+
+    trace = {} if not args.workload else dict(workload=args.workload, requests=args.requests, step_ms=args.step_ms,
+                                               block_tokens=args.block_tokens, window_ms=args.window,
+                                               max_output=args.max_output)
+    return EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, **trace)
 
 
 def cmd_bench_splits(args) -> int:

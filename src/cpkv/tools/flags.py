@@ -254,6 +254,20 @@ def simulate_workload_arg(text: str) -> str:
 simulate_workload_arg.__name__ = "workload"
 
 
+def mooncake_arg(text: str) -> str:
+    """A ``type=`` for a Mooncake trace: ``mooncake:PATH`` or a file recognised by its fields."""
+    from ..engine.mooncake import mooncake_path
+
+    path = mooncake_path(text)
+    if path is None or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Mooncake trace file (timestamp, input_length, "
+                                         "output_length, hash_ids)")
+    return text
+
+
+mooncake_arg.__name__ = "Mooncake trace"
+
+
 def existing_file(text: str) -> str:
     """A ``type=`` for a file to read: it must exist."""
     if not Path(text).is_file():
