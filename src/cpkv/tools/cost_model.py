@@ -307,5 +307,6 @@ class CostModel:
 
 
 def _sum_min(x: np.ndarray, k: int) -> np.ndarray:
-    """``sum_{q=1..x} min(q, k)`` for every entry of ``x``."""
-    return np.where(x <= k, x * (x + 1) / 2, k * (k + 1) / 2 + (x - k) * k)
+    """``sum_{q=1..x} min(q, k)`` for every entry of ``x``: the first ``min(x, k)`` terms rise by one, the rest are ``k``."""
+    m = np.minimum(x, k)
+    return m * (m + 1) / 2 + (x - m) * k
