@@ -116,7 +116,7 @@ MARKDOWN_COLUMNS = (
     ("TPOT p50 / p99 (ms)", lambda s: f"{s['TPOT p50 ms']:.1f} / {s['TPOT p99 ms']:.1f}"),
     ("tokens/s", lambda s: f"{s['tokens/s']:.0f}"),
     ("max wait / behind (s)", lambda s: f"{s['max wait s']:.1f} / {s['behind s']:.1f}"),
-    ("sim (s)", lambda s: f"{s['sim s']:.0f}"),
+    ("sim wall / cpu (s)", lambda s: f"{s['sim s']:.0f} / {s['sim cpu s']:.0f}"),
 )
 
 
