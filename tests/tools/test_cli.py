@@ -138,6 +138,7 @@ BAD = [
     (["simulate", "--chunk", "0"], "--chunk"),
     (["simulate", "--max-running", "0"], "--max-running"),
     (["simulate", "--requests", "0"], "--requests"),
+    (["simulate", "--rate", "0"], "--rate"),
     (["simulate", "--gpu-results", "/no/such/results.json"], "--gpu-results"),
     (["simulate", "--markdown=1"], "--markdown"),
     (["simulate", "--block-tokens", "0"], "--block-tokens"),

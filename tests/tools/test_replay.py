@@ -99,6 +99,9 @@ def test_the_queue_and_the_host_tier_on_a_synthetic_trace(tmp_path):
     assert plain.max_waiting > 0 and plain.behind_ms > 0 and plain.refused == 0
     assert host.host_hit_tokens > 0 and plain.host_hit_tokens == 0
     assert host.hit_tokens + host.host_hit_tokens > plain.hit_tokens
+    fast = replay(trace, "replicated", dataclasses.replace(base, rate=4))  # the same trace, four times the rate
+    assert fast.last_arrival_ms == plain.last_arrival_ms / 4 and fast.finished == plain.finished
+    assert fast.max_wait_ms > plain.max_wait_ms and fast.makespan_ms < plain.makespan_ms + plain.last_arrival_ms
     with pytest.raises(ValueError, match="unknown clock"):
         replay(trace, "shared", base, clock="hours")
     with pytest.raises(ValueError, match="unknown kv mode"):
@@ -107,6 +110,8 @@ def test_the_queue_and_the_host_tier_on_a_synthetic_trace(tmp_path):
         replay(trace, "shared", ReplayConfig(kv_memory=1000))
     with pytest.raises(ValueError, match="decode_split"):
         ReplayConfig(decode_split="zigzag")
+    with pytest.raises(ValueError, match="rate"):
+        ReplayConfig(rate=0)
 
 
 def test_equal_batch_rows_judge_tpot_at_the_same_batch():

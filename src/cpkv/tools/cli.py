@@ -81,6 +81,8 @@ def _add_replay_flags(s) -> None:
     g.add_argument("--chunk", type=positive, default=None, help="prefill tokens per step (default 8192)")
     g.add_argument("--max-running", type=positive, default=None, help="requests running at once (default 256)")
     g.add_argument("--requests", type=positive, default=None, help="only the trace's first K requests")
+    g.add_argument("--rate", type=finite_float(0, inclusive=False), default=None, metavar="X",
+                   help="arrivals X times as fast as the timestamps say (default 1: the trace's own)")
     g.add_argument("--gpu-results", type=existing_file, default=None, metavar="PATH",
                    help="a results.json whose cost_model object replaces the H200 datasheet figures by measured ones")
     g.add_argument("--markdown", action="store_true", help="print the README's markdown table")

@@ -53,7 +53,7 @@ def cmd_simulate(args) -> int:
 
 #: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
 BUILTIN_ONLY = ("policies", "lane_pages")
-MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests",
+MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests", "rate",
                  "gpu_results", "markdown", "window", "max_output")
 
 

@@ -53,7 +53,9 @@ class ReplayConfig:
     ``kv_dtype`` (``"bfloat16"`` or ``"fp8"``), ``host_memory`` bytes of
     host tier for the group (0: none), the scheduler's ``chunk``,
     ``max_running`` and ``admission``, the shared cache's ``decode_split``
-    (``"owner"`` or ``"lse"``) and the GPU's figures ``hw``."""
+    (``"owner"`` or ``"lse"``), the GPU's figures ``hw``, and ``rate``: the
+    arrivals come ``rate`` times as fast as the trace's timestamps say (1:
+    the trace's own; more loads the group until it falls behind)."""
 
     cp_size: int = 8
     page_size: int = 64
@@ -65,6 +67,7 @@ class ReplayConfig:
     admission: str = "lanes"
     decode_split: str = "owner"
     hw: Hardware = H200
+    rate: float = 1.0
 
     def __post_init__(self):
         if self.kv_memory is None:
@@ -75,6 +78,8 @@ class ReplayConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(self.host_memory, bool) or not isinstance(self.host_memory, int) or self.host_memory < 0:
             raise ValueError(f"host_memory must be an int >= 0, got {self.host_memory!r}")
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not self.rate > 0:
+            raise ValueError(f"rate must be a number > 0, got {self.rate!r}")
         if self.decode_split not in ("owner", "lse"):
             raise ValueError(f"decode_split must be 'owner' or 'lse', got {self.decode_split!r}")
 
@@ -182,7 +187,7 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
         raise ValueError(f"unknown clock {clock!r}; choose from {CLOCKS}")
     model = cfg.cost_model(kv)
     t0, c0 = time.perf_counter(), time.process_time()
-    arrival = np.asarray(trace.arrival_ms, dtype=np.float64)
+    arrival = np.asarray(trace.arrival_ms, dtype=np.float64) / cfg.rate
     n = len(trace.specs)
     if clock == "steps":
         sched = build_replay_scheduler(cfg, kv, trace.specs, model.kv_token_bytes)

@@ -197,7 +197,8 @@ def cmd_replay(args) -> int:
 
     hw = H200.with_results(args.gpu_results) if args.gpu_results else H200
     base = ReplayConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, hw=hw,
-                        chunk=args.chunk or 8192, max_running=args.max_running or 256, admission=args.admission)
+                        chunk=args.chunk or 8192, max_running=args.max_running or 256, admission=args.admission,
+                        rate=args.rate or 1.0)
     traces = []
     for w in args.workload:
         t = load_mooncake(w, block=args.block_tokens, requests=args.requests, window_ms=args.window,
@@ -217,7 +218,8 @@ def cmd_replay(args) -> int:
     else:
         default = "" if args.kv_memory else " (an H200's KV beside a DeepSeek-V3.2 shard)"
         print(format_rows(rows, f"Mooncake replay: CP {args.cp}, page {args.page}, {base.kv_memory:,} bytes of device KV "
-                                f"per rank{default}, chunk {base.chunk}, max running {base.max_running}; "
+                                f"per rank{default}, chunk {base.chunk}, max running {base.max_running}, arrivals at "
+                                f"{base.rate:g}x the trace's rate; "
                                 f"DeepSeek-V3.2 on {hw.name}; times modelled (cpkv.tools.cost_model)"))
         if goals:
             print()
