@@ -137,6 +137,17 @@ def test_slicing_by_requests_and_window_and_arrival_steps(tmp_path):
     assert [s.id for s in t.specs] == ["line1", "line2", "line3", "line4"]
     with pytest.raises(ValueError, match="step_ms"):
         load_mooncake(path, step_ms=0)
+    with pytest.raises(TraceError, match="no request arrives in the first 1 ms"):
+        load_mooncake(write(tmp_path, GOOD[2:], "late.jsonl"), window_ms=1)
+
+
+def test_a_slice_reads_only_its_own_lines(tmp_path):
+    """A slice stops reading where it ends: a malformed line past it is not seen; one inside it is refused."""
+    path = write(tmp_path, GOOD[:3] + ["{broken"])
+    assert len(load_mooncake(path, requests=3).specs) == 3 and len(load_mooncake(path, window_ms=5).specs) == 2
+    for kw in ({"requests": 4}, {"window_ms": 6}, {}):
+        with pytest.raises(TraceError, match=f"{path}:4: not JSON"):
+            load_mooncake(path, **kw)
 
 
 def test_lazy_prompts_equal_the_tuples(tmp_path):

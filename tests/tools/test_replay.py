@@ -23,8 +23,8 @@ needs_data = pytest.mark.skipif(not Path(CONVERSATION).is_file(),
                                 reason=f"the Mooncake traces are not at {DATA} (../shared/data/mooncake)")
 
 #: A scaled slice for the CPU: 16-token blocks, outputs capped, two ranks, a cache that evicts.
-SLICE = dict(requests=6, block_tokens=16, max_output=3, step_ms=3000)
-GROUP = dict(cp_size=2, page_size=16, device_pages=20, host_pages=0, chunk=256, max_running=4)
+SLICE = dict(requests=5, block_tokens=16, max_output=2, step_ms=3000)
+GROUP = dict(cp_size=2, page_size=16, device_pages=18, host_pages=0, chunk=512, max_running=4)
 
 
 def replay_config_of(cfg: EngineConfig) -> tuple[ReplayConfig, float]:
@@ -38,12 +38,14 @@ def replay_config_of(cfg: EngineConfig) -> tuple[ReplayConfig, float]:
 @needs_data
 @pytest.mark.parametrize("kv", ["shared", "replicated"])
 def test_a_scaled_slice_runs_exactly_and_the_simulator_schedules_it_alike(llama, kv):
-    """The engine on a slice of the conversation trace (shared prefixes intact) matches transformers, and
-    the simulator's mode of the same name admits, hits, evicts and finishes every request in the same steps."""
-    cfg = EngineConfig(workload=f"mooncake:{CONVERSATION}", kv=kv, check=True, **SLICE, **GROUP)
+    """The engine on a slice of the conversation trace (shared prefixes intact) matches transformers (the
+    shared cache; the replicated one's exactness is tests/engine/test_replicated.py's), and the simulator's
+    mode of the same name admits, hits, evicts and finishes every request in the same steps."""
+    cfg = EngineConfig(workload=f"mooncake:{CONVERSATION}", kv=kv, check=kv == "shared", **SLICE, **GROUP)
     r = run_engine_threads(cfg, llama)
     c = r["check"]
-    assert c["max_abs_diff"] < 1e-4 and c["requests_matched"] == c["requests"] == SLICE["requests"]
+    if kv == "shared":
+        assert c["max_abs_diff"] < 1e-4 and c["requests_matched"] == c["requests"] == SLICE["requests"]
     assert r["evicted_pages"] > 0 and r["device_hit_rate"] > 0  # the slice shares prefixes and fills the cache
     rc, _ = replay_config_of(cfg)
     trace = load_mooncake(CONVERSATION, block=16, requests=SLICE["requests"], max_output=SLICE["max_output"],
@@ -126,17 +128,17 @@ def test_equal_batch_rows_judge_tpot_at_the_same_batch():
 def test_the_simulate_command_replays_prints_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "m.png"
-    args = ["simulate", "--workload", f"mooncake:{CONVERSATION}", "--requests", "12", "--max-output", "8", "--kv-dtype", "fp8",
-            "--host-memory", "0", "--no-progress"]
+    args = ["simulate", "--workload", f"mooncake:{CONVERSATION}", "--requests", "5", "--max-output", "4",
+            "--kv-dtype", "fp8", "--host-memory", "0", "--no-progress"]
     assert main(args + ["--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "shared (owner)" in out and "replicated" in out and "goal >= 7.6" in out and "decode step at equal batch" in out
     for name in ("resident", "hits", "ttft", "tpot"):
         f = tmp_path / f"m-{name}.png"
         assert f.stat().st_size > 1000 and f"plot: {f}" in out
-    assert main(args + ["--json"]) == 0
+    assert main(args + ["--json", "--kv", "replicated"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert [r["kv"] for r in got["runs"]] == ["shared (owner)", "replicated"] and got["goals"] and got["equal_batch"]
+    assert [r["kv"] for r in got["runs"]] == ["replicated"] and not got["goals"] and got["equal_batch"]
     assert main(args + ["--markdown", "--kv", "shared"]) == 0
     assert capsys.readouterr().out.startswith("| trace | KV | host tier | mode |")
 

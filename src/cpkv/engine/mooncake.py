@@ -114,17 +114,20 @@ def parse_record(text: str, line: int = 0) -> MooncakeRecord:
     return MooncakeRecord(ts, n_in, n_out, tuple(ids), line)
 
 
-def read_mooncake(path: str) -> list[MooncakeRecord]:
-    """Every request of the Mooncake trace at ``path``, validated line by line
+def read_mooncake(path: str, limit: int | None = None, before_ms: int | None = None) -> list[MooncakeRecord]:
+    """The requests of the Mooncake trace at ``path``, validated line by line
     and across lines (timestamps never decrease; an id always follows the same
-    id): ``TraceError`` naming ``path:line`` and the reason."""
+    id): ``TraceError`` naming ``path:line`` and the reason. Reading stops
+    after ``limit`` requests or at the first arriving at ``before_ms`` or
+    later (a slice reads only its own lines; ``None``: the whole file)."""
     out: list[MooncakeRecord] = []
     parent: dict[int, tuple[int, int]] = {}  # id -> (the id before it, -1 at the start; the line that said so)
-    last_ts = 0
+    last_ts, lines = 0, 0
     with open(path, encoding="utf-8") as f:
         for n, text in enumerate(f, 1):
             if not text.strip():
                 continue
+            lines += 1
             try:
                 rec = parse_record(text, n)
                 if rec.timestamp < last_ts:
@@ -142,8 +145,12 @@ def read_mooncake(path: str) -> list[MooncakeRecord]:
             except TraceError as e:
                 raise TraceError(f"{path}:{n}: {e}") from None
             last_ts = rec.timestamp
+            if before_ms is not None and rec.timestamp >= before_ms:
+                break
             out.append(rec)
-    if not out:
+            if limit is not None and len(out) >= limit:
+                break
+    if not lines:
         raise TraceError(f"{path}: no requests")
     return out
 
@@ -151,7 +158,7 @@ def read_mooncake(path: str) -> list[MooncakeRecord]:
 def take(records: list[MooncakeRecord], requests: int | None = None, window_ms: int | None = None) -> list[MooncakeRecord]:
     """A slice from the trace's start: the requests arriving before
     ``window_ms``, then the first ``requests`` of them (``None``: no limit).
-    ``ValueError`` for a limit below 1 or a slice with no request."""
+    ``ValueError`` for a limit below 1, ``TraceError`` for a slice with no request."""
     for name, v in (("requests", requests), ("window_ms", window_ms)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
@@ -301,7 +308,7 @@ class MooncakeTrace:
 def load_mooncake(path: str, *, block: int = BLOCK_TOKENS, requests: int | None = None, window_ms: int | None = None,
                   max_output: int | None = None, step_ms: float = 1000.0, vocab: int | None = None,
                   lazy: bool = False) -> MooncakeTrace:
-    """Read, slice (:func:`take`), scale (:func:`scale_lengths`) and turn into
+    """Read (only the slice's lines), slice (:func:`take`), scale (:func:`scale_lengths`) and turn into
     tokens the Mooncake trace at ``path`` (``mooncake:`` prefix allowed).
     ``lazy``: prompts are :class:`BlockPrompt` (built when read), else
     tuples. ``TraceError`` for a malformed line (``path:line``),
@@ -309,7 +316,7 @@ def load_mooncake(path: str, *, block: int = BLOCK_TOKENS, requests: int | None 
     if not step_ms > 0:
         raise ValueError(f"step_ms must be > 0, got {step_ms!r}")
     path = path.removeprefix(MOONCAKE_PREFIX)
-    records = take(read_mooncake(path), requests, window_ms)
+    records = take(read_mooncake(path, requests, window_ms), requests, window_ms)
     inputs, outputs = scale_lengths(records, block, max_output)
     book = TokenBook(records, block, vocab)
     specs = []
