@@ -29,10 +29,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/cpkv bench all
 
-# on a machine with a CUDA GPU: the GPU-marked tests, cpkv run --device cuda --check, bench kv and splits at
-# 32K and 128K tokens, under 8 minutes; results in gpu-check/ (stops at once, exit 2, without CUDA)
-gpu-check: $(STAMP)
-	PY=$(PY) tools/gpu_check.sh gpu-check
+# on a machine with a CUDA GPU: the one prepared device run (tools/gpu_check.py: kernels, bandwidth, cpkv run
+# --device cuda --check at N 1, 2, 4 on one GPU, IPC and the fence), under 8 minutes; results.json and log.txt
+# in $(GPU_OUT). With the machine's own python3 (its torch), or this checkout's .venv where it exists.
+GPU_OUT ?= gpu-check
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py $(GPU_OUT)
 
 simulate: $(STAMP)
 	$(VENV)/bin/cpkv simulate

@@ -28,7 +28,8 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu): run make gpu-check on a machine with one")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu): on a machine with one, python3 -m pytest -m gpu "
+                                   "tests (tools/gpu_check.py runs the same checks in its prepared run)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -2,16 +2,17 @@
 
 The package is layered, arrows pointing one way: the contract
 (:mod:`cpkv.contract`: layout, plans, allocator, errors), its consumers
-(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the models
-(:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
+(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the data
+plane (:mod:`cpkv.kernels`: the backend interface, the torch reference and the
+Triton kernels), the models (:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
 (:mod:`cpkv.engine`) and the tools (:mod:`cpkv.tools`: the ``cpkv`` command,
 benchmarks, simulator).
 
 Public entry points:
 
 * :class:`SharedKVLayout` - index arithmetic of the shared cache
-* :mod:`cpkv.contract.plan` - request-local owner plans and per-rank token splits
-* :class:`OwnerLaneAllocator` - owner-lane allocation
+* :mod:`cpkv.contract.plan` - request-local owner plans (the lane-base rule)
+* :class:`OwnerLaneAllocator` - owner-lane allocation; :class:`SGLangAllocator` - SGLang's allocator calls over it
 * :class:`SharedKVPool` - direct write, fence and read of the shared cache
 * :class:`PrefixCache` - radix prefix cache with lane-aware eviction
 * :func:`plan_transfer` - prefill -> decode KV transfer between CP groups of any sizes and page sizes;
@@ -41,10 +42,12 @@ if not _torch.cuda.is_available():  # before transformers or anything else impor
 from .consumers.kv_pool import SharedKVPool
 from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
 from .consumers.transfer import TransferPlan, plan_transfer
-from .contract.allocator import Allocation, ExtendAllocation, OwnerLaneAllocator
+from .contract.allocation import Allocation
+from .contract.allocator import OwnerLaneAllocator
+from .contract import deprecated as _deprecated
 from .contract.errors import ContractViolation, InvalidFree, UnsupportedPagePlan
 from .contract.layout import SharedKVLayout
-from .contract.plan import RankSplit, split_interleave, split_page
+from .contract.sglang import SGLangAllocator
 from .engine.config import DisaggConfig, EngineConfig, RunConfig
 from .engine.disagg import DisaggFailure, TransferAborted, format_disagg, run_disagg
 from .engine.engine import run_engine
@@ -58,7 +61,6 @@ __all__ = [
     "DisaggConfig",
     "DisaggFailure",
     "EngineConfig",
-    "ExtendAllocation",
     "GroupTooLarge",
     "InvalidFree",
     "OwnerLaneAllocator",
@@ -67,8 +69,8 @@ __all__ = [
     "PrefixHit",
     "PrefixMatch",
     "RankFailure",
-    "RankSplit",
     "RunConfig",
+    "SGLangAllocator",
     "SharedKVLayout",
     "SharedKVPool",
     "TraceError",
@@ -79,7 +81,17 @@ __all__ = [
     "plan_transfer",
     "run_disagg",
     "run_engine",
-    "split_interleave",
-    "split_page",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Names that went in 0.2, one release with a ``DeprecationWarning`` (:mod:`cpkv.contract.deprecated`)."""
+    if name == "ExtendAllocation":
+        _deprecated.warn_deprecated("cpkv.ExtendAllocation", "cpkv.Allocation")
+        return Allocation
+    if name in _deprecated.PUBLIC:
+        obj, instead = _deprecated.PUBLIC[name]
+        _deprecated.warn_deprecated(f"cpkv.{name}", instead)
+        return obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

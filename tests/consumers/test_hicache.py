@@ -35,15 +35,25 @@ def test_a_longer_chain_copies_only_the_pages_the_host_lacks():
     assert torch.equal(d, torch.arange(58, 62)) and h.numel() == 4 and host.used_pages() == 3
 
 
-def test_a_chain_longer_than_the_host_is_backed_up_as_far_as_it_holds():
-    """A device chain of more pages than the whole host tier (a Mooncake request of 2,720 tokens against
-    64 host pages of 16) keeps its first pages; it used to raise UnsupportedPagePlan (exceeds-capacity)."""
+def test_a_chain_longer_than_the_host_leaves_the_older_chains_found():
+    """A Mooncake slice's 2,720-token request against 64 host pages of 16 raised exceeds-capacity on a rank: the
+    long chain is not backed up (its evicted pages cannot be held), and what the host held is still found."""
     host = HostTier(3, S)
     host.backup((9,) * 4, torch.arange(4))
-    d, h = host.backup(tuple(range(22)), torch.arange(100, 122))  # 5 whole pages, 3 held by the host
-    assert torch.equal(d, torch.arange(100, 112)) and h.numel() == 12 and host.used_pages() == 3
-    hit = PrefixCache(OwnerLaneAllocator(64, S, 2)).lookup(tuple(range(22)))
-    assert host.lookup(tuple(range(22)), hit) == 12  # the chain's first three pages; the older chain evicted
+    assert host.backup(tuple(range(22)), torch.arange(100, 122)) is None  # 5 whole pages against 3
+    device = PrefixCache(OwnerLaneAllocator(64, S, 2))
+    assert host.lookup(tuple(range(22)), device.lookup(tuple(range(22)))) == 0
+    assert host.lookup((9,) * 5, device.lookup((9,) * 5)) == 4  # the older chain, its one page
+
+
+def test_a_chain_longer_than_the_whole_tier_is_not_backed_up_and_changes_nothing():
+    """A tier of 3 pages and an evicted chain of 4 whole pages: no room, ever; backup says so (``None``),
+    as it does for a full tier, instead of the allocator's exceeds-capacity refusal."""
+    host = HostTier(3, S)
+    host.backup(tuple(range(8)), torch.arange(8))
+    before = host.index.snapshot()
+    assert host.backup(tuple(range(100, 116)), torch.arange(16)) is None
+    assert host.index.snapshot() == before and host.used_pages() == 2
 
 
 def test_a_full_host_evicts_least_recently_used_chains_but_not_pinned_ones():
@@ -73,7 +83,7 @@ def _group(N=2, ppr=8, host_pages=6):
 
 def test_only_the_io_rank_backs_up_and_every_owner_loads_its_own_pages():
     lay, bufs, pools, hosts, hbufs = _group()
-    alloc = OwnerLaneAllocator((lay.num_pages - 1) * S, S, 2, layout=lay)
+    alloc = OwnerLaneAllocator.for_layout(lay)
     a = alloc.allocate_extend([0], [12], torch.tensor([-1]))
     slots = a.out_cache_loc
     val = torch.arange(12, dtype=torch.float32)[:, None, None].expand(12, 1, 3)

@@ -1,8 +1,7 @@
 """KV events in vLLM's format ([[RFC-0001:C-KV-EVENTS]]).
 
-The consumer here is written from vLLM's published schema (its own msgspec
-structs, as ``examples/online_serving/kv_events_subscriber.py`` copies them,
-in :mod:`support.vllm_kv_events`), never from cpkv's classes, and the block hash is recomputed from its documented
+The consumer here is written from vLLM 0.33's published schema (tagged maps in a
+positional batch, in :mod:`support.vllm_kv_events`), never from cpkv's classes, and the block hash is recomputed from its documented
 definition with ``struct`` and ``hashlib``. Every socket is on 127.0.0.1 with a
 port the OS picks; every wait has a deadline of a few seconds."""
 
@@ -18,9 +17,10 @@ zmq = pytest.importorskip("zmq")
 
 from hypothesis import given, strategies as st  # noqa: E402
 
-from cpkv.consumers import kv_events as ke  # noqa: E402
+from cpkv.consumers import kv_events as ke, kv_wire as kw  # noqa: E402
 from cpkv.consumers.kv_events_zmq import KVEventPublisher, KVEventSubscriber  # noqa: E402
-from support.vllm_kv_events import VLLM, apply, doc_hashes, legacy_decoder  # noqa: E402
+from support import vllm_kv_events as vllm  # noqa: E402
+from support.vllm_kv_events import VLLM, apply, as_old, doc_hashes  # noqa: E402
 
 # a publisher thread that dies of an exception fails the test it dies in
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -110,6 +110,11 @@ ops = st.lists(st.tuples(
     max_size=12)
 
 
+def without_group(batch):
+    return msgspec.structs.replace(batch, events=[
+        msgspec.structs.replace(e, group_idx=None) if hasattr(e, "group_idx") else e for e in batch.events])
+
+
 @given(ops, st.booleans())
 def test_vllm_consumer_rebuilds_the_blocks(script, auto_flush):
     """Any script of stored/removed/cleared calls, decoded with vLLM's schema,
@@ -123,8 +128,16 @@ def test_vllm_consumer_rebuilds_the_blocks(script, auto_flush):
     sink.flush()
     assert sink.pending == [] and sink.flush() == 0
     for p in pub.payloads:
-        apply(got, VLLM.decode(p))
-        legacy_decoder().decode(p)  # an older subscriber reads it too
+        batch = VLLM.decode(p)
+        apply(got, batch)
+        raw = msgspec.msgpack.decode(p)  # the shape itself: a positional batch of tagged maps
+        assert isinstance(raw, list) and len(raw) == 3 and raw[2] is None
+        assert all(isinstance(e, dict) and e["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+                   for e in raw[1])
+        assert all(e.get("group_idx", 0) == 0 and {"lora_id", "medium", "lora_name"} <= e.keys()
+                   for e in raw[1] if e["type"] == "BlockStored")
+        # cpkv reads the old form alike (which has no group_idx)
+        assert kw.decode_batch(as_old(batch)) == without_group(kw.decode_batch(p))
     assert got == want
 
 
@@ -161,12 +174,12 @@ def replay_raw(endpoint, start, timeout_s=2.0):
     try:
         for _ in deadline_loop(timeout_s):
             if d.poll(100):
-                empty, seq, payload = d.recv_multipart()
+                empty, topic, seq, payload = d.recv_multipart()  # the live stream's three frames (vLLM #45177)
                 assert empty == b""
                 if seq == (-1).to_bytes(8, "big", signed=True):
-                    assert payload == b""
+                    assert topic == payload == b""
                     return out
-                out[int.from_bytes(seq, "big")] = payload
+                out[int.from_bytes(seq, "big")] = (topic, payload)
     finally:
         d.close(0)
         ctx.term()
@@ -209,11 +222,13 @@ def test_vllm_subscriber_over_zmq_rebuilds_the_blocks():
             sub.close(0)
             ctx.term()
         replayed = replay_raw(pub.replay_endpoint, 0)
+        tail = replay_raw(pub.replay_endpoint, 4)
     assert sorted(replayed) == list(range(len(SCRIPT)))  # the whole stream, in order, then the end
-    assert all(replayed[s] == p for s, p in live.items())  # live and replay carry the same bytes
+    assert sorted(tail) == list(range(4, len(SCRIPT))) and all(tail[s] == replayed[s] for s in tail)
+    assert all(replayed[s] == (b"kv", p) for s, p in live.items())  # live and replay carry the same frames
     got = {}
     for s in sorted(replayed):
-        batch = VLLM.decode(replayed[s])
+        batch = VLLM.decode(replayed[s][1])
         assert batch.data_parallel_rank == 0
         apply(got, batch)
     assert got == want
@@ -221,7 +236,7 @@ def test_vllm_subscriber_over_zmq_rebuilds_the_blocks():
 
 
 def batch_of(i):
-    return ke.KVEventBatch(ts=float(i), events=[ke.AllBlocksCleared()])
+    return kw.KVEventBatch(ts=float(i), events=[kw.AllBlocksCleared()])
 
 
 def test_late_subscriber_recovers_the_gap_through_replay():
@@ -327,7 +342,7 @@ def test_slow_or_stalled_side_never_blocks_the_engine_and_memory_stays_bounded()
         deaf = ctx.socket(zmq.SUB)  # a subscriber that never reads
         deaf.setsockopt(zmq.SUBSCRIBE, b"")
         deaf.connect(pub.endpoint)
-        batch = ke.KVEventBatch(ts=0.0, events=[ke.BlockStored(
+        batch = kw.KVEventBatch(ts=0.0, events=[kw.BlockStored(
             block_hashes=[1], parent_block_hash=None, token_ids=list(range(S)), block_size=S,
             lora_id=None, medium=ke.MEDIUM_DEVICE, lora_name=None)])
         t0 = time.perf_counter()
@@ -400,3 +415,92 @@ def test_publisher_refuses_bad_arguments_and_leaks_nothing():
     with pytest.raises(ValueError):
         KVEventSubscriber(LOCAL.replace("*", "1"), from_seq=-1)
     assert set(threading.enumerate()) == before
+
+
+# -- older publishers, replay from anywhere ----------------------------------------------------
+class OldPublisher:
+    """A publisher of vLLM before #42892 and #45177, written with raw sockets:
+    positional events, replay replies ``(seq, payload)`` without the topic frame."""
+
+    def __init__(self, payloads):
+        self.payloads = payloads
+        self.ctx = zmq.Context()
+        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.pub.bind(LOCAL)
+        self.router.bind(LOCAL)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            if self.router.poll(20):
+                ident, empty, start = self.router.recv_multipart()
+                for seq, p in enumerate(self.payloads):
+                    if seq >= int.from_bytes(start, "big"):
+                        self.router.send_multipart([ident, empty, seq.to_bytes(8, "big"), p])
+                self.router.send_multipart([ident, empty, (-1).to_bytes(8, "big", signed=True), b""])
+
+    def send(self, seq):
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), self.payloads[seq]])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(2)
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def test_cpkv_subscriber_reads_an_old_form_publisher_live_and_through_replay():
+    """Batches of vLLM before #42892 (positional events) and replay replies
+    before #45177 (no topic frame) are read by cpkv's subscriber, equal to the
+    same batches in the current form."""
+    hs = doc_hashes(list(range(8)), S)
+    batches = [vllm.KVEventBatch(0.0, [vllm.AllBlocksCleared()], 0),
+               vllm.KVEventBatch(1.0, [vllm.BlockStored(hs, None, list(range(8)), S, None, "GPU", None)], 0),
+               vllm.KVEventBatch(2.0, [vllm.BlockRemoved(hs[1:], "GPU")], 0),
+               vllm.KVEventBatch(3.0, [vllm.BlockStored(hs[:1], None, list(range(4)), S, None, "CPU", None)], 0)]
+    old = OldPublisher([as_old(b) for b in batches])
+    try:
+        with KVEventSubscriber(old.endpoint, old.replay_endpoint) as sub:
+            got = []
+            for _ in deadline_loop(3):  # the late joiner hears seq 3 live and replays 0..2
+                old.send(3)
+                if (r := sub.recv(0.05)) is not None:
+                    got = [r, *sub.batches(0.2)]
+                    break
+    finally:
+        old.close()
+    assert [s for s, _ in got] == [0, 1, 2, 3] and sub.lost == 0
+    for (_, b), want in zip(got, batches):
+        assert kw.encode_batch(b) == msgspec.msgpack.encode(want)  # the same batch, now in the current form
+
+
+@pytest.mark.parametrize("start", [0, 3, 7, 9])
+def test_replay_from_any_seq_and_past_the_buffer_reports_the_loss(start):
+    """A buffer of 5 out of 10 batches: a subscriber starting at ``start``
+    gets every batch from max(start, 5) on, in order, and counts the ones the
+    buffer no longer holds as lost, with their range."""
+    with KVEventPublisher(LOCAL, LOCAL, buffer_steps=5) as pub:
+        for i in range(10):
+            pub.publish(batch_of(i))
+        for _ in deadline_loop(3):
+            if pub.sent == 10:
+                break
+            time.sleep(0.01)
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, from_seq=start) as sub:
+            sub.catch_up()
+            got = list(sub.batches(0.1))
+    first = max(start, 5)
+    assert [s for s, _ in got] == list(range(first, 10)) and [b.ts for _, b in got] == list(map(float, range(first, 10)))
+    assert sub.lost == first - start and sub.lost_ranges == ([(start, 5)] if start < 5 else [])
+
+
+def test_the_event_classes_moved_names_warn():
+    with pytest.warns(DeprecationWarning, match="kv_wire"):
+        assert ke.BlockStored is kw.BlockStored
+    with pytest.raises(AttributeError):
+        ke.NoSuchName

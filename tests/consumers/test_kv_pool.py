@@ -5,7 +5,7 @@ import torch
 
 from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import Family, SharedKVPool, allocate_buffers, kv_families
-from cpkv.models import paged_attention
+from cpkv.kernels.reference import gathered_attention as paged_attention
 
 
 def _pools(N=2, S=4, ppr=6, H=2, D=3):
@@ -33,7 +33,7 @@ def test_write_to_unowned_slot_raises_and_writes_nothing():
 def test_owners_write_their_segments_and_everyone_reads_the_whole():
     """[[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-READ-PATH]]"""
     lay, bufs, pools = _pools()
-    a = OwnerLaneAllocator((lay.num_pages - 1) * 4, 4, 2, layout=lay)
+    a = OwnerLaneAllocator.for_layout(lay)
     r = a.allocate_extend([0, 0], [7, 6], torch.tensor([-1, -1]))
     T = r.out_cache_loc.numel()
     k = torch.arange(T, dtype=torch.float32)[:, None, None].expand(T, 2, 3)

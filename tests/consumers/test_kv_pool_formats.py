@@ -28,7 +28,7 @@ def _group(families, N=2, ppr=8):
 
 
 def _alloc(lay, n):
-    a = OwnerLaneAllocator((lay.num_pages - 1) * S, S, lay.cp_size, layout=lay)
+    a = OwnerLaneAllocator.for_layout(lay)
     return a, a.allocate_extend([0], [n], torch.tensor([-1])).out_cache_loc
 
 
@@ -180,7 +180,7 @@ def test_a_transfer_between_groups_moves_stored_bytes_bit_exactly():
     dst_bufs = allocate_buffers(dst_lay, fams)
     dst_pools = [SharedKVPool(dst_lay, r, fams, dst_bufs) for r in range(3)]
     _, src = _alloc(src_lay, 13)
-    da = OwnerLaneAllocator((dst_lay.num_pages - 1) * 2, 2, 3, layout=dst_lay)
+    da = OwnerLaneAllocator.for_layout(dst_lay)
     dst = da.allocate_extend([0], [13], torch.tensor([-1])).out_cache_loc
     rows = _raw_rows(src_pools[0], src, 1)
     _fill(src_pools, src_lay, src, rows)

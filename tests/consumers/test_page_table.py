@@ -88,22 +88,30 @@ def test_the_scheduler_keeps_one_table_and_a_row_per_request():
 
 
 def test_admission_is_one_question_and_one_verb():
-    """``can_allocate`` answers without changing anything and equals
-    ``lane_need`` of the lookup; ``allocate`` takes exactly that match; anything
-    but an Admission is refused, nothing changed. [[RFC-0001:C-PREFIX-CACHE]]"""
+    """``can_allocate`` answers without changing anything, and its ``need``
+    is the pages per lane the request then takes; ``allocate`` takes exactly
+    that match (from the admission or the lookup's hit alike); anything else
+    is refused, nothing changed. [[RFC-0001:C-PREFIX-CACHE]]"""
     cache = PrefixCache(OwnerLaneAllocator(16 * 2 * 2, 2, 2))
-    m = cache.acquire((1, 2, 3, 4, 5))
+    m = cache.allocate(cache.lookup((1, 2, 3, 4, 5)))
     a = cache.allocate_extend([0], [5], torch.tensor([-1]))
-    cache.insert((1, 2, 3, 4, 5), a.out_cache_loc, m)
+    cache.finish([m], (1, 2, 3, 4, 5), a.out_cache_loc, [5])
     before = (cache.snapshot(), cache.alloc.snapshot())
     adm = cache.can_allocate((1, 2, 3, 9, 9, 9), 8)
     assert isinstance(adm, Admission) and (cache.snapshot(), cache.alloc.snapshot()) == before
     hit = cache.lookup((1, 2, 3, 9, 9, 9))
-    assert adm.need.tolist() == cache.lane_need(hit, 8).tolist() and adm.host_len == 0
+    assert adm.host_len == 0 and (adm.hit.length, adm.hit.shared) == (hit.length, hit.shared)
     assert adm.fits(np.zeros(2, dtype=np.int64)) and not adm.fits(adm.spare)
-    with pytest.raises(PrefixCacheMisuse, match="not-an-admission"):
-        cache.allocate(hit)
-    assert (cache.snapshot(), cache.alloc.snapshot()) == before
+    for bad in (m, (1, 2, 3), None):
+        with pytest.raises(PrefixCacheMisuse, match="not-a-hit"):
+            cache.allocate(bad)
+        assert (cache.snapshot(), cache.alloc.snapshot()) == before
     got = cache.allocate(adm)
-    assert (got.length, got.shared) == (hit.length, hit.shared)
-    cache.release(got)
+    assert (got.length, got.shared) == (hit.length, hit.shared) and got.copy_dst.numel() == 1
+    rest = cache.allocate_extend([got.length], [8], torch.tensor([got.last_loc]))
+    own = np.concatenate([got.copy_dst.numpy(), rest.out_cache_loc.numpy()]) // 2
+    assert np.bincount(np.unique(own) % 2, minlength=2).tolist() == adm.need.tolist()
+    cache.finish([got], None, torch.cat([got.copy_dst, rest.out_cache_loc]), [6], cache=False)
+    again = cache.allocate(hit)  # the hit, looked up before those calls: the same match now
+    assert (again.length, again.shared) == (hit.length, hit.shared)
+    cache.finish([again], None, again.copy_dst, [1], cache=False)

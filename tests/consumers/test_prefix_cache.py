@@ -1,4 +1,4 @@
-"""W5 prefix cache: radix behaviour, reference counts, LRU and lane-aware
+"""The prefix cache: radix behaviour, reference counts, LRU and lane-aware
 eviction, page ownership against the allocator, lookup without side effects,
 and misuse refused with nothing changed.
 [[RFC-0001:C-PREFIX-CACHE]]"""
@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 
-from support.cache_engine import Engine, cached_sets
+from support.cache_engine import Engine, admit, cached_sets, end
 
 
 def tree_nodes(cache):
@@ -45,8 +45,8 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, S, N, lane_pages):
         self.e = Engine(lane_pages, S, N)
         self.other = PrefixCache(OwnerLaneAllocator(lane_pages * N * S, S, N))  # for foreign matches
-        self.ended = []  # (tokens, slots, match) already inserted or released
-        self.finished = []  # tokens of inserted requests, stems of follow-ups
+        self.ended = []  # (tokens, slots, match) already finished
+        self.finished = []  # tokens of cached requests, stems of follow-ups
         self.next = 0
 
     def _tokens(self, data):
@@ -62,24 +62,25 @@ class CacheMachine(RuleBasedStateMachine):
         self._admit(self._tokens(data))
 
     def _admit(self, tokens):
-        """lookup predicts acquire: same match, the pages it pins, and (when no
-        eviction intervenes) the lanes the request then allocates."""
+        """lookup predicts allocate: same match, the pages it pins, and (when no
+        eviction intervenes) the lanes the request then allocates, as
+        can_allocate says."""
         c = self.e.cache
-        hit, evictable, evicted = c.lookup(tokens), c.evictable_pages(), c.evicted_nodes
-        need = c.lane_need(hit, len(tokens))
-        m = c.acquire(tokens)
+        hit, evictable, evicted = c.lookup(tokens), c.sizes().evictable, c.evicted_nodes
+        need = c.can_allocate(tokens, len(tokens)).need
+        m = c.allocate(hit)
         event("start: matched" if m.length else "start: no match")
         assert m.shared == hit.shared
         if m.length != hit.length:  # only when no page could be had for the copy
             assert m.length == hit.shared and c.last_deficit is not None
         calm = c.evicted_nodes == evicted and m.length == hit.length
         if calm:
-            assert (evictable - c.evictable_pages()).tolist() == hit.newly_pinned.tolist()
+            assert (evictable - c.sizes().evictable).tolist() == hit.newly_pinned.tolist()
         rid, self.next = self.next, self.next + 1
         if self.e.run(rid, tokens, m) is not None and calm and c.evicted_nodes == evicted:
             own = self.e.live[rid][1][m.shared :].numpy() // self.e.S
             got = np.bincount(np.unique(own) % self.e.N, minlength=self.e.N)
-            assert got.tolist() == need.tolist(), "lane_need mispredicted the lanes the request took"
+            assert got.tolist() == need.tolist(), "can_allocate mispredicted the lanes the request took"
 
     @precondition(lambda self: hasattr(self, "e"))
     @rule(data=st.data(), max_length=st.none() | st.integers(0, 12))
@@ -113,7 +114,8 @@ class CacheMachine(RuleBasedStateMachine):
         deficit = np.zeros(self.e.N, dtype=np.int64)
         deficit[lane % self.e.N] = n
         held = {id(m.node) for _, _, m in self.e.live.values()}
-        self.e.cache.evict(deficit)
+        got = self.e.cache.evict(deficit)
+        assert got == self.e.cache.last_evicted
         remaining = {id(n) for n, _ in tree_nodes(self.e.cache)}
         assert held <= remaining | {id(None)}, "a node in use was evicted"
 
@@ -124,54 +126,56 @@ class CacheMachine(RuleBasedStateMachine):
         c, N = self.e.cache, self.e.N
         if kind == "tokens":
             bad = data.draw(st.sampled_from([(1, -2, 3), (1.0, 2.0), ((1, 2), (3, 4)), "ab", torch.tensor([0.5])]))
-            call = data.draw(st.sampled_from([lambda: c.lookup(bad), lambda: c.acquire(bad)]))
+            call = data.draw(st.sampled_from([lambda: c.lookup(bad), lambda: c.can_allocate(bad, 9)]))
         elif kind == "deficit":
             bad = data.draw(st.sampled_from([np.full(N + 1, 1), np.full(N, -1), np.full(N, 0.5)]))
             call = lambda: c.evict(bad)  # noqa: E731
         else:
             bad = data.draw(st.sampled_from([-1, 2.5, True]))
-            call = lambda: c.acquire((1, 2, 3), max_length=bad)  # noqa: E731
+            call = lambda: c.lookup((1, 2, 3), max_length=bad)  # noqa: E731
         self._refused(call, {"tokens": "bad-tokens", "deficit": "bad-deficit"}.get(kind, "bad-max-length"))
 
     @precondition(lambda self: getattr(self, "ended", None))
-    @rule(data=st.data(), insert=st.booleans())
-    def misuse_ended_match(self, data, insert):
-        """A second insert or release of a match: refused, nothing freed."""
+    @rule(data=st.data(), keep=st.booleans())
+    def misuse_ended_match(self, data, keep):
+        """A second finish of a match (caching or not): refused, nothing freed."""
         tokens, slots, m = data.draw(st.sampled_from(self.ended))
-        c = self.e.cache
-        call = (lambda: c.insert(tokens, slots, m)) if insert else (lambda: c.release(m, slots))
-        self._refused(call, "match-consumed")
+        self._refused(lambda: end(self.e.cache, m, tokens, slots, keep), "match-consumed")
 
     @precondition(lambda self: getattr(self, "e", None) and self.e.live)
-    @rule(kind=st.sampled_from(LIVE_MISUSE), data=st.data(), insert=st.booleans())
-    def misuse_live(self, kind, data, insert):
-        """A live request ended with the wrong arguments: refused, nothing changed."""
+    @rule(kind=st.sampled_from(LIVE_MISUSE), data=st.data(), keep=st.booleans())
+    def misuse_live(self, kind, data, keep):
+        """A live request finished with the wrong run (its positions past
+        ``m.shared``): refused, nothing changed."""
         e, c, S = self.e, self.e.cache, self.e.S
-        needs_match = kind in ("tokens-off", "slots-off")
-        pick = [r for r, (_, _, m) in e.live.items() if m.length or not needs_match]
+        needs_copy = kind in ("tokens-off", "slots-off")
+        pick = [r for r, (_, _, m) in e.live.items() if m.length > m.shared or not needs_copy]
         if not pick:
             return
         tokens, slots, m = e.live[data.draw(st.sampled_from(sorted(pick)))]
+        run, toks = slots[m.shared :].clone(), np.array(tokens[m.shared :], dtype=np.int64)
         if kind == "foreign":
-            fm = self.other.acquire(tokens)
+            fm = admit(self.other, tokens)
             try:
-                self._refused(lambda: c.insert(tokens, slots, fm) if insert else c.release(fm), "foreign-match")
+                self._refused(lambda: c.finish([fm], toks, run, [run.numel()], cache=keep), "foreign-match")
             finally:
-                self.other.release(fm)
+                end(self.other, fm, None, fm.slots, keep=False)
             return
-        bent, rule = slots.clone(), None
+        rule, counts = None, [run.numel()]
         if kind == "length":
-            bent, rule, insert = slots[:-1], "length-mismatch", True
-        elif kind == "tokens-off":
-            tokens, rule, insert = (tokens[0] + 1,) + tokens[1:], "tokens-do-not-extend-match", True
-        elif kind == "slots-off":
-            j = data.draw(st.integers(0, m.length - 1))
-            bent[j], rule = int(slots[-1]) if j != slots.numel() - 1 else 0, "slots-do-not-extend-match"
-        elif kind == "chain":  # private slots off their page offsets, or (S = 1) one page twice
-            if S > 1:
-                bent[m.length :] += 1
-            elif len(tokens) >= 2:
-                bent[-1] = bent[-2]
+            toks, rule, keep = toks[:-1], "length-mismatch", True
+        elif kind == "tokens-off":  # the copy's tokens are the match's
+            toks[data.draw(st.integers(0, m.length - m.shared - 1))] += 1
+            rule, keep = "tokens-do-not-extend-match", True
+        elif kind == "slots-off":  # the run starts with the match's copy
+            j = data.draw(st.integers(0, m.length - m.shared - 1))
+            run[j] = int(slots[-1]) if j != run.numel() - 1 else 0
+            rule = "slots-do-not-extend-match"
+        elif kind == "chain":  # own slots off their page offsets, or (S = 1) one page twice
+            if S > 1 and run.numel() > m.length - m.shared:
+                run[m.length - m.shared :] += 1
+            elif S == 1 and run.numel() >= 2:
+                run[-1] = run[-2]
             else:
                 return
             rule = "not-a-page-chain"
@@ -182,9 +186,10 @@ class CacheMachine(RuleBasedStateMachine):
             pool = np.setdiff1d(pool, slots.numpy() // S)  # another page, not one of its own
             if q * S < m.length or not pool.size:
                 return
-            bent[q * S :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + torch.arange(len(tokens) - q * S)
+            run[q * S - m.shared :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + \
+                torch.arange(len(tokens) - q * S)
             rule = "private-page-not-allocated" if kind == "free-page" else "private-page-cached"
-        self._refused((lambda: c.insert(tokens, bent, m)) if insert else (lambda: c.release(m, bent)), rule)
+        self._refused(lambda: c.finish([m], toks if keep else None, run, counts, cache=keep), rule)
 
     def _refused(self, call, rule):
         event(f"refused: {rule}")
@@ -216,11 +221,13 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(owners) == allocated.tolist(), "cache + requests != allocated pages"
         # the derived counts kept incrementally agree with a full walk
         c = e.cache
-        assert c.lane_cached_pages().tolist() == lanes_by_walk(c, lambda n: True).tolist()
-        assert c.evictable_pages().tolist() == lanes_by_walk(c, lambda n: n.ref == 0).tolist()
+        sizes = c.sizes()
+        assert sizes.cached.tolist() == lanes_by_walk(c, lambda n: True).tolist()
+        assert sizes.evictable.tolist() == lanes_by_walk(c, lambda n: n.ref == 0).tolist()
+        assert sizes.protected.tolist() == lanes_by_walk(c, lambda n: n.ref > 0).tolist()
         assert np.flatnonzero(c.tree.page_cached).tolist() == sorted(p for p, o in owners.items() if o == "cache")
         assert set(c.tree.leaves) == {n for n, _ in tree_nodes(c) if not n.children}
-        assert c.open_matches == len(e.live), "acquired matches != live requests"
+        assert c.open_matches == len(e.live), "allocated matches != live requests"
 
     def teardown(self):
         if hasattr(self, "e"):
@@ -303,7 +310,8 @@ def test_lane_aware_eviction_frees_the_short_lane_first():
     before = {key(n) for n, _ in tree_nodes(e.cache)}
     deficit = np.zeros(N, dtype=np.int64)
     deficit[target] = 1
-    assert e.cache.evict(deficit)
+    got = e.cache.evict(deficit)
+    assert len(got) == 1
     gone = before - {key(n) for n, _ in tree_nodes(e.cache)}
     assert key(oldest) not in gone
     assert all(target in lanes[k] for k in gone)

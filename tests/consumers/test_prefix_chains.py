@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 
 from cpkv import OwnerLaneAllocator
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
+from support.cache_engine import admit, end
 
 N, S = 4, 4
 PREFIX = tuple(range(10, 18))  # 8 tokens: two pages
@@ -32,7 +33,7 @@ def _chains_keep_one_base(cache) -> None:
 
 def _run_together(cache, seqs, keys=(None, None)):
     """Admit ``seqs`` in one step before either is cached, allocate them in one batch; returns (matches, slots)."""
-    ms = [cache.acquire(t, key=k) for t, k in zip(seqs, keys)]
+    ms = [admit(cache, t, key=k) for t, k in zip(seqs, keys)]
     a = cache.allocate_extend([m.length for m in ms], [len(t) for t in seqs],
                               torch.tensor([m.last_loc for m in ms]))
     out = [torch.cat([m.slots, a.out_cache_loc[s : s + n]]) for m, s, n
@@ -41,27 +42,28 @@ def _run_together(cache, seqs, keys=(None, None)):
 
 
 def test_a_tail_of_another_lane_base_is_not_grafted_under_a_cached_chain():
-    """Issue 20: bases 0 and 3, both inserted; the second one's tail must not
-    hang under the first one's chain (it would give a later request lanes
-    [0, 1, 1] with lane base 3); the insert stops there and frees the tail."""
+    """Two requests of one prefix admitted together take lane bases 0 and 3,
+    and both are cached; the second one's tail must not hang under the first
+    one's chain (it would give a later request lanes [0, 1, 1] with lane base
+    3); its finish stops there and frees the tail."""
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
     a_tokens, b_tokens = PREFIX + (1, 1, 1, 1), PREFIX + (2, 2, 2, 2)
     (ma, mb), (sa, sb), alloc = _run_together(cache, [a_tokens, b_tokens])
     assert alloc.lane_base.tolist() == [0, 3]
-    cache.insert(a_tokens, sa, ma)
-    free_before = sum(cache.lane_free_pages())
-    cache.insert(b_tokens, sb, mb)
-    assert sum(cache.lane_free_pages()) == free_before + 3, "the second chain's pages all go back"
-    assert not cache.is_allocated(np.unique(sb.numpy() // S)).any()
+    end(cache, ma, a_tokens, sa)
+    free_before = sum(cache.alloc.lane_free_pages())
+    end(cache, mb, b_tokens, sb)
+    assert sum(cache.alloc.lane_free_pages()) == free_before + 3, "the second chain's pages all go back"
+    assert not cache.alloc.is_allocated(np.unique(sb.numpy() // S)).any()
     _chains_keep_one_base(cache)
     later = b_tokens + (5, 6)
-    m = cache.acquire(later)
+    m = admit(cache, later)
     assert m.length == 8, "only the first chain's pages are shared"
     r = cache.allocate_extend([m.length], [len(later)], torch.tensor([m.last_loc]))
     slots = torch.cat([m.slots, r.out_cache_loc])
     b = int(r.lane_base[0])
     assert _chain_lanes(slots.tolist()) == [(b + q) % N for q in range(-(-len(later) // S))]
-    cache.insert(later, slots, m)
+    end(cache, m, later, slots)
     _chains_keep_one_base(cache)
 
 
@@ -71,18 +73,18 @@ def test_a_copy_after_shared_pages_continues_their_lanes():
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
     first = PREFIX + (1, 2, 3, 4, 5)
     (m,), (s,), _ = _run_together(cache, [first])
-    cache.insert(first, s, m)
+    end(cache, m, first, s)
     assert cache.alloc.alloc_pages_with_owners([2, 2]) is not None  # lane 2 now has the fewest free pages
     second = PREFIX + (1, 2, 9, 9, 9)
     hit = cache.lookup(second)
     assert hit.shared == 8 and hit.copy == 2
-    m2 = cache.acquire(second)
+    m2 = admit(cache, second)
     assert _chain_lanes(m2.slots.tolist()) == _chain_lanes(s.tolist())[:3]
-    need = cache.lane_need(hit, len(second))
+    need = cache.can_allocate(second, len(second)).need
     r = cache.allocate_extend([m2.length], [len(second)], torch.tensor([m2.last_loc]))
     slots = torch.cat([m2.slots, r.out_cache_loc])
     assert np.bincount(np.asarray(_chain_lanes(slots.tolist()))[2:], minlength=N).tolist() == need.tolist()
-    cache.insert(second, slots, m2)
+    end(cache, m2, second, slots)
     _chains_keep_one_base(cache)
 
 
@@ -90,31 +92,31 @@ def test_a_copy_after_shared_pages_continues_their_lanes():
 def test_requests_with_different_keys_never_share_a_page(key_a, key_b):
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
     tokens = PREFIX + (1, 2, 3)
-    m = cache.acquire(tokens, key=key_a)
+    m = admit(cache, tokens, key=key_a)
     r = cache.allocate_extend([0], [len(tokens)], torch.tensor([-1]))
-    cache.insert(tokens, r.out_cache_loc, m)
+    end(cache, m, tokens, r.out_cache_loc)
     assert cache.lookup(tokens, key=key_a).length == len(tokens) - 1
     other = cache.lookup(tokens + (4,), key=key_b)
     assert other.length == 0 and other.shared == 0
-    mb = cache.acquire(tokens + (4,), key=key_b)
+    mb = admit(cache, tokens + (4,), key=key_b)
     assert mb.length == 0 and not mb.slots.numel()
     rb = cache.allocate_extend([0], [len(tokens) + 1], torch.tensor([-1]))
-    cache.insert(tokens + (4,), rb.out_cache_loc, mb)
+    end(cache, mb, tokens + (4,), rb.out_cache_loc)
     a_pages, b_pages = set((r.out_cache_loc // S).tolist()), set((rb.out_cache_loc // S).tolist())
-    assert not a_pages & b_pages and cache.is_allocated(sorted(a_pages | b_pages)).all()
+    assert not a_pages & b_pages and cache.alloc.is_allocated(sorted(a_pages | b_pages)).all()
     for key, n in ((key_a, len(tokens)), (key_b, len(tokens) + 1)):
-        m = cache.acquire(tokens + (4, 0), key=key)
+        m = admit(cache, tokens + (4, 0), key=key)
         assert set((m.slots[: m.shared] // S).tolist()) <= (a_pages if key == key_a else b_pages)
-        cache.release(m)
+        end(cache, m, None, m.slots, keep=False)
     cache.clear()
-    assert cache.cached_pages() == 0 and set(cache.tree.roots) == {b""}, "emptied namespaces leave no root"
+    assert cache.sizes().cached.sum() == 0 and set(cache.tree.roots) == {b""}, "emptied namespaces leave no root"
 
 
 def test_an_int_key_and_its_decimal_string_are_one_namespace():
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
-    m = cache.acquire(PREFIX, key=7)
+    m = admit(cache, PREFIX, key=7)
     r = cache.allocate_extend([0], [8], torch.tensor([-1]))
-    cache.insert(PREFIX, r.out_cache_loc, m)
+    end(cache, m, PREFIX, r.out_cache_loc)
     assert cache.lookup(PREFIX + (1,), key="7").shared == 8
     assert cache.lookup(PREFIX + (1,), key=None).shared == 0
 
@@ -123,7 +125,7 @@ def test_an_int_key_and_its_decimal_string_are_one_namespace():
 def test_a_bad_key_is_refused_and_changes_nothing(key):
     cache = PrefixCache(OwnerLaneAllocator(N * 8 * S, S, N))
     before = cache.snapshot()
-    for call in (lambda: cache.lookup(PREFIX, key=key), lambda: cache.acquire(PREFIX, key=key),
+    for call in (lambda: cache.lookup(PREFIX, key=key),
                  lambda: cache.can_allocate(PREFIX, 9, key=key)):
         with pytest.raises(PrefixCacheMisuse) as e:
             call()

@@ -1,5 +1,5 @@
-"""The batched live calls (``cache_pages_many``, ``insert_tails``) do what the
-single calls one by one in order do, checked at once: the same cache state,
+"""The batched calls (``cache_pages``, ``finish``) do what the calls of one
+request each, one by one in order, do, checked at once: the same cache state,
 the same answers, the same allocator state; a batch a single call would
 refuse (or a match twice, or two runs on one page) raises with nothing
 changed. ``RadixTree.graft_pages`` answers for a batch what
@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 
 from cpkv import OwnerLaneAllocator
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
+from support.cache_engine import admit, end
 
 N, S = 3, 4
 
@@ -25,10 +26,10 @@ def _world(seqs, keys, base_len=13):
     between) and allocated in one batch: (cache, matches, per-request slots)."""
     cache = PrefixCache(OwnerLaneAllocator(N * 40 * S, S, N))
     # a cached chain of 9s: some requests share a page of it, or copy into one, or (base_len 12) match all of a leaf
-    base = cache.acquire((9,) * base_len)
+    base = admit(cache, (9,) * base_len)
     a = cache.allocate_extend([0], [base_len], torch.tensor([-1]))
-    cache.insert((9,) * base_len, a.out_cache_loc, base)
-    ms = [cache.acquire(t, key=k) for t, k in zip(seqs, keys)]
+    end(cache, base, (9,) * base_len, a.out_cache_loc)
+    ms = [admit(cache, t, key=k) for t, k in zip(seqs, keys)]
     a = cache.allocate_extend([m.length for m in ms], [len(t) for t in seqs], torch.tensor([m.last_loc for m in ms]))
     slots = [torch.cat([m.slots, a.out_cache_loc[s : s + n]]) for m, s, n
              in zip(ms, a.extend_start_loc.tolist(), a.extend_lens.tolist())]
@@ -37,6 +38,14 @@ def _world(seqs, keys, base_len=13):
 
 def _state(cache, ms):
     return (cache.snapshot(), cache.alloc.lane_free_pages(), [(m.shared, m.live, m.consumed) for m in ms])
+
+
+def _end_general(cache, m, tokens, slots):
+    """End ``m`` by the general path alone (walk, graft, attach, dominance), as
+    ``finish`` does a run its batched shortcut does not take."""
+    spare = [x for x in cache._cache_run(m, tokens, slots.numpy().copy()) if x.size]
+    if spare:
+        cache.alloc.free(np.concatenate(spare))
 
 
 def _runs(seqs, ms, slots, ends):
@@ -69,21 +78,21 @@ def test_a_batch_does_what_the_calls_one_by_one_do(parts, keys, base_len):
         ends = [ms[i].shared + (len(seqs[i]) - ms[i].shared) // S * S for i in live]
         toks, sl = _runs([seqs[i] for i in live], [ms[i] for i in live], [slots[i] for i in live], ends)
         if batched:
-            got = cache.cache_pages_many([ms[i] for i in live], np.concatenate(toks or [np.empty(0, np.int64)]),
-                                         torch.cat(sl) if sl else torch.empty(0, dtype=torch.int64),
-                                         [t.size for t in toks]).tolist()
+            got = cache.cache_pages([ms[i] for i in live], np.concatenate(toks or [np.empty(0, np.int64)]),
+                                    torch.cat(sl) if sl else torch.empty(0, dtype=torch.int64),
+                                    [t.size for t in toks]).tolist()
         else:
-            got = [cache.cache_pages(ms[i], t, s) for i, t, s in zip(live, toks, sl)]
+            got = [bool(cache.cache_pages([ms[i]], t, s, [t.size])[0]) for i, t, s in zip(live, toks, sl)]
         mid = _state(cache, ms)
         toks, sl = _runs(seqs, ms, slots, [len(t) for t in seqs])
         if batched:
-            cache.insert_tails(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
+            cache.finish(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
         elif batched is None:
             for m, t, s in zip(ms, toks, sl):
-                cache._free_spare(cache._end_insert(m, t, s.numpy().copy(), m.shared, 0))
+                _end_general(cache, m, t, s)
         else:
             for m, t, s in zip(ms, toks, sl):
-                cache.insert_tail(m, t, s)
+                cache.finish([m], t, s, [t.size])
         outs.append((got, mid, _state(cache, ms)))
         cache.clear()
         assert cache.alloc.lane_free_pages() == cache.alloc.lane_pages.tolist(), "pages leaked"
@@ -103,10 +112,10 @@ def test_partial_tails_under_one_node_end_as_the_general_path_does(tails):
         assert len({id(m.node) for m in ms}) == 1 and not ms[0].node.children
         toks, sl = _runs(seqs, ms, slots, [len(t) for t in seqs])
         if batched:
-            cache.insert_tails(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
+            cache.finish(ms, np.concatenate(toks), torch.cat(sl), [t.size for t in toks])
         else:
             for m, t, s in zip(ms, toks, sl):
-                cache._free_spare(cache._end_insert(m, t, s.numpy().copy(), m.shared, 0))
+                _end_general(cache, m, t, s)
         outs.append(_state(cache, ms))
     assert outs[0] == outs[1]
 
@@ -128,13 +137,13 @@ def test_a_batch_the_single_calls_would_refuse_changes_nothing():
     }
     for rule, (mm, tt, ss, cc) in cases.items():
         with pytest.raises(PrefixCacheMisuse) as e:
-            cache.cache_pages_many(mm, tt, ss, cc)
+            cache.cache_pages(mm, tt, ss, cc)
         assert e.value.rule == rule, (rule, e.value)
         assert _state(cache, ms) == before, rule
-    cache.insert_tail(ms[1], seqs[1], slots[1])
+    cache.finish([ms[1]], seqs[1], slots[1], [9])
     before = _state(cache, ms)
     with pytest.raises(PrefixCacheMisuse, match="match-consumed"):
-        cache.insert_tails(ms, np.concatenate([np.array(s) for s in seqs]), torch.cat(slots), [9, 9])
+        cache.finish(ms, np.concatenate([np.array(s) for s in seqs]), torch.cat(slots), [9, 9])
     assert _state(cache, ms) == before
 
 
@@ -144,9 +153,9 @@ def test_graft_pages_answers_each_chain_as_graft_length_does(chains):
     """For chains of any lanes under the root or under a cached node, the
     batch answer is each chain's own (pages that continue the lane base)."""
     cache = PrefixCache(OwnerLaneAllocator(N * 30 * S, S, N))
-    m = cache.acquire(tuple(range(2 * S)))
+    m = admit(cache, tuple(range(2 * S)))
     a = cache.allocate_extend([0], [2 * S], torch.tensor([-1]))
-    cache.insert(tuple(range(2 * S)), a.out_cache_loc, m)
+    end(cache, m, tuple(range(2 * S)), a.out_cache_loc)
     node = next(iter(cache.tree.leaves))
     tree = cache.tree
     nodes, starts, lanes, pages, want = [], [], [], [], []

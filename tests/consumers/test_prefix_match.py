@@ -11,14 +11,15 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator
 from cpkv.consumers.prefix_cache import PrefixCache
+from support.cache_engine import admit, end
 
 
 def _cached(S: int, N: int, seq: list[int]) -> tuple[PrefixCache, torch.Tensor]:
     """A cache holding ``seq`` (inserted through a match of nothing), and its slots."""
     cache = PrefixCache(OwnerLaneAllocator(64 * N * S, S, N))
-    m = cache.acquire(seq + [0])
+    m = admit(cache, seq + [0])
     a = cache.allocate_extend([0], [len(seq)], torch.tensor([-1]))
-    cache.insert(seq, a.out_cache_loc, m)
+    cache.finish([m], seq, a.out_cache_loc, [len(seq)])
     return cache, a.out_cache_loc
 
 
@@ -32,7 +33,7 @@ def test_tokens_and_slots_are_the_chain_the_match_holds(S, N, pages, data):
     seq = [int(x) for x in np.random.default_rng(pages).integers(1, 50, pages * S)]
     cache, slots = _cached(S, N, seq)
     cut = data.draw(st.integers(1, len(seq) - 1))  # the first request's prompt shares seq[:cut]
-    m = cache.acquire(seq[:cut] + [99])
+    m = admit(cache, seq[:cut] + [99])
     want_slots = slots[: m.shared].tolist()
     assert m.length == cut and m.tokens.tolist() == seq[:cut]
     assert m.slots.tolist() == want_slots + m.copy_dst.tolist() and m.slots[: m.shared].tolist() == want_slots
@@ -41,10 +42,10 @@ def test_tokens_and_slots_are_the_chain_the_match_holds(S, N, pages, data):
     kept = [v for v in kept if isinstance(v, (np.ndarray, torch.Tensor))]
     assert all(len(v) < S for v in kept), "a match keeps a copy of its prefix"
     before = (m.tokens.tolist(), m.slots.tolist(), m.last_loc)
-    other = cache.acquire(seq[: data.draw(st.integers(1, len(seq) - 1))] + [98])  # may split m's node
+    other = admit(cache, seq[: data.draw(st.integers(1, len(seq) - 1))] + [98])  # may split m's node
     assert (m.tokens.tolist(), m.slots.tolist(), m.last_loc) == before
-    cache.release(m)
-    cache.release(other)
+    end(cache, m, None, m.slots, keep=False)
+    end(cache, other, None, other.slots, keep=False)
     assert (m.tokens.tolist(), m.slots.tolist(), m.last_loc) == before and cache.open_matches == 0
 
 
@@ -54,11 +55,11 @@ def test_a_live_match_keeps_its_matched_slots_while_its_pages_are_cached():
     S, N = 4, 2
     seq = list(range(1, 13))
     cache, slots = _cached(S, N, seq)
-    m = cache.acquire(seq[:6] + [50, 51, 52, 53, 54, 55, 56])  # 4 shared, 2 copied
+    m = admit(cache, seq[:6] + [50, 51, 52, 53, 54, 55, 56])  # 4 shared, 2 copied
     before = (m.length, m.tokens.tolist(), m.slots.tolist())
     a = cache.allocate_extend([6], [12], torch.tensor([m.last_loc]))
     run = torch.cat([m.copy_dst, a.out_cache_loc[:2]])  # positions 4..7: the copy's page, now full
-    assert cache.cache_pages(m, seq[4:6] + [50, 51], run) and m.shared == 8
+    assert cache.cache_pages([m], seq[4:6] + [50, 51], run, [4])[0] and m.shared == 8
     assert (m.length, m.tokens.tolist(), m.slots.tolist()) == before and before[2][:4] == slots[:4].tolist()
-    cache.insert_tail(m, [52, 53, 54, 55], a.out_cache_loc[2:])
+    cache.finish([m], [52, 53, 54, 55], a.out_cache_loc[2:], [4])
     assert (m.length, m.tokens.tolist(), m.slots.tolist()) == before

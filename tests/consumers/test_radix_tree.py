@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.cache_engine import Engine
+from support.cache_engine import Engine, admit
 
 
 @settings(max_examples=30, deadline=None)
@@ -22,7 +22,7 @@ def test_unpin_many_is_pin_minus_one_in_order(S, N, prompts, order):
     for i, p in enumerate(prompts):  # some chains in the tree
         if e.start(i, p) is not None:
             e.finish(i)
-    matches = [e.cache.acquire(p + [9]) for p in prompts]  # pins their paths
+    matches = [admit(e.cache, p + [9]) for p in prompts]  # pins their paths
     order.shuffle(matches)
     one, their = copy.deepcopy((e.cache, matches))  # one copy: the matches hold the copy's nodes
     for m in their:

@@ -3,8 +3,9 @@ cache on the SAME allocator. It is the one machine (it replaced the
 allocator's own stateful test and its allocator-only misuse machine, whose
 rules and invariants live on in :class:`support.misuse.AllocatorComponent`): requests the allocator serves directly and requests the cache
 admits (matching cached prefixes, whole pages and mid-page, continuing in
-their copy page, inserting, releasing, evicting) take pages from one set of
-free lists, interleaved with invalid calls of every kind against both.
+their copy page, caching their full pages while they run, finishing one or
+several at once with their KV cached or freed, evicting) take pages from one
+set of free lists, interleaved with invalid calls of every kind against both.
 
 After an invalid call: the right error type and rule, and the allocator's and
 the cache's snapshots exactly as before. After a valid call: every invariant
@@ -15,7 +16,7 @@ every slot (``(namespace, token, position)``), so a cached or live slot that
 is handed out again, a copy that read the wrong page, or a match that
 crosses namespace keys (requests carry a key: None, a str or an int) shows
 as wrong KV. Every cached chain keeps one lane base (page q in lane
-``(b + q) % N``): an insert that would graft a tail of another base stops.
+``(b + q) % N``): a finish that would graft a tail of another base stops.
 The allocator's own invariants, after every valid call: no live slot handed
 out twice, free plus live pages equal each lane's pages, fill marks equal the
 slots handed out, every new slot in its owner lane at its position's page
@@ -40,6 +41,7 @@ from cpkv.consumers.radix_tree import lane_mask
 from cpkv.consumers.kv_events import key_bytes
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixMatch
 from cpkv.contract.layout import lane_base_from_prefix
+from support.cache_engine import admit, end
 from support.misuse import AllocatorComponent, Component, Misuse, MisuseMachine
 
 STEMS = [(), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (2,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)]
@@ -88,23 +90,23 @@ class CacheComponent(Component):
         self.next = 0
         # another cache, on an allocator of another shape, with something cached (its hits and matches are foreign)
         self.other = PrefixCache(OwnerLaneAllocator(4 * (N + 2) * 2, 2, N + 2))
-        om = self.other.acquire((1, 2, 3, 4, 5))
+        om = admit(self.other, (1, 2, 3, 4, 5))
         r = self.other.allocate_extend([0], [5], torch.tensor([-1]))
-        self.other.insert((1, 2, 3, 4, 5), r.out_cache_loc, om)
-        self.foreign = self.other.acquire((1, 2, 3, 4, 5, 6))  # a match of the other cache, never consumed
+        self.other.finish([om], (1, 2, 3, 4, 5), r.out_cache_loc, [5])
+        self.foreign = admit(self.other, (1, 2, 3, 4, 5, 6))  # a match of the other cache, never finished
         self._warm((1, 2, 3))  # a cached chain ending mid-page (for S > 1) from the start, when it fits
 
     def _warm(self, tokens: tuple) -> None:
-        m = self.c.acquire(tokens)
+        m = admit(self.c, tokens)
         self.live[-1] = Req(list(tokens), m.slots.tolist(), m)
         self._allocate([-1], [len(tokens)], decode=False)
         r = self.live.pop(-1)
         if len(r.slots) == len(tokens):
-            self.c.insert(tokens, torch.tensor(r.slots), m)
+            end(self.c, m, tokens, torch.tensor(r.slots))
             self._sync(joined=_pages(r.private, self.S))
             self.finished.append((tokens, None))
         else:
-            self.c.release(m, r.slots)
+            end(self.c, m, None, torch.tensor(r.slots, dtype=torch.int64), keep=False)
             self._sync()
 
     # -- model helpers ---------------------------------------------------------------------
@@ -225,10 +227,10 @@ class CacheComponent(Component):
                 holders += up is n
             assert n.ref == holders, "reference count != live requests holding the node"
         assert pages == self.cached == set(np.flatnonzero(c.tree.page_cached).tolist()), "cache pages != model"
-        assert c.lane_cached_pages().tolist() == lanes.tolist()
-        assert c.evictable_pages().tolist() == free_lanes.tolist()
+        sizes = c.sizes()
+        assert sizes.cached.tolist() == lanes.tolist() and sizes.evictable.tolist() == free_lanes.tolist()
         assert set(c.tree.leaves) == {n for n in nodes if not n.children}
-        assert c.open_matches == len(self.live), "acquired matches != live requests"
+        assert c.open_matches == len(self.live), "allocated matches != live requests"
         for r in self.live.values():
             for t, s in enumerate(r.slots):
                 assert self.kv.get(s) == (r.ns, r.tokens[t], t), "a live request's KV lost, overwritten or of another key"
@@ -242,11 +244,11 @@ class CacheComponent(Component):
 
     def valid_calls(self):
         return [self.admit, self.turn, self.turn, self.twins, self.extend, self.extend, self.decode, self.finish,
-                self.abort, self.evict, self.lookup, self.clear]
+                self.cache_live, self.finish_together, self.abort, self.evict, self.lookup, self.clear]
 
     def invalid_calls(self):
         return [self.extends_cached_page, self.consumed, self.foreign_or_not_a_match, self.bad_inputs,
-                self.bad_end, self.bad_lane_need, self.stale_through_cache, self.too_big]
+                self.bad_end, self.bad_admission, self.bad_live, self.stale_through_cache, self.too_big]
 
     # -- valid calls ---------------------------------------------------------------------------
     def turn(self, data):
@@ -267,7 +269,7 @@ class CacheComponent(Component):
         before = self.snapshot(), self.a.snapshot()
         hit = c.lookup(tokens, key=key)
         assert (self.snapshot(), self.a.snapshot()) == before, "lookup changed the cache or the allocator"
-        m = c.acquire(tokens, key=key)
+        m = c.allocate(hit if data.draw(st.booleans()) else c.can_allocate(tokens, len(tokens), key=key))
         assert m.shared == hit.shared and m.length in (hit.length, hit.shared)
         assert m.length == hit.length or c.last_deficit is not None, "the copy was dropped with pages to spare"
         for s in m.slots[: m.shared].tolist() + m.copy_src.tolist():
@@ -325,7 +327,7 @@ class CacheComponent(Component):
         r = self.live.pop(rid)
         tokens, slots = tuple(r.tokens[: len(r.slots)]), torch.tensor(r.slots, dtype=torch.int64)
         private = _pages(r.private, self.S)
-        self.c.insert(tokens, slots, r.m)
+        end(self.c, r.m, tokens, slots)
         assert r.m.consumed
         self._sync(joined=private)
         gone = private - self.cached  # private pages the tree already had, or a tail it declined: freed
@@ -333,14 +335,62 @@ class CacheComponent(Component):
         hit = self.c.lookup(tokens, max_length=len(tokens), key=r.key)
         if hit.length < len(tokens):  # only where the request's next page is in another lane than the chain's
             S, N = self.S, self.N
-            assert 0 < hit.shared < len(tokens), "inserted but not found"
+            assert 0 < hit.shared < len(tokens), "cached but not found"
             base = lane_base_from_prefix(hit.last_shared_loc // S % N, hit.shared, S, N)
-            assert slots[hit.shared] // S % N != (base + hit.shared // S) % N, "an insert stopped where lanes agree"
-            event("cache: insert declined a graft of another lane base")
+            assert slots[hit.shared] // S % N != (base + hit.shared // S) % N, "a finish stopped where lanes agree"
+            event("cache: finish declined a graft of another lane base")
         self.ended.append((tokens, slots, r.m))
         self.finished.append((tokens, r.key))
-        event("cache: insert")
+        event("cache: finish")
         return tokens, r.key
+
+    def cache_live(self, data):
+        """Running requests' next full pages enter the cache in one batch
+        (``cache_pages``): each run is cached and held (its pages join the
+        cache, ``shared`` grows), or declined with nothing changed for it (the
+        tree has those tokens there, or the lanes would break a chain's base)
+        and the request stops caching live."""
+        S = self.S
+        cands = sorted(rid for rid, r in self.live.items() if r.m.live and (len(r.slots) - r.m.shared) // S)
+        if not cands:
+            return
+        reqs = [self.live[i] for i in data.draw(st.lists(st.sampled_from(cands), unique=True, min_size=1, max_size=3))]
+        before = [r.m.shared for r in reqs]
+        ends = [b + S * data.draw(st.integers(1, (len(r.slots) - b) // S)) for r, b in zip(reqs, before)]
+        runs = [r.slots[b:e] for r, b, e in zip(reqs, before, ends)]
+        got = self.c.cache_pages([r.m for r in reqs], np.array([t for r, b, e in zip(reqs, before, ends)
+                                                               for t in r.tokens[b:e]], dtype=np.int64),
+                                 [x for run in runs for x in run], [len(x) for x in runs])
+        self._sync(joined=set().union(*(_pages(x, S) for x in runs)))
+        for r, ok, b, e, run in zip(reqs, got.tolist(), before, ends, runs):
+            if ok:
+                assert r.m.live and r.m.shared == e and _pages(run, S) <= self.cached, "a cached run is not the cache's"
+            else:
+                assert not r.m.live and r.m.shared == b, "a declined run changed its match"
+        event(f"cache: cache_pages, {sum(got)} of {len(got)} cached")
+
+    def finish_together(self, data):
+        """Two or three requests end in one ``finish`` (their KV cached, or freed):
+        as many ends, one call; every page either the cache's or free after."""
+        if len(self.live) < 2:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, min_size=2, max_size=3))
+        keep = data.draw(st.booleans())
+        reqs = [self.live.pop(i) for i in ids]
+        private = set().union(*(_pages(r.private, self.S) for r in reqs))
+        toks = np.array([t for r in reqs for t in r.tokens[r.m.shared : len(r.slots)]], dtype=np.int64)
+        self.c.finish([r.m for r in reqs], toks if keep else None, [x for r in reqs for x in r.private],
+                      [len(r.private) for r in reqs], cache=keep)
+        assert all(r.m.consumed for r in reqs)
+        self._sync(joined=private if keep else set())
+        gone = private - self.cached
+        assert not self.a.is_allocated(sorted(gone)).any() or self.a.snapshot()[3] is not None
+        for r in reqs:
+            tokens = tuple(r.tokens[: len(r.slots)])
+            self.ended.append((tokens, torch.tensor(r.slots, dtype=torch.int64), r.m))
+            if keep:
+                self.finished.append((tokens, r.key))
+        event("cache: finish together, " + ("cached" if keep else "freed"))
 
     def abort(self, data):
         if not self.live:
@@ -348,20 +398,18 @@ class CacheComponent(Component):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         r = self.live.pop(rid)
         slots = torch.tensor(r.slots, dtype=torch.int64)
-        if len(r.slots) == r.m.length and data.draw(st.booleans()):
-            self.c.release(r.m)  # by default: the match's own slots
-        else:
-            self.c.release(r.m, slots)
+        end(self.c, r.m, None, slots, keep=False)
         self._sync()
         if self.a.snapshot()[3] is None:
             assert not self.a.is_allocated(sorted(_pages(r.private, self.S))).any(), "release kept a private page"
         self.ended.append((tuple(r.tokens[: len(r.slots)]), slots, r.m))
-        event("cache: release")
+        event("cache: finish, freed")
 
     def evict(self, data):
         deficit = np.array(data.draw(st.lists(st.integers(0, 3), min_size=self.N, max_size=self.N)))
         nodes = self.c.evicted_nodes
-        assert self.c.evict(deficit) == (self.c.evicted_nodes > nodes)
+        got = self.c.evict(deficit)
+        assert len(got) == self.c.evicted_nodes - nodes and got == self.c.last_evicted
         self._sync()
         event("cache: evict")
 
@@ -374,9 +422,10 @@ class CacheComponent(Component):
         assert hit.shared % self.S == 0 and 0 <= hit.copy < self.S
         assert hit.length <= (len(tokens) - 1 if limit is None else min(limit, len(tokens)))
         end = data.draw(st.sampled_from([len(tokens), hit.length, 0, self.a.num_pages * self.S + 1, 2**62]))
-        need = self.c.lane_need(hit, end)
-        assert (need >= 0).all() and int(need.sum()) == max(0, -(-end // self.S) - hit.shared // self.S)
-        assert (self.snapshot(), self.a.snapshot()) == before, "lane_need changed the cache or the allocator"
+        adm = self.c.can_allocate(tokens, end, key=key)
+        need, whole = adm.need, self.c.lookup(tokens, key=key).shared
+        assert (need >= 0).all() and int(need.sum()) == max(0, -(-end // self.S) - whole // self.S)
+        assert (self.snapshot(), self.a.snapshot()) == before, "can_allocate changed the cache or the allocator"
 
     def clear(self, data):
         if data.draw(st.integers(0, 3)) == 3:
@@ -419,20 +468,26 @@ class CacheComponent(Component):
             return None
         tokens, slots, m = data.draw(st.sampled_from(self.ended))
         c = self.c
-        call = data.draw(st.sampled_from([lambda: c.insert(tokens, slots, m), lambda: c.release(m, slots),
-                                          lambda: c.release(m)]))
+        call = data.draw(st.sampled_from([lambda: end(c, m, tokens, slots), lambda: end(c, m, None, slots, False),
+                                          lambda: c.finish([m], None, [], [0], cache=False)]))
         return Misuse(f"second end of a match ({m._ended})", call, PrefixCacheMisuse, "match-consumed")
 
     def foreign_or_not_a_match(self, data):
         c, fm = self.c, self.foreign
         hit = c.lookup((1, 2, 3))
         cases = [
-            Misuse("insert of another cache's match", lambda: c.insert(fm.tokens, fm.slots, fm), PrefixCacheMisuse,
+            Misuse("finish of another cache's match", lambda: end(c, fm, fm.tokens, fm.slots), PrefixCacheMisuse,
                    "foreign-match"),
-            Misuse("release of another cache's match", lambda: c.release(fm), PrefixCacheMisuse, "foreign-match"),
-            Misuse("release of a PrefixHit", lambda: c.release(hit), PrefixCacheMisuse, "not-a-match"),
-            Misuse("release of None", lambda: c.release(None), PrefixCacheMisuse, "not-a-match"),
-            Misuse("insert of a PrefixHit", lambda: c.insert((1,), [self.S], hit), PrefixCacheMisuse, "not-a-match"),
+            Misuse("release of another cache's match", lambda: end(c, fm, None, fm.slots, False), PrefixCacheMisuse,
+                   "foreign-match"),
+            Misuse("release of a PrefixHit", lambda: c.finish([hit], None, [], [0], cache=False), PrefixCacheMisuse,
+                   "not-a-match"),
+            Misuse("finish of None", lambda: c.finish([None], None, [], [0], cache=False), PrefixCacheMisuse,
+                   "not-a-match"),
+            Misuse("cache_pages of a PrefixHit", lambda: c.cache_pages(
+                [hit], (1,) * self.S, list(range(self.S, 2 * self.S)), [self.S]), PrefixCacheMisuse, "not-a-match"),
+            Misuse("cache_pages of another cache's match", lambda: c.cache_pages([fm], (), [], [0]),
+                   PrefixCacheMisuse, "foreign-match"),
         ]
         return data.draw(st.sampled_from(cases))
 
@@ -441,67 +496,83 @@ class CacheComponent(Component):
         bad = data.draw(st.sampled_from(BAD_TOKENS))
         cases = [
             Misuse("lookup of bad tokens", lambda: c.lookup(bad), PrefixCacheMisuse, "bad-tokens"),
-            Misuse("acquire of bad tokens", lambda: c.acquire(bad), PrefixCacheMisuse, "bad-tokens"),
+            Misuse("can_allocate of bad tokens", lambda: c.can_allocate(bad, 9), PrefixCacheMisuse, "bad-tokens"),
         ]
         for key in (1.5, True, (1,), ["a"]):
-            cases.append(Misuse(f"key {key!r}", lambda key=key: c.acquire((1, 2, 3), key=key), PrefixCacheMisuse,
-                                "bad-key"))
+            cases.append(Misuse(f"key {key!r}", lambda key=key: c.can_allocate((1, 2, 3), 4, key=key),
+                                PrefixCacheMisuse, "bad-key"))
             cases.append(Misuse(f"key {key!r} to lookup", lambda key=key: c.lookup((1, 2, 3), key=key),
                                 PrefixCacheMisuse, "bad-key"))
         for limit in (-1, 1.5, True, "2"):
-            cases.append(Misuse(f"max_length {limit!r}", lambda limit=limit: c.acquire((1, 2, 3), max_length=limit),
+            cases.append(Misuse(f"max_length {limit!r}", lambda limit=limit: c.lookup((1, 2, 3), max_length=limit),
                                 PrefixCacheMisuse, "bad-max-length"))
         for d in ([1] * (N + 1), [-1] * N, [0.5] * N, [[1] * N], np.full(N, 1.0), torch.ones(N, dtype=torch.bool)):
             cases.append(Misuse(f"deficit {d!r}", lambda d=d: c.evict(d), PrefixCacheMisuse, "bad-deficit"))
         live = sorted(self.live)
         if live:
             r = self.live[data.draw(st.sampled_from(live))]
-            if len(r.slots) == len(bad) if hasattr(bad, "__len__") else False:
-                cases.append(Misuse("insert of bad tokens", lambda: c.insert(bad, r.slots, r.m), PrefixCacheMisuse,
-                                    "bad-tokens"))
+            run = r.slots[r.m.shared :]
+            if len(run) == len(bad) if hasattr(bad, "__len__") else False:
+                cases.append(Misuse("finish of bad tokens", lambda: c.finish([r.m], bad, run, [len(run)]),
+                                    PrefixCacheMisuse, "bad-tokens"))
             cases += self._bad_end_of(r, data)
         return data.draw(st.sampled_from(cases))
 
     def _bad_end_of(self, r: Req, data) -> list:
-        """A live request ended with wrong arguments (insert or release)."""
+        """A live request finished with a wrong run (its positions past
+        ``m.shared``), its KV cached or freed."""
         S, c, m = self.S, self.c, r.m
         tokens, slots = tuple(r.tokens[: len(r.slots)]), torch.tensor(r.slots, dtype=torch.int64)
-        ends = lambda bent: [lambda: c.insert(tokens[: len(bent)], bent, m), lambda: c.release(m, bent)]  # noqa: E731
-        out = [Misuse("insert of fewer slots than tokens", lambda: c.insert(tokens, slots[:-1], m)
-                      if len(tokens) else c.insert((1,), slots, m), PrefixCacheMisuse, "length-mismatch"),
-               Misuse("insert of float slots", lambda: c.insert(tokens, slots.float(), m), PrefixCacheMisuse,
-                      "bad-slots")]
-        if m.length:
-            off = (tokens[0] + 1,) + tokens[1:]
-            out.append(Misuse("insert of tokens that do not extend the match", lambda: c.insert(off, slots, m),
-                              PrefixCacheMisuse, "tokens-do-not-extend-match"))
-            j = data.draw(st.integers(0, m.length - 1))
-            bent = slots.clone()
-            bent[j] = slots[j] + 1 if S > 1 and slots[j] % S < S - 1 else slots[j] - 1 if S > 1 else 0
+        s = m.shared
+        toks, run = np.array(tokens[s:], dtype=np.int64), slots[s:]
+        ends = lambda bent: [lambda: c.finish([m], toks[: len(bent)], bent, [len(bent)]),  # noqa: E731
+                             lambda: c.finish([m], None, bent, [len(bent)], cache=False)]
+        out = [Misuse("finish of counts that do not add up", lambda: c.finish([m], toks, run, [len(run) + 1]),
+                      PrefixCacheMisuse, "length-mismatch"),
+               Misuse("finish of float slots", lambda: c.finish([m], toks, run.float(), [len(run)]),
+                      PrefixCacheMisuse, "bad-slots"),
+               Misuse("finish of a match twice", lambda: c.finish([m, m], np.concatenate([toks, toks]),
+                                                                  torch.cat([run, run]), [len(run)] * 2),
+                      PrefixCacheMisuse, "match-twice"),
+               Misuse("finish of negative counts", lambda: c.finish([m], None, [], [-1], cache=False),
+                      PrefixCacheMisuse, "bad-counts")]
+        if len(run):
+            out.append(Misuse("finish of fewer slots than tokens", lambda: c.finish([m], toks, run[:-1], [len(toks)]),
+                              PrefixCacheMisuse, "length-mismatch"))
+        if m.length > s:  # a copy not cached yet: the run starts with it
+            j = data.draw(st.integers(0, m.length - s - 1))
+            off = toks.copy()
+            off[j] += 1
+            out.append(Misuse("finish of tokens that do not extend the match",
+                              lambda: c.finish([m], off, run, [len(run)]), PrefixCacheMisuse,
+                              "tokens-do-not-extend-match"))
+            bent = run.clone()
+            bent[j] = run[j] + 1 if S > 1 and run[j] % S < S - 1 else run[j] - 1 if S > 1 else 0
             for call in ends(bent):
-                out.append(Misuse("a match slot changed", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
-            for call in ends(slots[: m.length - 1]):
-                out.append(Misuse("fewer slots than the match", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
-        if len(r.slots) > m.length:
-            chains = [torch.cat([slots[:-1], torch.tensor([-1])]),  # padding
-                      torch.cat([slots[:-1], torch.tensor([(self.a.num_pages + 1) * S + (len(slots) - 1) % S])])]
+                out.append(Misuse("a copy slot changed", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
+            for call in ends(run[: m.length - s - 1]):
+                out.append(Misuse("fewer slots than the copy", call, PrefixCacheMisuse, "slots-do-not-extend-match"))
+        if len(run) > max(m.length - s, 0):  # own slots past the copy (past what cache_pages cached)
+            n = len(run)
+            chains = [torch.cat([run[:-1], torch.tensor([-1])]),  # padding
+                      torch.cat([run[:-1], torch.tensor([(self.a.num_pages + 1) * S + (len(slots) - 1) % S])])]
             if S > 1:
-                shifted = slots.clone()
+                shifted = run.clone()
                 shifted[-1] = shifted[-1] + 1 if shifted[-1] % S < S - 1 else shifted[-1] - 1
                 chains.append(shifted)  # off its page offset
-            elif len(slots) - m.shared >= 2:
-                chains.append(torch.cat([slots[:-1], slots[-2:-1]]))  # one page twice
+            elif n >= 2:
+                chains.append(torch.cat([run[:-1], run[-2:-1]]))  # one page twice
             for bent in chains:
                 for call in ends(bent):
                     out.append(Misuse("slots that are not a page chain", call, PrefixCacheMisuse, "not-a-page-chain"))
             q = (len(slots) - 1) // S
-            if q * S >= m.length:  # the last page is the request's own: put another there
+            if q * S >= max(m.length, s):  # the last page is the request's own: put another there
                 free = np.flatnonzero(~self.a.is_allocated(np.arange(1, self.a.num_pages + 1))) + 1
                 for pool, rule in ((free, "private-page-not-allocated"),
                                    (np.array(sorted(self.cached - _pages(r.slots, S))), "private-page-cached")):
                     if pool.size:
-                        bent = slots.clone()
-                        bent[q * S :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + \
+                        bent = run.clone()
+                        bent[q * S - s :] = int(data.draw(st.sampled_from(pool.tolist()))) * S + \
                             torch.arange(len(slots) - q * S)
                         for call in ends(bent):
                             out.append(Misuse(f"another page as the request's own ({rule})", call, PrefixCacheMisuse,
@@ -514,18 +585,48 @@ class CacheComponent(Component):
         return data.draw(st.sampled_from(self._bad_end_of(self.live[data.draw(st.sampled_from(sorted(self.live)))],
                                                           data)))
 
-    def bad_lane_need(self, data):
+    def bad_admission(self, data):
+        """``allocate`` of anything but this cache's hit or admission, ``can_allocate`` of a bad end."""
         c = self.c
-        hit, fhit = c.lookup((1, 2, 3, 4)), self.other.lookup((1, 2, 3, 4, 5, 6))
-        fm = self.foreign
+        fhit, fm = self.other.lookup((1, 2, 3, 4, 5, 6)), self.foreign
         return data.draw(st.sampled_from([
-            Misuse("lane_need of a match", lambda: c.lane_need(fm, 10), PrefixCacheMisuse, "not-a-hit"),
-            Misuse("lane_need of another cache's hit", lambda: c.lane_need(fhit, 10), PrefixCacheMisuse,
-                   "foreign-hit"),
-            Misuse("lane_need of a negative end", lambda: c.lane_need(hit, -1), PrefixCacheMisuse, "bad-end"),
-            Misuse("lane_need of a float end", lambda: c.lane_need(hit, 2.5), PrefixCacheMisuse, "bad-end"),
-            Misuse("lane_need of a str end", lambda: c.lane_need(hit, "7"), PrefixCacheMisuse, "bad-end"),
+            Misuse("allocate of a match", lambda: c.allocate(fm), PrefixCacheMisuse, "not-a-hit"),
+            Misuse("allocate of tokens", lambda: c.allocate((1, 2, 3)), PrefixCacheMisuse, "not-a-hit"),
+            Misuse("allocate of another cache's hit", lambda: c.allocate(fhit), PrefixCacheMisuse, "foreign-hit"),
+            Misuse("allocate of another cache's admission", lambda: c.allocate(self.other.can_allocate((1, 2), 3)),
+                   PrefixCacheMisuse, "foreign-hit"),
+            Misuse("can_allocate of a negative end", lambda: c.can_allocate((1, 2, 3, 4), -1), PrefixCacheMisuse,
+                   "bad-end"),
+            Misuse("can_allocate of a float end", lambda: c.can_allocate((1, 2, 3, 4), 2.5), PrefixCacheMisuse,
+                   "bad-end"),
+            Misuse("can_allocate of a str end", lambda: c.can_allocate((1, 2, 3, 4), "7"), PrefixCacheMisuse,
+                   "bad-end"),
         ]))
+
+    def bad_live(self, data):
+        """``cache_pages`` of a run that is not whole pages, of a match that
+        stopped caching, or of a consumed match."""
+        S, c = self.S, self.c
+        cands = [r for r in self.live.values() if (len(r.slots) - r.m.shared) // S]
+        cases = []
+        if cands:
+            r = data.draw(st.sampled_from(cands))
+            s = r.m.shared
+            toks, run = r.tokens[s : s + S], r.slots[s : s + S]
+            if S > 1 and r.m.live:
+                cases.append(Misuse("cache_pages of less than a page", lambda: c.cache_pages(
+                    [r.m], toks[:-1], run[:-1], [S - 1]), PrefixCacheMisuse, "not-whole-pages"))
+            if r.m.live:
+                cases.append(Misuse("cache_pages of an empty run", lambda: c.cache_pages([r.m], (), [], [0]),
+                                    PrefixCacheMisuse, "not-whole-pages"))
+            else:
+                cases.append(Misuse("cache_pages of a match that stopped caching", lambda: c.cache_pages(
+                    [r.m], toks, run, [S]), PrefixCacheMisuse, "match-not-live"))
+        if self.ended:
+            _, _, m = data.draw(st.sampled_from(self.ended))
+            cases.append(Misuse("cache_pages of a finished match", lambda: c.cache_pages([m], (), [], [0]),
+                                PrefixCacheMisuse, "match-consumed"))
+        return data.draw(st.sampled_from(cases)) if cases else None
 
     def stale_through_cache(self, data):
         """An ended request's ``last_loc`` used again through the cache: its

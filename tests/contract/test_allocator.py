@@ -6,13 +6,27 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpkv import OwnerLaneAllocator, SharedKVLayout, UnsupportedPagePlan
+from cpkv import OwnerLaneAllocator, SGLangAllocator, SharedKVLayout, UnsupportedPagePlan
 
 NONE = -1
+sg = SGLangAllocator.over  # SGLang's call shapes over an allocator
 
 
 def lanes_of(slots, S, N):
     return ((torch.as_tensor(slots) // S) % N).tolist()
+
+
+def test_for_layout_is_the_allocator_of_every_usable_page():
+    """``for_layout(layout)`` is ``OwnerLaneAllocator((num_pages - 1) * S, S, N,
+    layout=layout)``; anything but a layout is refused."""
+    lay = SharedKVLayout(3, 4, 5)
+    a, b = OwnerLaneAllocator.for_layout(lay, need_sort=True), OwnerLaneAllocator(14 * 4, 4, 3, layout=lay,
+                                                                                  need_sort=True)
+    assert (a.num_pages, a.layout, a.need_sort) == (14, lay, True) and a.snapshot() == b.snapshot()
+    with pytest.raises(TypeError, match="SharedKVLayout"):
+        OwnerLaneAllocator.for_layout((3, 4, 5))
+    with pytest.raises(ValueError, match="holds no page"):
+        OwnerLaneAllocator.for_layout(SharedKVLayout(1, 4, 1))
 
 
 def test_fresh_batch_worked_example():
@@ -99,11 +113,11 @@ def test_extend_num_tokens_and_device_lengths_must_agree():
     before = _state(a)
     z, s = torch.zeros(2, dtype=torch.int64), torch.tensor([3, 4])
     with pytest.raises(UnsupportedPagePlan, match="extend-num-tokens"):
-        a.alloc_extend(z, z, s, s, torch.tensor([NONE, NONE]), 8)
+        sg(a).alloc_extend(z, z, s, s, torch.tensor([NONE, NONE]), 8)
     with pytest.raises(UnsupportedPagePlan, match="mismatched-lengths"):
-        a.alloc_extend(z[:1], z, s, s, torch.tensor([NONE, NONE]), 7)
+        sg(a).alloc_extend(z[:1], z, s, s, torch.tensor([NONE, NONE]), 7)
     with pytest.raises(UnsupportedPagePlan, match="empty-decode"):
-        a.alloc_decode(torch.tensor([0]), torch.tensor([0]), torch.tensor([NONE]))
+        sg(a).alloc_decode(torch.tensor([0]), torch.tensor([0]), torch.tensor([NONE]))
     assert _state(a) == before
 
 
@@ -131,7 +145,7 @@ def test_short_lane_refuses_atomically_with_deficit():
     assert a.last_deficit.tolist() == [1, 0, 0, 0]
     assert _state(a) == before
     # 7 pages from the fullest lane (1): lanes 1,2,3,0,1,2,3 -> lane 0 is one short
-    out = a.alloc_extend(*(torch.tensor([0]),) * 2, *(torch.tensor([28]),) * 2, torch.tensor([NONE]), 28)
+    out = sg(a).alloc_extend(*(torch.tensor([0]),) * 2, *(torch.tensor([28]),) * 2, torch.tensor([NONE]), 28)
     assert out is None and _state(a) == before
     assert a.last_deficit.tolist() == [1, 0, 0, 0]
 
@@ -166,7 +180,7 @@ def test_cp1_is_a_plain_paged_allocator():
     a = OwnerLaneAllocator(64, 4, 1)
     r = a.allocate_extend([0, 0], [5, 4], torch.tensor([NONE, NONE]))
     assert r.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
-    assert a.available_size() == (16 - 3) * 4
+    assert sg(a).available_size() == (16 - 3) * 4
 
 
 def test_clear_restores_the_initial_state():
@@ -191,12 +205,12 @@ def test_available_size_fits_any_base(cp, S, pages, taken, base):
     for lane in taken:
         a.alloc_pages_with_owners([lane % cp])
     free = np.array(a.lane_free_pages())
-    n = a.available_size() // S
+    n = sg(a).available_size() // S
     need = lambda n, b: np.bincount((b + np.arange(n)) % cp, minlength=cp)  # noqa: E731
     for b in range(cp):
         assert (need(n, b) <= free).all()
     assert any((need(n + 1, b) > free).any() for b in range(cp))
-    assert a.available_size() % S == 0
+    assert sg(a).available_size() % S == 0
 
 
 def test_identical_allocators_agree_to_the_byte():

@@ -9,9 +9,10 @@ import torch
 
 import cpkv.contract.planner as planner_module
 import cpkv.contract.allocator as allocator_module
-from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv import OwnerLaneAllocator, SGLangAllocator, UnsupportedPagePlan
 
 NONE = -1
+sg = SGLangAllocator.over  # SGLang's call shapes over an allocator
 
 
 def _unusable_device() -> str:
@@ -78,7 +79,7 @@ def test_absurd_sequence_lengths_are_refused_without_work(seq_len):
         a.allocate_extend([64], [seq_len], [page * 64 + 63])
     s = torch.tensor([seq_len + 1])
     with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
-        a.alloc_decode(s, s, torch.tensor([page * 64 + 63]))
+        sg(a).alloc_decode(s, s, torch.tensor([page * 64 + 63]))
     assert a.snapshot() == before
 
 
@@ -122,7 +123,7 @@ def test_a_stale_last_loc_is_refused_after_its_page_is_reused():
     assert e.value.rule == "stale-last-loc"
     assert a.snapshot() == before
     with pytest.raises(UnsupportedPagePlan, match="stale-last-loc"):
-        a.alloc_decode(torch.tensor([4]), torch.tensor([4]), torch.tensor([stale]))
+        sg(a).alloc_decode(torch.tensor([4]), torch.tensor([4]), torch.tensor([stale]))
     cont = a.allocate_extend([5], [7], [int(rb.out_cache_loc[-1])])  # B itself continues
     assert not live & set(cont.out_cache_loc.tolist())
 
@@ -217,8 +218,8 @@ def test_wrong_input_kinds_are_refused_everywhere(bad, err):
         lambda: a.allocate_extend([5], bad, [last]),
         lambda: a.allocate_extend([5], [6], bad),
         lambda: a.allocate_decode(bad, [last]),
-        lambda: a.alloc_extend(bad, t([5]), t([6]), t([6]), t([last]), 1),
-        lambda: a.alloc_decode(t([6]), t([6]), bad),
+        lambda: sg(a).alloc_extend(bad, t([5]), t([6]), t([6]), t([last]), 1),
+        lambda: sg(a).alloc_decode(t([6]), t([6]), bad),
         lambda: a.alloc_pages_with_owners(bad),
         lambda: a.alloc_pages_with_owners([0], fill=bad if bad is not None else [1.0]),
         lambda: a.free(bad),
@@ -242,14 +243,14 @@ def test_free_of_a_float_tensor_frees_nothing():
 
 def test_int32_inputs_and_padding_still_work():
     a = OwnerLaneAllocator(256, 4, 2)
-    r = a.alloc_extend(*(torch.zeros(2, dtype=torch.int32),) * 2, *(torch.tensor([3, 6], dtype=torch.int32),) * 2,
+    r = sg(a).alloc_extend(*(torch.zeros(2, dtype=torch.int32),) * 2, *(torch.tensor([3, 6], dtype=torch.int32),) * 2,
                        torch.tensor([NONE, NONE], dtype=torch.int32), 9)
     assert r.numel() == 9
     a.free(torch.cat([r.to(torch.int32), torch.tensor([NONE], dtype=torch.int32)]))
     assert sum(a.lane_free_pages()) == a.num_pages
     z = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(TypeError, match="extend_num_tokens"):
-        a.alloc_extend(z, z, *(torch.tensor([3]),) * 2, torch.tensor([NONE]), 3.0)
+        sg(a).alloc_extend(z, z, *(torch.tensor([3]),) * 2, torch.tensor([NONE]), 3.0)
 
 
 # -- free by pages and free groups -----------------------------------------------------------------------
@@ -326,4 +327,4 @@ def test_backup_and_restore_state():
 def test_sglang_sizes():
     a = OwnerLaneAllocator(1000, 16, 1)
     assert (a.size, a.page_size) == (1000, 16)
-    assert a.available_size() == (1000 // 16) * 16
+    assert sg(a).available_size() == (1000 // 16) * 16

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache
-from cpkv.consumers.prefix_rules import refuse_cached_growth
 from cpkv.contract import layout, plan, rules
 from cpkv.engine.scheduler import Scheduler
 from cpkv.engine.trace import RequestSpec, TraceError
@@ -40,10 +39,9 @@ def test_every_lane_count_goes_through_one_function(monkeypatch):
     alloc = OwnerLaneAllocator(5 * S, S, N)  # lanes of 2 (lane 0) and 3 (lane 1) pages
     first = alloc.allocate_extend([0], [1], [-1])  # page 1, lane 1
     cache = PrefixCache(alloc)
-    hit = cache.lookup([1, 2, 3, 4])
     base = np.array([0, 1]), np.array([0, 2]), np.array([3, 4])
     fixed = (np.array([1]), np.array([5]), np.array([True]), first.to_host("new_pages"))  # base 1: fits 3 + 2
-    before = (plan.lane_take(*base, N).lane_counts.copy(), cache.lane_need(hit, 4).copy(),
+    before = (plan.lane_take(*base, N).lane_counts.copy(), cache.can_allocate([1, 2, 3, 4], 4).need.copy(),
               cache.chain_need(int(first.out_cache_loc[0]), 1, 5).copy())
     alloc._rules.check_capacity(*fixed)  # fits unpatched
     Scheduler([RequestSpec("a", 0, (1, 2, 3), 2)], PrefixCache(OwnerLaneAllocator(5 * S, S, N)))
@@ -51,7 +49,7 @@ def test_every_lane_count_goes_through_one_function(monkeypatch):
     real = layout.chain_lane_pages
     monkeypatch.setattr(layout, "chain_lane_pages", lambda *a: real(*a) + 100)
     assert (plan.lane_take(*base, N).lane_counts - before[0]).tolist() == [200, 200]
-    assert (cache.lane_need(hit, 4) - before[1]).tolist() == [100, 100]
+    assert (cache.can_allocate([1, 2, 3, 4], 4).need - before[1]).tolist() == [100, 100]
     assert (cache.chain_need(int(first.out_cache_loc[0]), 1, 5) - before[2]).tolist() == [100, 100]
     with pytest.raises(UnsupportedPagePlan, match="exceeds-capacity"):
         alloc._rules.check_capacity(*fixed)
@@ -83,11 +81,11 @@ def test_every_continuation_goes_through_one_rule(monkeypatch):
     calls.clear()
     assert alloc.allocate_decode([4], last + 1) is not None and calls  # check_decode
     calls.clear()
-    m = cache.acquire([7, 8, 9])
-    refuse_cached_growth(cache, [2], [3], torch.tensor([-1]))
-    refuse_cached_growth(cache, [2], [3], torch.tensor([int(last[0]) + 2]))
+    m = cache.allocate(cache.lookup([7, 8, 9]))
+    cache._refuse_cached_growth([2], [3], torch.tensor([-1]))
+    cache._refuse_cached_growth([2], [3], torch.tensor([int(last[0]) + 2]))
     assert calls, "the prefix cache did not ask the continuation rule"
-    cache.release(m)
+    cache.finish([m], None, m.copy_dst, [m.copy_dst.numel()], cache=False)
     monkeypatch.setattr(rules, "continues_chain", lambda *args: np.zeros(np.shape(args[0]), dtype=bool))
     alloc.restore_state(alloc.backup_state())
     with pytest.raises(UnsupportedPagePlan):

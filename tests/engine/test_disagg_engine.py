@@ -35,24 +35,26 @@ def simulate(cfg, specs=None):
     while not ctl.done:
         held = {p for r in ctl.prefill.held.values() for p in (r.slots[: r.computed] // S).tolist()}
         st = ctl.plan()
-        assert st.decode.prefill is None
-        given = [b.alloc.new_pages for b in st.prefill.batches()] + [d // S for _, d, _ in st.prefill.copies]
+        assert st.decode.forward is None or st.decode.forward.decode  # the decode side never prefills
+        given = [b.alloc.new_pages for b in st.prefill.forwards()] + [c.dst // S for c in st.prefill.copies]
         assert not held & set(torch.cat(given).tolist() if given else [])  # held KV is never handed out again
         if st.transfer is not None:
-            src = [ctl.prefill.held[ctl.inflight[r.index]].slots[a : a + s.numel()] for r, a, s in st.decode.arrivals]
-            for r, a, s in st.decode.arrivals:
+            src = [ctl.prefill.held[ctl.inflight[x.request.index]].slots[x.start : x.start + x.slots.numel()]
+                   for x in st.decode.arrivals]
+            for x in st.decode.arrivals:
+                r, a, s = x.request, x.start, x.slots
                 assert torch.equal(r.slots[a : a + s.numel()], s) and a + s.numel() == len(r.seq) - 1
             pairs = torch.cat([st.transfer.entries(x, y) for x, y in st.transfer.pairs()])
             assert torch.equal(torch.sort(pairs).values, torch.arange(sum(s.numel() for s in src)))
             flat = torch.cat(src)
             doubled += flat.numel() - torch.unique(flat).numel()
-        tok = [[(st.prefill.step * 7 + i) % 100 for i in range(len(b.requests))] for b in st.prefill.batches()]
-        dtok = [[(st.decode.step * 5 + i) % 100 for i in range(len(b.requests))] for b in st.decode.batches()]
+        tok = [[(st.prefill.step * 7 + i) % 100 for i in range(len(b.requests))] for b in st.prefill.forwards()]
+        dtok = [[(st.decode.step * 5 + i) % 100 for i in range(len(b.requests))] for b in st.decode.forwards()]
         ctl.complete(st, tok, dtok)
     assert not ctl.prefill.held and not ctl.inflight
     for s in (ctl.prefill, ctl.decode):
         s.drain()
-        assert sum(s.alloc.lane_free_pages()) == s.alloc.num_pages
+        assert sum(s.cache.alloc.lane_free_pages()) == s.cache.alloc.num_pages
     return ctl, doubled
 
 

@@ -16,5 +16,5 @@ def test_engine_on_triton_kernels_matches_transformers(kind, split):
                        prefill_split=split[0], decode_split=split[1], check=True, kernels="triton",
                        model=model_config(kind, seed=0))
     r = run_engine_threads(cfg)
-    assert r["config"]["kernels"] == "triton"
+    assert r["config"]["kernels"] == "triton" and r["kernels_fallback"] is None
     exact(r)

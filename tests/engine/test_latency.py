@@ -8,7 +8,7 @@ import pytest
 
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.engine.latency import STEP_KINDS, LatencyClock, percentiles, step_kind
-from cpkv.engine.step_plan import StepPlan
+from cpkv.engine.step_plan import Forward, StepPlan
 
 
 def test_report_latency_is_consistent(llama):
@@ -37,9 +37,11 @@ def test_report_latency_is_consistent(llama):
 
 
 def _plan(step, decode, prefill):
+    """A plan whose forward holds ``decode`` decodes then ``prefill`` chunks (only their counts matter)."""
     p = StepPlan(step)
-    empty = SimpleNamespace(requests=[], sample=[])  # a forward of no request: only its presence counts
-    p.decode, p.prefill = (empty if decode else None), (empty if prefill else None)
+    if decode or prefill:
+        n = decode + prefill
+        p.forward = Forward([SimpleNamespace()] * n, None, None, None, [False] * n, decode, None)
     return p
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from cpkv.consumers import prefix_cache as pc
-from cpkv.consumers import prefix_live
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 from cpkv.contract.allocator import OwnerLaneAllocator
 from cpkv.engine import EngineConfig, run_engine_threads
@@ -41,9 +40,10 @@ def test_requests_arriving_while_the_first_decodes_share_its_pages(llama, tmp_pa
 
 def _decode_cost_run(context: int, monkeypatch) -> list[int]:
     """One request of ``context`` prompt tokens through the scheduler (no
-    model); during its decode steps ``Request.seq`` and ``check_end`` (both
-    O(context)) refuse to run and every token conversion of the prefix cache
-    is measured. Returns those conversions' lengths."""
+    model); during its decode steps ``Request.seq`` and the whole-sequence
+    checks of the deprecated ends (both O(context)) refuse to run and every
+    token conversion of the prefix cache is measured. Returns those
+    conversions' lengths."""
     S, N = 64, 8
     spec = RequestSpec("long", 0, tuple(int(x) for x in np.random.default_rng(0).integers(0, 1000, context)), 130)
     alloc = OwnerLaneAllocator((context // S // N + 4) * N * S, S, N)
@@ -59,15 +59,14 @@ def _decode_cost_run(context: int, monkeypatch) -> list[int]:
         raise AssertionError("a decode step read the whole sequence")
 
     monkeypatch.setattr(pc, "_as_tokens", measured)
-    monkeypatch.setattr(prefix_live, "_as_tokens", measured)
-    monkeypatch.setattr(pc, "check_end", refuse)
+    monkeypatch.setattr(PrefixCache, "_check_whole", refuse)
     monkeypatch.setattr(Request, "seq", property(refuse))
     while not sched.done:  # 129 decode steps, the last one finishing the request
         plan = sched.plan()
-        assert plan.prefill is None and len(plan.decode.requests) == 1
+        assert plan.forward.decode and len(plan.forward.requests) == 1
         sched.complete(plan, [[2 + sched.step % 50]])
     monkeypatch.undo()
-    assert sched.cache.cached_pages() == -(-(context + 129) // S)  # all of it cached, page by page
+    assert sched.cache.sizes().cached.sum() == -(-(context + 129) // S)  # all of it cached, page by page
     return seen
 
 
@@ -85,24 +84,24 @@ def test_cache_pages_refuses_what_it_cannot_mean():
     cached raise PrefixCacheMisuse and change nothing."""
     S, N = 4, 2
     cache = PrefixCache(OwnerLaneAllocator(16 * N * S, S, N))
-    m = cache.acquire((1, 2, 3, 4, 5, 6, 7, 8, 9))
+    m = cache.allocate(cache.lookup((1, 2, 3, 4, 5, 6, 7, 8, 9)))
     a = cache.allocate_extend([0], [8], torch.tensor([-1]))
     before = cache.snapshot()
     for tokens, slots, rule in [((1, 2, 3), a.out_cache_loc[:3], "not-whole-pages"),
                                 ((1, 2, 3, 4), a.out_cache_loc[:3], "length-mismatch")]:
         with pytest.raises(PrefixCacheMisuse, match=rule):
-            cache.cache_pages(m, tokens, slots)
+            cache.cache_pages([m], tokens, slots, [len(tokens)])
         assert cache.snapshot() == before
-    assert cache.cache_pages(m, (1, 2, 3, 4), a.out_cache_loc[:4]) and m.shared == 4
+    assert cache.cache_pages([m], (1, 2, 3, 4), a.out_cache_loc[:4], [4])[0] and m.shared == 4
     with pytest.raises(PrefixCacheMisuse, match="private-page-cached"):
-        cache.cache_pages(m, (1, 2, 3, 4), a.out_cache_loc[:4])
+        cache.cache_pages([m], (1, 2, 3, 4), a.out_cache_loc[:4], [4])
     other = PrefixCache(OwnerLaneAllocator(16 * N * S, S, N))
     with pytest.raises(PrefixCacheMisuse, match="foreign-match"):
-        other.cache_pages(m, (5, 6, 7, 8), a.out_cache_loc[4:])
-    cache.insert_tail(m, (5, 6, 7, 8), a.out_cache_loc[4:])
+        other.cache_pages([m], (5, 6, 7, 8), a.out_cache_loc[4:], [4])
+    cache.finish([m], (5, 6, 7, 8), a.out_cache_loc[4:], [4])
     with pytest.raises(PrefixCacheMisuse, match="match-consumed"):
-        cache.cache_pages(m, (5, 6, 7, 8), a.out_cache_loc[4:])
-    assert cache.cached_pages() == 2 and cache.open_matches == 0
+        cache.cache_pages([m], (5, 6, 7, 8), a.out_cache_loc[4:], [4])
+    assert cache.sizes().cached.sum() == 2 and cache.open_matches == 0
 
 
 def test_requests_finishing_mid_page_end_in_one_batch(monkeypatch):

@@ -1,6 +1,6 @@
-"""A step with decodes and a prefill chunk runs one forward: the decode tokens
-ride in the prefill pass as one-token extends (SGLang's mixed chunk), exact
-against transformers; ``Allocation.concat`` is the allocation one call would
+"""A step with decodes and a prefill chunk is one forward, planned so by the
+scheduler: the decode tokens ride in the prefill pass as one-token extends
+(SGLang's mixed chunk), exact against transformers; ``Allocation.concat`` is the allocation one call would
 have made. [[RFC-0001:C-FLATTENED-ORDER]] [[RFC-0001:C-NO-PLANNER-COLLECTIVE]]"""
 
 import numpy as np
@@ -13,6 +13,9 @@ from cpkv.engine import engine as engine_mod
 
 
 def test_a_mixed_step_is_one_forward_and_exact(llama, monkeypatch):
+    """The scheduler plans a step's decodes and prefill chunks as one forward
+    (the decodes first, as one-token extends); the executor runs it as it is.
+    Exact against transformers."""
     calls = {}  # per executor (one per rank thread): forwards run
     real, real_run, seen = engine_mod.RankExecutor._forward, engine_mod.RankExecutor.run, []
 
@@ -23,7 +26,12 @@ def test_a_mixed_step_is_one_forward_and_exact(llama, monkeypatch):
     def run(self, plan):
         before = calls.get(id(self), 0)
         out = real_run(self, plan)
-        seen.append((plan.decode is not None and plan.prefill is not None, calls.get(id(self), 0) - before))
+        f = plan.forward
+        if f is not None and f.kind == "mixed":
+            d = f.decodes
+            assert all(r.computed - 1 == int(p) for r, p in zip(f.requests[:d], f.alloc.prefix_lens[:d]))
+            assert f.alloc.extend_lens[:d].tolist() == [1] * d and not f.decode
+        seen.append((f is not None and f.kind == "mixed", calls.get(id(self), 0) - before))
         return out
 
     monkeypatch.setattr(engine_mod.RankExecutor, "_forward", counted)

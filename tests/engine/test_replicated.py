@@ -84,12 +84,12 @@ def test_replicated_pool_and_runner_misuse(llama):
         ReplicatedKVPool(lay, fams, replicated_buffers(lay, fams), group_rank=2, group_size=2)
     pool = ReplicatedKVPool(lay, fams, replicated_buffers(lay, fams), group_rank=0, group_size=1)
     with pytest.raises(ValueError, match="unknown prefill split 'page'"):
-        CPRunner(llama, pool, max_requests=1, max_len=8, prefill_split="page", decode_split="balanced")
+        CPRunner(llama, pool, prefill_split="page", decode_split="balanced")
     with pytest.raises(ValueError, match="unknown decode split 'owner'"):
-        CPRunner(llama, pool, max_requests=1, max_len=8, prefill_split="zigzag", decode_split="owner")
+        CPRunner(llama, pool, prefill_split="zigzag", decode_split="owner")
     other = ReplicatedKVPool(lay, fams, replicated_buffers(lay, fams), group_rank=1, group_size=2)
     with pytest.raises(ValueError, match="the pool is rank 1 of 2"):
-        CPRunner(llama, other, max_requests=1, max_len=8, prefill_split="zigzag", decode_split="balanced")
+        CPRunner(llama, other, prefill_split="zigzag", decode_split="balanced")
     host = ReplicatedHostPool(fams, ReplicatedHostPool.allocate(fams, 2, 4))
     from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
 

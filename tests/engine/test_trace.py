@@ -74,7 +74,7 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs():
 
 def test_every_request_that_can_never_fit_is_listed_with_what_the_lanes_hold():
     layout = SharedKVLayout(4, 16, 8)  # 8 pages per rank: lanes of 7, 8, 8, 8 (page 0 reserved)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * 16, 16, 4, layout=layout)
+    alloc = OwnerLaneAllocator.for_layout(layout)
     specs = [RequestSpec("ok", 0, tuple(range(100)), 8), RequestSpec("long", 0, (1,) * 1500, 21),
              RequestSpec("next", 0, (2,) * 10, 4, "ok"), RequestSpec("also", 3, (3,) * 449, 1)]
     with pytest.raises(CacheTooSmall) as e:
@@ -134,7 +134,7 @@ def test_a_request_arriving_late_costs_no_idle_steps():
         assert skipped == 0 or not (sched.running or any(r.due < sched.step for r in sched.waiting))
         plan = sched.plan()
         planned += 1
-        sched.complete(plan, [[7] * len(b.requests) for b in plan.batches()])
+        sched.complete(plan, [[7] * len(b.requests) for b in plan.forwards()])
     assert time.perf_counter() - t0 < 2.0 and planned < 20
     fin = {r.spec.id: r.finished_at for r in sched.requests}
     assert fin["a"] == 1 and fin["c"] == 1 + 1 + 5  # a follow-up still waits its delay
@@ -166,9 +166,9 @@ def test_a_key_partitions_the_cache_and_a_follow_up_keeps_its_parents(tmp_path):
     matched = []
 
     class Spy(PrefixCache):
-        def acquire(self, tokens, max_length=None, key=None):
-            m = super().acquire(tokens, max_length, key)
-            matched.append((key, len(tokens), m.length))
+        def allocate(self, what):
+            m = super().allocate(what)
+            matched.append((what.hit.ns, len(what.tokens), m.length))
             return m
 
     sched = Scheduler(specs, Spy(OwnerLaneAllocator(4 * 64 * 4, 4, 4)), chunk=64)

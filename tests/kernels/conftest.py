@@ -1,19 +1,23 @@
 """Shared settings and case builders of the kernel tests.
 
-``TRITON_INTERPRET=1`` is set at import, before anything imports triton, so
-the triton backend runs its kernels on CPU tensors in Triton's interpreter
-(an explicit setting wins). Cases are small: the interpreter runs one program
-after another.
+Where torch sees no CUDA device, ``TRITON_INTERPRET=1`` is set at import,
+before anything imports triton, so the triton backend runs its kernels on CPU
+tensors in Triton's interpreter (an explicit setting wins); where it sees one,
+nothing is set, so the ``gpu`` tests (and the ranks they spawn, which inherit
+the environment) compile their kernels. Cases are small: the interpreter runs
+one program after another.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from cpkv.contract.layout import SharedKVLayout  # noqa: E402
 

@@ -7,8 +7,7 @@ import torch
 from conftest import DTYPES, GEOMETRIES
 
 import cpkv.kernels as K
-from cpkv.models.attention import attend, merge_partials
-from cpkv.models.attention import paged_attention as model_paged_attention
+from cpkv.kernels.reference import attend, gathered_attention, merge_partials
 
 H, HKV, D, DV = 4, 2, 8, 16
 SCALE = D**-0.5
@@ -34,10 +33,12 @@ def test_triton_equals_torch(batch_of, close, cp_size, page_size, dtype):
     assert torch.isfinite(got[1][:-2]).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("cp_size,page_size", [(3, 1), (4, 16)])
-def test_rank_partials_merge_to_full(batch_of, close, backend, cp_size, page_size):
-    """The decode split: attention over each rank's own slots, merged, equals attention over all."""
+def test_rank_partials_merge_to_full(batch_of, close, cp_size, page_size):
+    """The decode split on the torch backend: attention over each rank's own
+    slots, merged, equals attention over all (the triton backend's:
+    test_kernel_split.test_lse_split_reads_only_owned_slots)."""
+    backend = "torch"
     b = batch_of(cp_size, page_size, seed=7)
     q = b.randn(b.q_req.numel(), H, D)
     k, v = _views(b, torch.float32)
@@ -50,8 +51,8 @@ def test_rank_partials_merge_to_full(batch_of, close, backend, cp_size, page_siz
 
 
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_reference_equals_model_paged_attention(batch_of, close, gqa):
-    """On a table without holes, the reference is models.attention.paged_attention over each
+def test_reference_equals_gathered_attention(batch_of, close, gqa):
+    """On a table without holes, the reference is reference.gathered_attention over each
     request's context gathered through the rank-major view."""
     b = batch_of(4, 16, seed=3, holes=False)
     T = b.q_req.numel()
@@ -60,13 +61,13 @@ def test_reference_equals_model_paged_attention(batch_of, close, gqa):
     out, _ = K.paged_attention(q, k, v, b.table, b.q_req, b.q_pos, b.layout, SCALE, backend="torch")
     rows = b.layout.translate_read_slots(b.table).clamp(min=0)
     live = torch.arange(T) < T - 2  # the model path has no query that sees nothing
-    want = model_paged_attention(q[live], b.q_req[live], b.q_pos[live], k[rows], v[rows], SCALE)
+    want = gathered_attention(q[live], b.q_req[live], b.q_pos[live], k[rows], v[rows], SCALE)
     close(out[live], want, torch.float32)
 
 
 def test_reference_equals_model_attend(batch_of, close):
     """With padding inside contexts and queries that see nothing, the reference's out and lse are
-    models.attention.attend's over each query's keys and visibility mask."""
+    reference.attend's over each query's keys and visibility mask."""
     b = batch_of(3, 16, seed=4)
     q = b.randn(b.q_req.numel(), H, D)
     k, v = _views(b, torch.float32)

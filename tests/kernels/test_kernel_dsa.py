@@ -8,7 +8,8 @@ import torch
 from conftest import DTYPES, GEOMETRIES
 
 import cpkv.kernels as K
-from cpkv.models.attention import attend, index_scores, topk_positions
+from cpkv.kernels.reference import attend
+from cpkv.models.attention import index_scores, topk_positions
 
 HI, DI, H, R, DR = 16, 32, 4, 32, 8  # indexer heads and dim; MLA heads, kv_lora_rank, rope dim
 TOPK = 6

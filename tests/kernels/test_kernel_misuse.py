@@ -101,14 +101,17 @@ def test_bfloat16_is_gpu_only_in_the_interpreter():
 
 
 def test_without_triton_the_triton_backend_raises_and_torch_works(monkeypatch):
-    for mod in ("triton_store", "triton_attention", "triton_dsa"):
-        monkeypatch.setitem(sys.modules, f"cpkv.kernels.{mod}", None)  # import now fails
-        monkeypatch.delattr(K, mod, raising=False)
+    monkeypatch.setitem(sys.modules, "cpkv.kernels.triton_backend", None)  # import now fails
+    monkeypatch.delattr(K, "triton_backend", raising=False)
+    monkeypatch.delitem(K._BOUND, "triton", raising=False)  # bound once: forget it for this test
     with pytest.raises(RuntimeError, match="backend 'triton' needs the triton package"):
         K.get("triton")
     with pytest.raises(ValueError, match="backend must be one of"):
         K.get("cuda")
-    out = K.get("auto").merge_lse(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
+    with pytest.raises(RuntimeError, match="backend 'triton' needs the triton package"):
+        K.merge_lse(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1), backend="triton")
+    assert K.get("auto", "cuda") is K.get("torch")  # auto falls back to torch
+    out = K.get("auto").merge(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
     assert out[1].item() == 0.0
 
 
@@ -117,3 +120,9 @@ def test_import_sets_the_interpreter_without_cuda():
     code = "import os, torch, cpkv.kernels; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert got.split() == (["True", "None"] if torch.cuda.is_available() else ["False", "1"])
+
+
+def test_a_backend_is_bound_once():
+    """get() hands out one instance per backend: a forward takes it once, per batch, with no checks to rerun."""
+    assert K.get("triton") is K.get("triton") and K.get("torch") is K.get("auto") is K.get("auto", "cpu")
+    assert K.get("triton").name == "triton" and K.get("torch").name == "torch"

@@ -13,11 +13,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
+from cpkv import ContractViolation, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
-from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output, attend,
+from cpkv.kernels.reference import attend
+from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output,
                          glm_indexer_types, real_shape, topk_positions)
-from cpkv.runtime.runner import CPRunner
+from cpkv.runtime.parts import build_parts
 
 from support.groups import run_group as support_run_group
 
@@ -238,13 +239,9 @@ def test_the_cached_latent_is_transformers_cache(adapters):
     then the rotated rope key, in its order. [[RFC-0001:C-MLA-LATENT-POOL]]"""
     for kind, ad in adapters.items():
         ids = torch.arange(3, 23)
-        layout = SharedKVLayout(1, 4, 8)
-        fams = ad.families()
-        bufs = allocate_buffers(layout, fams)
-        pool = SharedKVPool(layout, 0, fams, bufs)
-        run = CPRunner(ad, pool, OwnerLaneAllocator((layout.num_pages - 1) * 4, 4, 1, layout=layout),
-                       max_requests=1, max_len=32)
-        alloc, _, _ = run.extend([0], [ids])
+        own = build_parts(ad, SharedKVLayout(1, 4, 8), max_requests=1, max_len=32)
+        pool = own.pool
+        alloc, _, _ = own.extend([0], [ids])
         with torch.no_grad():
             cache = ad.model(ids[None], use_cache=True).cache
         read = pool.read_index(alloc.out_cache_loc)
@@ -372,17 +369,13 @@ def test_cli_bytes(capsys):
 def test_chunked_prefill_with_token_zero_matches_transformers():
     """Token 0 (a padding id would have a zero embedding, zero indexer weights and
     a row of tied scores) inside a prompt prefilled in two chunks: exact."""
-    from cpkv import OwnerLaneAllocator, SharedKVLayout
-    from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
-    from cpkv.runtime.runner import CPRunner
+    from cpkv import SharedKVLayout
+    from cpkv.runtime.parts import build_parts
 
     ad = DsaAdapter(TinyDsa().build())
     ids = torch.randint(1, 256, (44,), generator=torch.Generator().manual_seed(0))
     ids[20] = 0
-    lay = SharedKVLayout(1, 1, 64)
-    fams = ad.families()
-    run = CPRunner(ad, SharedKVPool(lay, 0, fams, allocate_buffers(lay, fams)),
-                   OwnerLaneAllocator(63, 1, 1, layout=lay), max_requests=1, max_len=64)
-    parts = [run.extend([0], [ids[:30]])[2], run.extend([0], [ids[30:]])[2]]
+    own = build_parts(ad, SharedKVLayout(1, 1, 64), max_requests=1, max_len=64)
+    parts = [own.extend([0], [ids[:30]])[2], own.extend([0], [ids[30:]])[2]]
     ref = ad.model(ids[None]).logits[0]
     assert (torch.cat(parts) - ref).abs().max() < 1e-4

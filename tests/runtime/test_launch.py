@@ -1,25 +1,22 @@
-"""The launcher itself (cpkv.runtime.group): shared segments, faults, timeouts, a
-killed launcher, and sizing a group before it starts. Multi-process tests use
+"""The launcher itself (cpkv.runtime.group): shared segments, faults, timeouts,
+a rank stopped while it creates names. (A killed launcher:
+test_launcher_death.py.) Multi-process tests use
 the tiny targets of tests/support/launch_targets.py, so a group costs a torch import
 per rank, not a model."""
 
+import contextlib
 import math
 import os
+import pickle
 import signal
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from support import launch_targets as lt
-from support.proc_helpers import children, gone, semaphores_of, spawned_ranks, wait_until
+from support.proc_helpers import children, fork_launcher, gone, spawned_ranks, wait_until
 from cpkv.runtime.group import RankFailure, launch
-from cpkv.runtime.shm import mapped_segments, shm_segments
-
-TESTS = Path(__file__).resolve().parents[1]
+from cpkv.runtime.shm import shm_segments
 
 
 # -- multi-process -----------------------------------------------------------------
@@ -65,46 +62,6 @@ def test_a_group_that_does_not_finish_in_time_is_stopped(tmp_path):
     assert not shm_segments(os.getpid())
 
 
-@pytest.mark.multiproc
-def test_a_killed_launcher_takes_its_ranks_and_leaves_nothing(tmp_path):
-    """SIGKILL to the launcher alone, mid-run: its ranks die within seconds and
-    nothing of the run stays in /dev/shm or in the launcher's temporary folder.
-    No semaphore can stay: neither the launcher nor a rank ever opens one."""
-    run_tmp = tmp_path / "tmp"
-    run_tmp.mkdir()
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(TESTS)!r})
-        from support import launch_targets
-        from cpkv.runtime import launch
-        launch(launch_targets.hang, 2, {str(tmp_path)!r}, timeout=300)
-    """)
-    p = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(run_tmp)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        markers = [tmp_path / "0", tmp_path / "1"]
-        assert wait_until(lambda: all(m.exists() for m in markers) or p.poll() is not None, 120), "ranks never started"
-        assert p.poll() is None, p.stderr.read().decode()
-        ranks = [int(m.read_text()) for m in markers]
-        kids = children(p.pid)
-        assert set(ranks) <= set(kids)
-        # mid-run: each rank maps the run's segment, whose name is already gone from /dev/shm
-        seg = mapped_segments(ranks[0])
-        assert seg and seg == mapped_segments(ranks[1]) and all(s.startswith(f"cpkv_{p.pid}_") for s in seg)
-        assert not shm_segments(p.pid)
-        assert list(run_tmp.glob("cpkv_pg_*")), "the run's folder is where TMPDIR says"
-        assert not semaphores_of(p.pid, *kids)
-        p.send_signal(signal.SIGKILL)
-        p.wait(10)
-        assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.stderr.close()
-    assert not shm_segments(p.pid)
-    assert wait_until(lambda: not list(run_tmp.glob("cpkv_*")), 5), list(run_tmp.iterdir())
-
-
 def test_launch_refuses_bad_arguments_before_starting_anything():
     kids = set(children(os.getpid()))
     for bad in (dict(world_size=0), dict(world_size=1.5), dict(timeout=0), dict(timeout=-1), dict(timeout=math.nan),
@@ -112,6 +69,8 @@ def test_launch_refuses_bad_arguments_before_starting_anything():
         kw = {"world_size": 2, "timeout": 10, **bad}
         with pytest.raises(ValueError):
             launch(lt.share, kw.pop("world_size"), 4, **kw)
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        launch(lambda ctx: 0, 2)  # ranks are spawned: a target must be importable by name
     assert set(children(os.getpid())) <= kids
 
 
@@ -125,31 +84,29 @@ def test_rank_failure_is_one_line_with_the_traceback_kept():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("how", ["kill", "timeout"])
+@pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_rank_creating_segments_while_stopped_leaves_no_name(how, tmp_path):
     """A rank creates one new segment after another when its launcher is
-    SIGKILLed (``kill``: the rank's watchdog alone cleans up) or stops it
-    (``timeout``): no name of the run is left, however the stop meets a
-    creation in progress."""
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(TESTS)!r})
-        from support import launch_targets
-        from cpkv.runtime import launch
-        launch(launch_targets.create_forever, 1, {str(tmp_path)!r}, timeout={300 if how == "kill" else 2})
-    """)
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    SIGKILLed (``kill``: the rank dies with it, and the reaper alone cleans up
+    once it has) or stops it (``stop``: Ctrl-C to the launcher, which stops the
+    rank, reaps it and unlinks): no name of the run is left, however the stop
+    meets a creation in progress. (The launcher is a fork of this process:
+    tests/support/proc_helpers.py.)"""
+    pid = fork_launcher(tmp_path, {}, lambda: launch(lt.create_forever, 1, str(tmp_path), timeout=600))
+    kids, status = [], None
     try:
-        assert wait_until(lambda: (tmp_path / "0").exists() or p.poll() is not None, 60), "the rank never started"
-        kids = children(p.pid)
-        if how == "kill":
-            time.sleep(0.2)  # let names pile up
-            p.send_signal(signal.SIGKILL)
-        p.wait(30)
-        assert wait_until(lambda: all(gone(k) for k in kids), 10), [k for k in kids if not gone(k)]
+        assert wait_until(lambda: (tmp_path / "0").exists() or gone(pid), 240), "the rank never started"
+        kids = children(pid)  # the rank and the reaper
+        assert len(kids) == 2
+        time.sleep(0.2)  # let names pile up
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGINT)
+        _, status = os.waitpid(pid, 0)
+        assert wait_until(lambda: all(gone(k) for k in kids) and not shm_segments(pid), 10), \
+            ([k for k in kids if not gone(k)], sorted(shm_segments(pid)))
     finally:
-        if p.poll() is None:
-            p.kill()
-        p.stderr.close()
-    assert p.returncode == (-signal.SIGKILL if how == "kill" else 1)
-    assert not shm_segments(p.pid)
+        for k in kids + [pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    assert status == (signal.SIGKILL if how == "kill" else 1 << 8)  # killed; or KeyboardInterrupt, exit status 1

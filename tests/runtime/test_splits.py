@@ -8,8 +8,9 @@ process over one shared buffer; the process group runs the same code
 import pytest
 import torch
 
-from cpkv.contract.plan import balanced_ranks, zigzag_ranks
+from cpkv import UnsupportedPagePlan
 from cpkv.models import LlamaAdapter, TinyLlama
+from cpkv.runtime.forward_plan import balanced_ranks, interleave_ranks, zigzag_ranks
 
 from support.groups import run_group as support_run_group
 
@@ -69,6 +70,13 @@ def test_lse_decode_divides_context_reads_and_owner_decode_does_not_replicate(ll
     _, own = run_group(llama, N, 1, "page", "owner", steps=steps)
     own = [r[2] for r in own]
     assert sum(r.tokens_computed for r in own) == steps * len(REQUESTS)
+
+
+def test_interleave_ranks_deal_tokens_in_turn():
+    """Token i goes to rank i % N; fewer tokens than ranks is refused (a rank would get none)."""
+    assert interleave_ranks(7, 3).tolist() == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(UnsupportedPagePlan, match="interleave-too-short"):
+        interleave_ranks(2, 3)
 
 
 @pytest.mark.parametrize("n,N", [(10, 2), (3, 2), (8, 2), (1, 4), (17, 3), (0, 2)])

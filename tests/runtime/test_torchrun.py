@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -98,10 +99,11 @@ def test_join_refuses_misuse_before_touching_anything():
         join(print, environ={})
     with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
         join(print, environ={k: v for k, v in ENV.items() if k != "MASTER_ADDR"})
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+    with pytest.raises(ValueError, match="device must be one of"):
         join(print, environ=ENV, device="tpu")
-    with pytest.raises(ValueError, match="CUDA is not available"):
-        join(print, environ=ENV, device="cuda")
+    if not torch.cuda.is_available():  # the launcher's refusal, word for word
+        with pytest.raises(RuntimeError, match="--device cuda needs a CUDA GPU"):
+            join(print, environ=ENV, device="cuda")
     with pytest.raises(ValueError, match="timeout must be"):
         join(print, environ=ENV, timeout=0)
     with pytest.raises(ValueError, match="role must be a non-empty string"):
@@ -124,9 +126,11 @@ def _ranks(out: Path) -> list[dict]:
 
 
 def _nothing_left(ranks: list[dict]) -> None:
-    """No rank process and no segment name of the run's nodes."""
+    """No rank process and, soon after (a rank ended by a signal leaves its names to its reaper), no segment name of
+    the run's nodes."""
     assert wait_until(lambda: all(gone(r["pid"]) for r in ranks), 10), "a rank outlived the run"
-    assert not set().union(*(shm_names(r["prefix"]) for r in ranks)), "a segment name outlived the run"
+    names = lambda: set().union(*(shm_names(r["prefix"]) for r in ranks))  # noqa: E731
+    assert wait_until(lambda: not names(), 5), f"a segment name outlived the run: {sorted(names())}"
 
 
 @pytest.mark.multiproc
@@ -162,20 +166,17 @@ def test_a_killed_rank_ends_the_run_and_leaves_nothing(tmp_path, victim):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("how", ["kill torchrun", "ctrl-c"])
-def test_a_killed_torchrun_or_ctrl_c_leaves_nothing(tmp_path, how):
-    """SIGKILL to the agent (its ranks get PR_SET_PDEATHSIG) or SIGINT to the whole process group, as a terminal's
-    Ctrl-C does, while the ranks loop through barriers holding a name not yet unlinked."""
+def test_ctrl_c_to_torchrun_leaves_nothing(tmp_path):
+    """SIGINT to torchrun's process group, as a terminal's Ctrl-C does, while the ranks loop through barriers holding
+    a name not yet unlinked: the agent stops its ranks (SIGTERM to each rank's session, which ends a rank at once),
+    and their reapers remove the name. (A SIGKILLed agent: test_launcher_death.py.)"""
     p = _torchrun(tmp_path, ["--standalone", "--nproc-per-node", "2"], "hang", start_new_session=True)
     if not wait_until(lambda: len(glob.glob(str(tmp_path / "pid*"))) == 2, 90):
         p.kill()
         pytest.fail(log_tail(tmp_path))
     ranks = _ranks(tmp_path)
     assert shm_names(ranks[0]["prefix"]) == {ranks[0]["prefix"] + "pending"}
-    if how == "kill torchrun":
-        p.kill()
-    else:
-        os.killpg(p.pid, signal.SIGINT)
+    os.killpg(p.pid, signal.SIGINT)
     finish(p, tmp_path, 30)
     _nothing_left(ranks)
 

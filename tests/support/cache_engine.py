@@ -1,4 +1,5 @@
-"""A toy engine over the prefix cache for tests: the 'KV' of a slot is (token, position)."""
+"""A toy engine over the prefix cache for tests: the 'KV' of a slot is (token, position);
+and the two calls tests make of one request given its whole sequence."""
 
 import numpy as np
 import torch
@@ -6,6 +7,19 @@ from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache
+
+
+def admit(cache, tokens, max_length=None, key=None):
+    """A request admitted: ``allocate(lookup(tokens))``."""
+    return cache.allocate(cache.lookup(tokens, max_length, key=key))
+
+
+def end(cache, m, tokens, slots, keep=True):
+    """One request ends, given its whole sequence (``tokens`` may be None
+    without ``keep``): :meth:`PrefixCache.finish` of its run past ``m.shared``,
+    cached (``keep``) or freed."""
+    s = m.shared
+    cache.finish([m], None if tokens is None else tokens[s:], slots[s:], [len(slots) - s], cache=keep)
 
 
 class Engine:
@@ -19,7 +33,7 @@ class Engine:
         self.live = {}  # id -> (tokens, slots, match)
 
     def start(self, rid, tokens):
-        return self.run(rid, tokens, self.cache.acquire(tokens))
+        return self.run(rid, tokens, admit(self.cache, tokens))
 
     def run(self, rid, tokens, m):
         """Copy, check the matched KV, allocate the rest and 'compute' it."""
@@ -36,7 +50,7 @@ class Engine:
             assert e.rule == "exceeds-capacity", e
             r = None
         if r is None:
-            self.cache.release(m)
+            end(self.cache, m, None, m.slots, keep=False)
             return None
         slots = torch.cat([m.slots, r.out_cache_loc])
         for j in range(m.length, len(tokens)):
@@ -46,12 +60,12 @@ class Engine:
 
     def finish(self, rid):
         tokens, slots, m = self.live.pop(rid)
-        self.cache.insert(tokens, slots, m)
+        end(self.cache, m, tokens, slots)
         return tokens, slots, m
 
     def abort(self, rid):
         tokens, slots, m = self.live.pop(rid)
-        self.cache.release(m, slots)
+        end(self.cache, m, None, slots, keep=False)
         return tokens, slots, m
 
     def state(self):

@@ -6,10 +6,10 @@ checks: tiny shapes, so that Triton's interpreter runs a case in seconds.
 
 import torch
 
-from cpkv import OwnerLaneAllocator, SharedKVLayout
-from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv import SharedKVLayout
+from cpkv.engine.rank import thread_buffers
 from cpkv.runtime.comm import run_threads
-from cpkv.runtime.runner import CPRunner
+from cpkv.runtime.parts import build_parts
 
 PROMPTS = (21, 9)  # the first ends mid-page, longer than TinyDsa's top-k (16): a sparse selection
 
@@ -20,24 +20,25 @@ def prompts(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=g) for n in PROMPTS]
 
 
-def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: str = "torch", page: int = 4):
+def run_small(adapter, vocab: int, N: int, prefill: str, decode: str, kernels: str = "torch", page: int = 4,
+              kv_dtype: str = "float32"):
     """Prefill every prompt but its last token, then decode that token, on N
-    thread ranks. Returns rank 0's ``(prefill logits [E, V], decode logits
-    [B, V])`` in flattened batch order and every rank's runner."""
-    layout = SharedKVLayout(N, page, 16)
-    fams = adapter.families()
-    bufs = allocate_buffers(layout, fams)
+    thread ranks, the caches stored as ``kv_dtype``. Returns rank 0's
+    ``(prefill logits [E, V], decode logits [B, V])`` in flattened batch order
+    and every rank's runner."""
+    layout, shared = SharedKVLayout(N, page, 16), thread_buffers()
+    fams = adapter.kv_families(kv_dtype)
     ps = prompts(vocab)
 
     def rank(comm):
-        pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-        alloc = OwnerLaneAllocator((layout.num_pages - 1) * page, page, N, layout=layout)
-        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(ps), max_len=64, prefill_split=prefill,
-                       decode_split=decode, kernels=kernels)
+        own = build_parts(adapter, layout, comm, shared=shared, families=fams, max_requests=len(ps), max_len=64,
+                          prefill_split=prefill, decode_split=decode, kernels=kernels)
+        run, batches = own.runner, own.rows
         rows = list(range(len(ps)))
         outs = []
         for parts, dec in (([p[:-1] for p in ps], False), ([p[-1:] for p in ps], True)):
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             outs.append(run.collect(a.out_cache_loc.numel(), idx, lg))
         return outs, run
 

@@ -3,10 +3,10 @@ prefixes prefilled first, then the batch, then greedy decode steps (the split an
 
 import torch
 
-from cpkv import OwnerLaneAllocator, SharedKVLayout
-from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
+from cpkv import SharedKVLayout
+from cpkv.engine.rank import thread_buffers
 from cpkv.runtime.comm import run_threads
-from cpkv.runtime.runner import CPRunner
+from cpkv.runtime.parts import build_parts
 
 
 def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank, seed=0, on_rows=None,
@@ -16,23 +16,21 @@ def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank
     ``pages_per_rank`` pages a rank. ``on_rows(rows)`` is called before each forward (a rank thread's batch);
     ``decode_counters_only`` zeroes the runners' work counters after the prefill. Returns the prompts and every
     rank's ``(logits per request, generated tokens, runner)``."""
-    layout = SharedKVLayout(N, S, pages_per_rank)
-    fams = adapter.families()
-    bufs = allocate_buffers(layout, fams)
+    layout, shared = SharedKVLayout(N, S, pages_per_rank), thread_buffers()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
 
     def rank(comm):
-        pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-        alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout)
-        run = CPRunner(adapter, pool, alloc, comm, max_requests=len(requests), max_len=128,
-                       prefill_split=prefill, decode_split=decode)
+        own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(requests), max_len=128,
+                          prefill_split=prefill, decode_split=decode)
+        run, batches = own.runner, own.rows
         out = {r: [] for r in range(len(requests))}
 
         def step(rows, parts, dec=False):
             if on_rows is not None:
                 on_rows(rows)
-            a, idx, lg = run.extend(rows, parts, dec)
+            a = batches.allocate(rows, [t.numel() for t in parts], dec)
+            idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
             full = run.collect(a.out_cache_loc.numel(), idx, lg)
             for i, r in enumerate(rows):
                 s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])

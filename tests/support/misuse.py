@@ -21,7 +21,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv import OwnerLaneAllocator, SGLangAllocator, UnsupportedPagePlan
 
 
 @dataclass
@@ -79,6 +79,7 @@ class AllocatorComponent(Component):
     def __init__(self, cp: int, S: int, lane_pages: int, allocator: OwnerLaneAllocator | None = None):
         self.N, self.S = cp, S
         self.a = allocator if allocator is not None else OwnerLaneAllocator(lane_pages * cp * S, S, cp)
+        self.sg = SGLangAllocator.over(self.a)  # SGLang's call shapes over the same allocator
         self.m = {"reqs": {}, "pending": set(), "gone": [], "group": False, "next": 0}
         self.backups = []
         self.co_holders: list[Callable[[], list[int]]] = []
@@ -198,8 +199,8 @@ class AllocatorComponent(Component):
         last = torch.tensor([self._last(r) for r in ids])
         event("valid: decode")
         if data.draw(st.booleans()):  # SGLang's call shape; the plan is last_allocation
-            call = lambda: None if self.a.alloc_decode(torch.tensor(seq), torch.tensor(seq), last) is None \
-                else self.a.last_allocation  # noqa: E731
+            call = lambda: None if self.sg.alloc_decode(torch.tensor(seq), torch.tensor(seq), last) is None \
+                else self.sg.last_allocation  # noqa: E731
         else:
             call = lambda: self.a.allocate_decode(torch.tensor(seq), last)  # noqa: E731
         self._allocate(ids, prefix, seq, call)
@@ -278,7 +279,7 @@ class AllocatorComponent(Component):
             "allocate_extend prefix": lambda: a.allocate_extend(make(v), [3, 3], [-1, -1]),
             "allocate_extend seq": lambda: a.allocate_extend([0, 0], make(v), [-1, -1]),
             "allocate_extend last_loc": lambda: a.allocate_extend([0, 0], [1, 2], make([-1, -1])),
-            "alloc_extend device copy": lambda: a.alloc_extend(make(v), t([0, 0]), t([3, 3]), t([3, 3]),
+            "alloc_extend device copy": lambda: self.sg.alloc_extend(make(v), t([0, 0]), t([3, 3]), t([3, 3]),
                                                                t([-1, -1]), 6),
             "allocate_decode": lambda: a.allocate_decode(make(v), [-1, -1]),
             "alloc_pages_with_owners": lambda: a.alloc_pages_with_owners(make([0, 0])),
@@ -358,13 +359,13 @@ class AllocatorComponent(Component):
                       UnsupportedPagePlan, "exceeds-capacity")
 
     def bad_counts(self, data):
-        a, t = self.a, torch.tensor
+        sg, t = self.sg, torch.tensor
         return data.draw(st.sampled_from([
-            Misuse("extend_num_tokens wrong", lambda: a.alloc_extend(t([0]), t([0]), t([1]), t([1]), t([-1]), 2),
+            Misuse("extend_num_tokens wrong", lambda: sg.alloc_extend(t([0]), t([0]), t([1]), t([1]), t([-1]), 2),
                    UnsupportedPagePlan, "extend-num-tokens"),
-            Misuse("device copy of another length", lambda: a.alloc_extend(t([0, 0]), t([0]), t([3]), t([3]), t([-1]),
-                                                                             3), UnsupportedPagePlan, "mismatched-lengths"),
-            Misuse("extend_num_tokens a float", lambda: a.alloc_extend(t([0]), t([0]), t([1]), t([1]), t([-1]), 1.0),
+            Misuse("device copy of another length", lambda: sg.alloc_extend(t([0, 0]), t([0]), t([3]), t([3]), t([-1]),
+                                                                            3), UnsupportedPagePlan, "mismatched-lengths"),
+            Misuse("extend_num_tokens a float", lambda: sg.alloc_extend(t([0]), t([0]), t([1]), t([1]), t([-1]), 1.0),
                    TypeError),
         ]))
 

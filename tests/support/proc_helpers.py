@@ -1,7 +1,9 @@
 """Looking at processes and /dev/shm from a test (Linux /proc)."""
 
 import os
+import tempfile
 import time
+import traceback
 
 from cpkv.runtime.shm import mapped_shm
 
@@ -30,12 +32,12 @@ def children(pid: int) -> list[int]:
 
 
 def spawned_ranks(pid: int) -> set[int]:
-    """Children of ``pid`` that are multiprocessing-spawned processes."""
+    """Children of ``pid`` that are cpkv rank processes (``cpkv-rank-<r>`` on their command line)."""
     out = set()
     for k in children(pid):
         try:
             with open(f"/proc/{k}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+                if b"cpkv-rank-" in f.read():
                     out.add(k)
         except OSError:
             pass
@@ -66,3 +68,22 @@ def sigint_held_off(pid: int) -> bool:
         return False
     bit = 1 << (2 - 1)  # SIGINT is signal 2
     return bool((masks.get("SigBlk", 0) | masks.get("SigIgn", 0)) & bit)
+
+
+def fork_launcher(tmp, env: dict, body) -> int:
+    """Fork this process and run ``body()`` in the child, as a launcher (its ``TMPDIR`` is ``tmp``, ``env`` is set
+    for it and for the ranks it starts); the child's pid. The child exits 0 when ``body`` returns, 1 (traceback on
+    stderr) when it raises. A fork has cpkv and torch imported already: a launcher that costs no start."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ.update(env)
+            tempfile.tempdir = str(tmp)
+            body()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid

@@ -24,6 +24,7 @@ from cpkv.runtime import shm
 from cpkv.runtime.p2p import DistP2P
 from cpkv.runtime.reorder import ReorderedComm, ReorderedP2P
 from cpkv.runtime.torchrun import join
+from support import moments
 
 
 def _mark(ctx, out):
@@ -139,6 +140,7 @@ def disagg(ctx, out):
 
 def main(argv):
     mode, out, *rest = argv
+    moments.pause_rendezvous()  # a test may pause a rank there (CPKV_TEST_PAUSE=rendezvous:<rank>)
     result = join(globals()[mode], out, *rest, timeout=60)
     if result is not None:
         with open(os.path.join(out, "result.json.tmp"), "w") as f:

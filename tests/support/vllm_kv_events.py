@@ -1,9 +1,10 @@
-"""vLLM's KV event schema, copied as vLLM declares it (array-like tagged
-msgspec structs, ``vllm/distributed/kv_events.py``; its example subscriber
-``examples/online_serving/kv_events_subscriber.py`` copies them the same
-way), never cpkv's classes; the documented block hash recomputed with
-``struct`` and ``hashlib``; and a router's view rebuilt from the events.
-Shared by the KV event tests of the consumers and of the engine."""
+"""vLLM's KV event schema, written here from vLLM 0.33's ``vllm/distributed/kv_events.py``
+(msgspec structs: the batch positional, each event a map tagged ``"type"`` with
+``omit_defaults``, since vLLM #42892), never cpkv's classes; the schema before
+#42892 (events as positional arrays) to write old-form batches; the documented
+block hash recomputed with ``struct`` and ``hashlib``; and a router's view
+rebuilt from the events. Shared by the KV event tests of the consumers, the
+engine and the command line."""
 
 import hashlib
 import struct
@@ -12,18 +13,18 @@ from typing import Any
 import msgspec
 
 
-# -- vLLM's schema, copied (array-like tagged structs, as vLLM declares them) ------------
+# -- vLLM 0.33's schema (tagged maps inside a positional batch) ----------------------------
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(KVCacheEvent, forbid_unknown_fields=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -33,15 +34,23 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(KVCacheEvent, forbid_unknown_fields=True):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class AllBlocksCleared(KVCacheEvent, forbid_unknown_fields=True):
     pass
 
 
@@ -52,35 +61,42 @@ class KVEventBatch(EventBatch):
 VLLM = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def legacy_decoder():
-    """The older schema of vLLM's example subscriber: no lora_name, no rank."""
+# -- the events before vLLM #42892: tagged positional arrays --------------------------------
+class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
 
-    class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
 
-    class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-        pass
+class OldBlockStored(OldEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
 
-    class BlockStored(Event):
-        block_hashes: list[int]
-        parent_block_hash: int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
 
-    class BlockRemoved(Event):
-        block_hashes: list[int]
-        medium: str | None
+class OldBlockRemoved(OldEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
 
-    class AllBlocksCleared(Event):
-        pass
 
-    class LegacyBatch(Batch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+class OldAllBlocksCleared(OldEvent, tag="AllBlocksCleared"):
+    pass
 
-    return msgspec.msgpack.Decoder(LegacyBatch)
+
+class OldKVEventBatch(EventBatch):
+    events: list[OldBlockStored | OldBlockRemoved | OldAllBlocksCleared]
+
+
+def as_old(batch: KVEventBatch) -> bytes:
+    """``batch`` (vLLM 0.33's classes above) encoded as vLLM before #42892 sent it."""
+    old = {BlockStored: lambda e: OldBlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
+                                                 e.lora_id, e.medium, e.lora_name),
+           BlockRemoved: lambda e: OldBlockRemoved(e.block_hashes, e.medium),
+           AllBlocksCleared: lambda e: OldAllBlocksCleared()}
+    return msgspec.msgpack.encode(OldKVEventBatch(batch.ts, [old[type(e)](e) for e in batch.events],
+                                                  batch.data_parallel_rank))
 
 
 # -- the documented hash, recomputed -----------------------------------------------------
@@ -94,6 +110,13 @@ def doc_hashes(tokens, page_size, key=None):
         parent = int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
         out.append(parent)
     return out
+
+
+def doc_block_hash(parent: int | None, page, key: bytes = b"") -> int:
+    """One block's hash by the documented definition: its parent's hash (``None``: the chain's first
+    page, hashed with 0), its page's tokens and the namespace key."""
+    msg = struct.pack(">I", len(key)) + key + struct.pack(">Q", parent or 0) + struct.pack(f">{len(page)}Q", *page)
+    return int.from_bytes(hashlib.sha256(msg).digest()[:8], "big") & (2**63 - 1)
 
 
 # -- a router's view, rebuilt from events --------------------------------------------------

@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from cpkv.contract.plan import balanced_ranks
+from cpkv.runtime.forward_plan import balanced_ranks
 from cpkv.models import TinyLlama
 from cpkv.runtime.comm import LocalComm, run_threads
 from cpkv.tools.bench import SplitsSpec, splits_model

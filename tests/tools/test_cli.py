@@ -21,7 +21,7 @@ import cpkv.runtime.sizing as sizing_mod
 from cpkv.runtime.group import RankFailure
 from cpkv.runtime.sizing import MachineCapacity
 from cpkv.runtime.shm import mapped_segments, shm_segments
-from cpkv.tools.cli import build_parser, main
+from cpkv.tools.cli import _subparser, build_parser, main
 
 from support.proc_helpers import children, gone, semaphores_of, sigint_held_off, spawned_ranks, wait_until
 
@@ -89,7 +89,7 @@ BAD = [
     (["run", "--no-progress=1"], "--no-progress"),
     # cross-flag rules, checked after parsing and before anything runs
     (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
-    (["run", "--device-pages", "1"], "--workload"),  # a request that could never fit the cache
+    (["run", "--device-pages", "1"], "--device-pages"),  # a request that could never fit the cache
     (["run", "--disagg", "4"], "--disagg"),
     (["run", "--disagg", "0:2"], "--disagg"),
     (["run", "--decode-page", "0"], "--decode-page"),
@@ -98,6 +98,17 @@ BAD = [
     (["run", "--disagg", "2:1", "--decode-page", "1", "--device-pages", "4"], "--workload"),  # the decode cache
     (["run", "--disagg", "3:1", "--prefill-split", "interleave", "--chunk", "2"], "--chunk"),
     (["run", "--kv-events", "127.0.0.1:5557"], "--kv-events"),
+    (["run", "--kv-events", "tcp://127.0.0.1:99999"], "--kv-events"),  # ZMQ would bind port 34463
+    (["run", "--kv-events", "tcp://127.0.0.1:*"], "--kv-events"),  # a router must know the port
+    (["run", "--kv-events-replay", "tcp://127.0.0.1:5558"], "--kv-events-replay"),  # without --kv-events
+    (["run", "--kv-events", "tcp://127.0.0.1:5557", "--kv-events-replay", "tcp://127.0.0.1:5557"],
+     "--kv-events-replay"),
+    (["run", "--kv-events-buffer", "0"], "--kv-events-buffer"),
+    (["run", "--print-tokens=1"], "--print-tokens"),
+    (["simulate", "--host-pages", "-1"], "--host-pages"),
+    (["simulate", "--kv-events", "tcp://127.0.0.1:5557"], "--kv-events"),  # all workloads, three policies
+    (["simulate", "--kv-events-replay", "tcp://127.0.0.1:5558"], "--kv-events-replay"),
+    (["simulate", "--kv-events-buffer", "x"], "--kv-events-buffer"),
     (["run", "--kv-events", "tcp://127.0.0.1:5557", "--disagg", "2:1"], "--kv-events"),
     (["bytes", "--model", "llama"], "--model"),
     (["bytes", "--cp", "0"], "--cp"),
@@ -114,6 +125,7 @@ BAD = [
     (["bench", "splits", "--context", "0"], "--context"),
     (["bench", "splits", "--page", "0"], "--page"),
     (["bench", "splits", "--json=1"], "--json"),
+    (["bench", "kernels", "--compile=yes"], "--compile"),
     (["bench", "scheduler", "--batches", "64,0"], "--batches"),
     (["bench", "scheduler", "--contexts", "4096,x"], "--contexts"),
     (["bench", "scheduler", "--steps", "0"], "--steps"),
@@ -191,16 +203,18 @@ def test_usage_errors_exit_2(argv, capsys):
 def test_a_group_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch, capsys):
     kids = set(children(os.getpid()))
     for gib, argv, why in (
-            (64, ["run", "--cp", "64"], "64 ranks on 2 cores: more than 16 per core"),
-            (8, ["run", "--cp", "64"], "64 ranks need about 18.8 GiB of memory (64 x 300.4 MiB"),
-            (8, ["run", "--cp", "4", "--device-pages", "2000000"], "4 ranks need about 62.2 GiB of memory (4 x 300.4 MiB + 61.0 GiB shared)"),
-            (8, ["run", "--cp", "8", "--timeout", "10"], "8 ranks need at least 20 s to start")):
+            (64, ["run", "--cp", "64"], "--cp 64: more than 16 ranks per core on 2 cores; give --cp 32 or fewer"),
+            (4, ["run", "--cp", "16"], "refused before starting: 16 ranks need about 4.7 GiB of memory (16 x 300.4 MiB"),
+            (8, ["run", "--cp", "4", "--device-pages", "2000000"], "--device-pages 2000000: the device cache takes "
+             "61.0 GiB (2000000 pages of 8.0 KiB on each of 4 ranks), more than this machine can give (7.2 GiB "
+             "usable); give --kv-memory 1.8 GiB or less (--device-pages 235929)"),
+            (8, ["run", "--cp", "8", "--timeout", "10"], "refused before starting: 8 ranks need at least 20 s to start")):
         monkeypatch.setattr(sizing_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
-        err = capsys.readouterr().err.splitlines()[-1]
-        assert err.startswith("cpkv run: error: refused before starting: ") and why in err, err
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("cpkv run: error: ") and why in err[0], err
     assert set(children(os.getpid())) <= kids
 
 
@@ -237,8 +251,11 @@ def test_kv_dtype_flag_reaches_the_run_config_and_the_bench():
     a = p.parse_args(base[:1] + base[3:] + ["--kv-dtype", "fp8", "--disagg", "1:1"])  # --disagg takes no --cp
     a.validate(a, p)
     assert a.config.kv_dtype == a.config.d_kv_dtype == "fp8" and a.config.decode_size == 1
-    assert p.parse_args(["bench", "kvdtype"]).kv_dtype == ["float32", "bfloat16", "fp8"]
-    assert p.parse_args(["bench", "kvdtype", "--kv-dtype", "fp8,bfloat16"]).kv_dtype == ["fp8", "bfloat16"]
+    for argv, want in ((["bench", "kvdtype"], ["float32", "bfloat16", "fp8"]),
+                       (["bench", "kvdtype", "--kv-dtype", "fp8,bfloat16"], ["fp8", "bfloat16"])):
+        a = p.parse_args(argv)
+        a.validate(a, _subparser(p, "bench"))  # a flag not given takes its default here
+        assert a.kv_dtype == want
 
 
 def test_cli_run_reports_and_fails_on_a_large_difference(capsys, monkeypatch, tmp_path):

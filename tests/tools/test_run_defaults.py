@@ -57,18 +57,29 @@ def test_the_default_budget_follows_the_machine_and_kv_memory_sets_it(monkeypatc
     assert _validated(["--kv-memory", "1GB", "--page", "1"], monkeypatch).device_pages == 10**9 // 512
 
 
+def test_cache_too_small_names_the_longest_requests_in_one_short_line():
+    """A library caller's :class:`CacheTooSmall` names the two longest of the
+    requests refused, however many (490 once made a 46,933-character line)."""
+    from cpkv.engine.trace import RequestSpec, check_fits
+
+    specs = [RequestSpec(f"r{i}", 0, tuple(range(500 + i)), 2) for i in range(490)]
+    with pytest.raises(CacheTooSmall) as e:
+        check_fits(specs, [7, 8, 8, 8], 16)
+    msg = str(e.value)
+    assert len(e.value.requests) == 490 and len(msg) < 600, msg
+    assert msg.startswith("490 requests can never fit the device cache: request 'r489' needs 62 pages") and "'r488'" in msg
+    assert "'r487'" not in msg and "(the longest 2 of them shown)" in msg
+
+
 def test_every_request_that_can_never_fit_is_named_with_the_flag_to_raise(tmp_path, capsys):
     path = _trace(tmp_path, 1500, 20, 600)
     with pytest.raises(SystemExit) as e:
         main(["run", "--workload", path, "--device-pages", "8"])
     assert e.value.code == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert ("2 requests can never fit the device cache: request 'r0' needs 94 pages of 16 tokens for 1501 tokens of "
-            "KV (24, 24, 23 and 23 per lane); request 'r2' needs 38 pages") in err, err
-    assert "'r1'" not in err
-    assert ("holds at most 448 tokens per request: its 4 lanes hold 7, 8, 8 and 8 pages (page 0, on lane 0, is "
-            "reserved)") in err
-    assert "give --kv-memory 200.0 KiB or more, or --device-pages 25 or more (now 8 pages per rank" in err
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["cpkv run: error: --device-pages 8: the shared device cache can never hold 2 of the trace's 3 "
+                   "requests (the longest needs 25 pages per rank, it holds 8); give --kv-memory 200.0 KiB or more "
+                   "(--device-pages 25) (see cpkv run --help)"]
     # the pages it names are enough, and one fewer is not
     build_scheduler(EngineConfig(device_pages=25, workload=path), EngineConfig(device_pages=25, workload=path).trace())
     with pytest.raises(CacheTooSmall):
@@ -114,7 +125,33 @@ def test_a_long_run_says_how_long_it_expects(tmp_path, monkeypatch, capsys):
     main(["run", "--cp", "2", "--workload", short])
     assert "expect about" not in capsys.readouterr().err
     long = _trace(tmp_path, 40, new=3000)  # 3000 steps at cp 4 on 2 cores: 16 s to start, 3000 x 45.7 ms
-    main(["run", "--workload", long, "--timeout", "100"])
+    with pytest.raises(SystemExit) as e:  # past --timeout: refused before it starts
+        main(["run", "--workload", long, "--timeout", "100"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "cpkv run: error: --timeout 100: the run is expected to take about 3 min (153 s: about 3000 steps on 4 "
+        "ranks and 2 cores); give --timeout 230 or more (see cpkv run --help)"]
+    main(["run", "--workload", long, "--timeout", "230"])
     err = capsys.readouterr().err
-    assert ("cpkv run: expect about 3 min: about 3000 steps on 4 ranks and 2 cores; that is past --timeout 100 s: "
-            "raise it") in err
+    assert "cpkv run: expect about 3 min: about 3000 steps on 4 ranks and 2 cores" in err
+
+
+def test_json_and_print_tokens_give_every_requests_generated_tokens(llama, monkeypatch, capsys):
+    """``--json``'s ``outputs`` and ``--print-tokens``'s lines: every request, its prompt length and the
+    tokens it generated, equal between the two and to the run's own requests."""
+    runs = []
+
+    def threads(cfg):
+        runs.append(run_engine_threads(cfg, llama))
+        return runs[-1]
+
+    monkeypatch.setattr(cpkv.engine.engine, "run_engine", threads)
+    argv = ["run", "--cp", "2", "--device-pages", "8", "--requests", "2", "--scale", "0.05", "--no-progress"]
+    assert main(argv + ["--json"]) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    assert main(argv + ["--print-tokens"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = lines[lines.index("generated tokens (id, prompt tokens: ids):") + 1:]
+    assert shown == [f"{o['id']} {o['prompt_tokens']}: {' '.join(map(str, o['generated']))}" for o in outputs]
+    assert [o["generated"] for o in outputs] == [o["generated"] for o in runs[1]["outputs"]]
+    assert len(outputs) == runs[0]["requests"] and all(len(o["generated"]) >= 1 for o in outputs)

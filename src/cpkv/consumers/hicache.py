@@ -1,4 +1,4 @@
-"""The host tier, one host KV pool for the whole CP group (workstream W6).
+"""The host tier, one host KV pool for the whole CP group.
 
 Two parts, as the allocator and the pool are two parts on the device:
 
@@ -21,6 +21,14 @@ Two parts, as the allocator and the pool are two parts on the device:
   it (the host holds the data before its device pages are reused), and after a
   load (before anyone reads the loaded pages).
 
+  On a GPU both copies gather on the device side: a backup reads the device
+  rows into one device tensor, moves it with ONE non-blocking copy into
+  pinned memory and scatters it into the host rows; a load gathers the host
+  rows into pinned memory and moves them with ONE non-blocking copy to the
+  device (:mod:`cpkv.consumers.placement`). The host buffers themselves are
+  the group's shared segments, page-locked in place
+  (:func:`cpkv.runtime.device.pin_host`).
+
 Consumers take the device allocation and its owner lanes as given: the host
 tier never recomputes owners ([[RFC-0001:C-DOWNSTREAM-CONTRACT]],
 [[RFC-0001:C-HICACHE]]).
@@ -34,9 +42,12 @@ import numpy as np
 import torch
 
 from ..contract.allocator import OwnerLaneAllocator
+from . import placement
 from .kv_events import MEDIUM_HOST
 from .kv_pool import Family, SharedKVPool
 from .prefix_cache import PrefixCache, PrefixHit
+
+_NONE = np.empty(0, dtype=np.int64)  # no run: a match whose pages are all cached, or a release of nothing
 
 
 class HostTier:
@@ -80,9 +91,9 @@ class HostTier:
         """Host slots of ``tokens[start:end]`` in namespace ``key`` (held by
         :meth:`lookup`), pinned until :meth:`step_done` so no backup of this
         step reuses them."""
-        m = self.index.acquire(tokens, max_length=end, key=key)
+        m = self.index.allocate(self.index.lookup(tokens, max_length=end, key=key))
         if m.length < end or m.copy_dst.numel():
-            self.index.release(m)
+            self.index.finish([m], None, m.copy_dst, [m.copy_dst.numel()], cache=False)
             raise AssertionError(f"host tier holds {m.length} of the {end} tokens lookup promised")
         self._held.append(m)
         return m.slots[start:end].clone()
@@ -92,30 +103,43 @@ class HostTier:
         (every token from the root through the evicted node). Allocates host
         slots for the whole pages the host lacks (evicting host pages LRU) and
         indexes them; returns ``(device_slots, host_slots)`` to copy, or
-        ``None`` when the host holds them already or has no room. A chain
-        longer than the whole host tier is backed up as far as it holds
-        (its first ``num_pages`` pages)."""
-        n = min(len(tokens) // self.S, self.num_pages) * self.S
-        if n == 0:
+        ``None`` when the host holds them already or has no room (a chain
+        longer than the whole tier is not backed up)."""
+        n = len(tokens) // self.S * self.S
+        if n == 0 or n // self.S > self.num_pages:  # nothing whole, or more than the whole tier could hold
             return None
-        tokens = np.asarray(tokens)[:n]
-        have = self.index.lookup(tokens, max_length=n, key=key).shared
-        m = self.index.acquire(tokens, max_length=have, key=key)  # whole pages only: nothing is copied
+        tokens, index = np.asarray(tokens)[:n], self.index
+        have = index.lookup(tokens, max_length=n, key=key).shared
+        m = index.allocate(index.lookup(tokens, max_length=have, key=key))  # whole pages only: nothing is copied
         if m.length == n:
-            self.index.insert(tokens, m.slots, m)  # marks the chain used now
+            index.finish([m], tokens[n:], _NONE, [0])  # marks the chain used now
             return None
-        a = self.index.allocate_extend([m.length], [n], torch.tensor([m.last_loc]))
+        a = index.allocate_extend([m.length], [n], torch.tensor([m.last_loc]))
         if a is None:
-            self.index.release(m)
+            index.finish([m], None, _NONE, [0], cache=False)
             return None
-        self.index.insert(tokens, torch.cat([m.slots, a.out_cache_loc]), m)
+        index.finish([m], tokens[m.length :], a.out_cache_loc, [n - m.length])
         return slots[m.length : n].clone(), a.out_cache_loc
 
     def step_done(self) -> None:
         """The step's loads have run: unpin what :meth:`take` pinned."""
-        for m in self._held:
-            self.index.release(m)
-        self._held.clear()
+        held, self._held = self._held, []
+        self.index.finish(held, None, _NONE, [0] * len(held), cache=False)
+
+    @property
+    def open_matches(self) -> int:
+        """Host chains pinned and not yet released (0 between steps)."""
+        return self.index.open_matches
+
+    @property
+    def events(self):
+        """The optional :class:`~cpkv.consumers.kv_events.KVEventSink` told of every full
+        page that enters or leaves the host (medium ``"CPU"``)."""
+        return self.index.events
+
+    @events.setter
+    def events(self, sink) -> None:
+        self.index.events = sink
 
     def clear(self) -> None:
         """Drop everything the host holds."""
@@ -160,9 +184,9 @@ class HostPool:
                                                             io_rank=self.io_rank)
         if not host.numel():
             return 0
-        data = pool.read_all_layers(device_slots)
+        data = pool.read_all_layers(device_slots)  # gathered where the device rows are
         for n, b in self.buffers.items():
-            b.index_copy_(1, host, data[n])
+            b.index_copy_(1, placement.place(host, b), placement.to_host(data[n]))
         return host.numel()
 
     def load(self, pool: SharedKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> int:
@@ -171,5 +195,10 @@ class HostPool:
         The caller fences after."""
         mine = pool.layout.owned_slot_mask(device_slots, owner_rank=pool.rank)
         host, _ = pool.layout.select_host_to_device_indices(host_slots, device_slots, owner_rank=pool.rank)
-        pool.write_all_layers(device_slots[mine], {n: b.index_select(1, host) for n, b in self.buffers.items()})
+        rows = {}
+        for n, b in self.buffers.items():
+            staged = placement.pinned_like((b.shape[0], host.numel(), *b.shape[2:]), b.dtype, pool.device)
+            rows[n] = placement.to_device(torch.index_select(b, 1, placement.place(host, b), out=staged),
+                                          pool.device)
+        pool.write_all_layers(device_slots[mine], rows)
         return host.numel()

@@ -1,46 +1,40 @@
-"""KV cache events in vLLM's wire format, for prefix-aware routers.
+"""KV cache events for prefix-aware routers: the block hash and the sink a cache calls.
 
 A router that places requests by prefix (Dynamo's KV router, llm-d, SGLang's
 router) learns which blocks each worker caches from the events the worker
-publishes. This module holds the three events and their batch, in vLLM's
-schema, the block hash a router recomputes for a new request, and
-:class:`KVEventSink`, the object a prefix cache calls when pages enter or leave
-a tier ([[RFC-0001:C-KV-EVENTS]]). The transport (a ZMQ PUB socket plus a replay
-socket) is in :mod:`cpkv.consumers.kv_events_zmq`.
+publishes. This module holds the block hash a router recomputes for a new
+request (:func:`block_hashes`), the namespace key (:func:`key_bytes`), the
+mediums, and :class:`KVEventSink`, the object a prefix cache calls when pages
+enter or leave a tier ([[RFC-0001:C-KV-EVENTS]]). It needs nothing beyond numpy:
+a cache imports it on a bare install. The events themselves, in vLLM's schema,
+are in :mod:`cpkv.consumers.kv_wire`, and the transport (a ZMQ PUB socket plus a
+replay socket) in :mod:`cpkv.consumers.kv_events_zmq`; both need the ``events``
+extra, and a sink imports the schema when it is made.
 
-Schema (vLLM's ``vllm/distributed/kv_events.py``, msgspec structs, msgpack):
-
-* ``KVEventBatch`` = ``[ts, events, data_parallel_rank]`` (array-like; the rank
-  is left out when ``None``);
-* each event a tagged array-like struct whose first element is its class name:
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``. vLLM's later optional fields (``extra_keys``,
-  ``group_idx``, ...) have defaults and are never sent, so a decoder of any
-  vLLM version fills them with its defaults. Newer vLLM sends each event as a tagged map instead of an array; routers
-  that follow vLLM decode both, older ones only the array, so cpkv sends arrays.
-
-Block hash (language neutral, stable across processes and versions of cpkv):
-only FULL pages are blocks (vLLM announces only full blocks). For a chain of
-tokens cut into pages of ``page_size`` tokens, with ``parent_0 = 0`` and a
-namespace key ``k`` (bytes; UTF-8 of a str; the decimal digits of an int; empty for ``None``,
-see :func:`key_bytes`)::
+Block hash (language neutral, stable across processes, CP groups, runs and
+versions of cpkv): only FULL pages are blocks (vLLM announces only full blocks),
+and a block is one page of ``page_size`` tokens, whatever the CP group's size (a
+logical page lives whole on its owner rank, so a group advertises
+``block_size = page_size``). For a chain of tokens cut into pages, with
+``parent_0 = 0`` and a namespace key ``k`` (bytes; UTF-8 of a str; the decimal
+digits of an int; empty for ``None``, see :func:`key_bytes`)::
 
     msg_i  = u32be(len(k)) || k || u64be(parent_i) || u64be(t) for each token t of page i
     hash_i = int.from_bytes(sha256(msg_i)[:8], "big") & (2**63 - 1)
     parent_{i+1} = hash_i
 
-so every hash fits a signed and an unsigned 64-bit integer alike. Block i's
-hash names the whole prefix through page i, as vLLM's chained hashes do.
+so every hash fits a signed and an unsigned 64-bit integer alike, and is a pure
+function of (parent hash, the page's tokens, the key): equal content has equal
+hashes on every worker. Block i's hash names the whole prefix through page i, as
+vLLM's chained hashes do.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+import warnings
 
-import msgspec
 import numpy as np
 
 from ..contract.inputs import int_scalar, int_vector
@@ -52,51 +46,6 @@ MEDIUM_HOST = "CPU"
 ROOT_PARENT = 0
 """The parent hash that page 0 of every chain is hashed with (events carry ``None`` there)."""
 _HASH_MASK = (1 << 63) - 1
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A timestamped batch, encoded as ``[ts, events, data_parallel_rank]``."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events; each encodes as ``[ClassName, *fields]``."""
-
-
-class BlockStored(KVCacheEvent):
-    """``len(block_hashes)`` consecutive full blocks of one chain entered ``medium``.
-
-    ``block_hashes[j]`` names the prefix through block j; ``parent_block_hash``
-    is the hash of the block before the first (``None`` for the chain's first
-    page); ``token_ids`` holds ``len(block_hashes) * block_size`` tokens."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    """The blocks named by ``block_hashes`` left ``medium``."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    """Every block of the worker left every medium."""
-
-
-class KVEventBatch(EventBatch):
-    """The message body: one batch of events, in the order they happened."""
-
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 def key_bytes(key) -> bytes:
@@ -171,18 +120,24 @@ class KVEventSink:
     :meth:`flush` (once per engine step, as vLLM does) hands the batch to
     ``publisher.publish``. With ``auto_flush`` each call is its own batch.
     ``page_size`` is the cache's page size (the events' ``block_size``); ``key``
-    the default namespace of :func:`block_hashes`. A refused call (bad
-    arguments) raises and queues nothing ([[RFC-0001:C-KV-EVENTS]])."""
+    the default namespace of :func:`block_hashes`. Events are
+    :mod:`cpkv.consumers.kv_wire`'s (``BlockStored`` with ``group_idx`` 0);
+    making a sink without the ``events`` extra raises ``ImportError`` in one
+    line naming it. A refused call (bad arguments) raises and queues nothing
+    ([[RFC-0001:C-KV-EVENTS]])."""
 
     def __init__(self, publisher, page_size: int, key=None, auto_flush: bool = False):
         if not callable(getattr(publisher, "publish", None)):
             raise TypeError(f"publisher must have a publish(batch) method, got {type(publisher).__name__}")
         key_bytes(key)
+        from . import kv_wire
+
+        self._wire = kv_wire
         self.publisher = publisher
         self.page_size = _page_size(page_size)
         self.key = key
         self.auto_flush = bool(auto_flush)
-        self.pending: list[KVCacheEvent] = []
+        self.pending: list = []
         self.last_seq = None
         """What ``publisher.publish`` returned for the last batch (a sequence number), ``None`` before."""
 
@@ -215,9 +170,9 @@ class KVEventSink:
         if n == 0:
             return []
         s = self.page_size
-        ev = BlockStored(block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
+        ev = self._wire.BlockStored(block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
                          token_ids=t[first * s:(first + n) * s].tolist(), block_size=s,
-                         lora_id=None, medium=medium, lora_name=None)
+                         lora_id=None, medium=medium, lora_name=None, group_idx=0)
         self._queue(ev)
         return ev.block_hashes
 
@@ -228,25 +183,40 @@ class KVEventSink:
         _, first, n, hashes = self._span(tokens_of_chain, first_page_index, n_pages, medium, key)
         if n == 0:
             return []
-        ev = BlockRemoved(block_hashes=hashes[first:], medium=medium)
+        ev = self._wire.BlockRemoved(block_hashes=hashes[first:], medium=medium, group_idx=0)
         self._queue(ev)
         return ev.block_hashes
 
     def cleared(self) -> None:
         """Every block of this worker left every medium: queues ``AllBlocksCleared``."""
-        self._queue(AllBlocksCleared())
+        self._queue(self._wire.AllBlocksCleared())
 
-    def _queue(self, ev: KVCacheEvent) -> None:
+    def _queue(self, ev) -> None:
         self.pending.append(ev)
         if self.auto_flush:
             self.flush()
 
     def flush(self) -> int:
         """Hand the pending events, in call order, to the publisher as one
-        :class:`KVEventBatch` stamped with ``time.time()``; returns how many
+        :class:`~cpkv.consumers.kv_wire.KVEventBatch` stamped with ``time.time()``; returns how many
         (0: nothing pending, nothing published)."""
         if not self.pending:
             return 0
         events, self.pending = self.pending, []
-        self.last_seq = self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        self.last_seq = self.publisher.publish(self._wire.KVEventBatch(ts=time.time(), events=events))
         return len(events)
+
+
+_MOVED = ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch")
+
+
+def __getattr__(name: str):
+    """The event classes moved to :mod:`cpkv.consumers.kv_wire` (so this module
+    imports without msgspec); their old names here warn for one release."""
+    if name in _MOVED:
+        warnings.warn(f"cpkv.consumers.kv_events.{name} moved to cpkv.consumers.kv_wire.{name}",
+                      DeprecationWarning, stacklevel=2)
+        from . import kv_wire
+
+        return getattr(kv_wire, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,18 +1,24 @@
-"""The transport of KV events: vLLM's ZMQ wire protocol ([[RFC-0001:C-KV-EVENTS]]).
+"""The transport of KV events: vLLM's ZMQ wire protocol, as vLLM 0.33 speaks it ([[RFC-0001:C-KV-EVENTS]]).
 
 * Live stream: a PUB socket sends each batch as a three-frame message
   ``(topic, seq, payload)``: ``topic`` the UTF-8 topic (empty by default),
   ``seq`` an 8-byte big-endian sequence number (0, 1, 2, ... per publisher),
-  ``payload`` the msgpack :class:`~cpkv.consumers.kv_events.KVEventBatch`.
+  ``payload`` the msgpack :class:`~cpkv.consumers.kv_wire.KVEventBatch`
+  (:func:`~cpkv.consumers.kv_wire.encode_batch`).
 * Replay: a ROUTER socket takes a request whose last frame is an 8-byte
   big-endian start sequence number (after the envelope a REQ or DEALER peer
-  sends: identity, empty frame) and answers with one ``(seq, payload)`` message
-  per buffered batch whose ``seq >= start``, in order, then the end marker
-  ``(-1 as 8 signed big-endian bytes, b"")``.
+  sends: identity, empty frame) and answers with one ``(topic, seq, payload)``
+  message per buffered batch whose ``seq >= start``, in order, the same three
+  frames as the live stream (vLLM #45177), then the end marker
+  ``(b"", -1 as 8 signed big-endian bytes, b"")``. A start older than the
+  buffer gets what the buffer still holds: the first seq replayed tells the
+  peer what it lost.
 
   A REQ socket keeps only the first reply of a request (libzmq's REQ state
   machine), so a subscriber that wants the whole replay uses a DEALER that
-  sends ``[b"", start]``, as :class:`KVEventSubscriber` does.
+  sends ``[b"", start]``, as :class:`KVEventSubscriber` does. It reads replies
+  with or without the topic frame (vLLM before #45177 sent ``(seq, payload)``),
+  and payloads of either event form (:func:`~cpkv.consumers.kv_wire.decode_batch`).
 
 :class:`KVEventPublisher` binds both sockets; the engine's ``publish`` only
 appends to a bounded queue (the oldest batch is dropped when it is full) and a
@@ -29,16 +35,18 @@ import time
 from collections import deque
 from typing import Iterator
 
-import msgspec
-import zmq
-
 from ..contract.inputs import int_scalar
-from .kv_events import KVEventBatch
+from .kv_wire import KVEventBatch, decode_batch, encode_batch
+
+try:
+    import zmq
+except ImportError as e:  # the one line a bare install says
+    raise ImportError("cpkv's KV events need msgspec and pyzmq: pip install 'cpkv[events]'") from e
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""The sequence frame that ends a replay (its payload frame is empty)."""
+"""The sequence frame that ends a replay (its topic and payload frames are empty)."""
 
 
 def _positive(x, name: str) -> int:
@@ -124,7 +132,7 @@ class KVEventPublisher:
         if not isinstance(batch, KVEventBatch):
             raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
         if batch.data_parallel_rank is None and self.data_parallel_rank is not None:
-            batch = msgspec.structs.replace(batch, data_parallel_rank=self.data_parallel_rank)
+            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.data_parallel_rank)
         with self._cond:
             if self._closing:
                 raise RuntimeError("the KV event publisher is closed")
@@ -138,7 +146,6 @@ class KVEventPublisher:
         return seq
 
     def _run(self) -> None:
-        enc = msgspec.msgpack.Encoder()
         while True:
             with self._cond:
                 if not self._queue and not self._closing:
@@ -148,7 +155,7 @@ class KVEventPublisher:
                 stop = self._closing
             for seq, batch in items:
                 try:
-                    payload = enc.encode(batch)
+                    payload = encode_batch(batch)
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 except Exception:  # a broken batch must not kill the stream
                     log.exception("KV event batch %d not sent", seq)
@@ -169,8 +176,8 @@ class KVEventPublisher:
         head = frames[:-1]  # the peer's identity and the empty delimiter
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((*head, END_SEQ, b""))
+                self._replay.send_multipart((*head, self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*head, b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):
@@ -222,7 +229,6 @@ class KVEventSubscriber:
             raise ValueError(f"from_seq must be >= 0, got {self.next_seq}")
         self.replay_timeout_s = float(replay_timeout_s)
         self._replay_endpoint = replay_endpoint
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._ready: deque[tuple[int, KVEventBatch]] = deque()
         self.replays = 0
         """Replay requests sent (one per gap seen, one per :meth:`catch_up`)."""
@@ -245,8 +251,8 @@ class KVEventSubscriber:
 
     def _decode(self, seq: int, payload: bytes) -> KVEventBatch:
         try:
-            return self._decoder.decode(payload)
-        except msgspec.DecodeError as e:
+            return decode_batch(payload)
+        except ValueError as e:
             raise ValueError(f"KV event batch {seq} does not decode: {e}") from e
 
     def _replayed(self, start: int) -> list[tuple[int, bytes]]:
@@ -262,7 +268,10 @@ class KVEventSubscriber:
                 self._dealer.close()  # a late answer must not reach the next request
                 self._dealer = self._new_dealer()
                 return out
-            frames = self._dealer.recv_multipart()
+            frames = self._dealer.recv_multipart()[1:]  # after the empty delimiter: [topic,] seq, payload
+            if len(frames) not in (2, 3) or len(frames[-2]) != 8:
+                log.warning("KV event replay message ignored: %d frames", len(frames) + 1)
+                continue
             if frames[-2] == END_SEQ:
                 return out
             out.append((int.from_bytes(frames[-2], "big"), frames[-1]))

@@ -85,15 +85,20 @@ class KVFormat(ABC):
         """Values of one slot, ``prod(shape)``."""
         return math.prod(self.shape)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """``x [..., *shape]`` of a floating dtype, finite -> ``uint8 [...,
         bytes_per_slot]`` (contiguous, on ``x``'s device). Raises ``ValueError``
-        for another trailing shape, a non-float dtype or a non-finite value."""
+        for another trailing shape, a non-float dtype or (``check``, the
+        default) a non-finite value. ``check=False`` skips only the finiteness
+        test, which reads a device value on the host (a synchronisation): a
+        per-layer path checks finiteness on the device and reads it once per
+        batch instead (:func:`all_finite`); a non-finite value then encodes
+        to garbage bytes, never an error."""
         if x.dim() < len(self.shape) or tuple(x.shape[x.dim() - len(self.shape):]) != self.shape:
             raise ValueError(f"{self}: values of shape {tuple(x.shape)} do not end in {self.shape}")
         if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"{self}: values must be float32/bfloat16/float16, got {x.dtype}")
-        if not bool(torch.isfinite(x).all()):
+        if check and not bool(all_finite(x)):
             raise ValueError(f"{self}: values must be finite (a NaN or inf would poison its tile's scale)")
         lead = x.shape[: x.dim() - len(self.shape)]
         return self._encode(x.reshape(-1, self.values).float()).view(*lead, self.bytes_per_slot)
@@ -106,6 +111,12 @@ class KVFormat(ABC):
                              f"got {raw.dtype} {tuple(raw.shape)}")
         lead = raw.shape[:-1]
         return self._decode(raw.reshape(-1, self.bytes_per_slot)).view(*lead, *self.shape)
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """Whether every value of ``x`` is finite, as a bool tensor on ``x``'s
+    device (no host read: AND it into a flag and read that once)."""
+    return torch.isfinite(x).all()
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:

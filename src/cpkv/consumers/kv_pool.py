@@ -28,7 +28,9 @@ import torch
 from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
+from . import placement
 from .kv_format import KVFormat
+from .kv_view import KVView, LayerView
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,12 @@ def kv_families(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def allocate_buffers(layout: SharedKVLayout, families: Sequence[Family],
-                     make: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                     make: Callable[[str, tuple, torch.dtype], torch.Tensor | KVView] | None = None
+                     ) -> dict[str, torch.Tensor | KVView]:
     """One zeroed buffer per family; ``make(tag, shape, dtype)`` allocates it
-    (default ``torch.zeros``; a CP group passes a shared-memory allocator)."""
+    (default ``torch.zeros``; a CP group passes a shared-memory allocator,
+    which returns the rank-major buffer, or a GPU group one that returns a
+    :class:`~cpkv.consumers.kv_view.KVView` of per-rank segments)."""
     make = make or (lambda tag, shape, dtype: torch.zeros(shape, dtype=dtype))
     return {f.name: make(f"kv_{f.name}", f.buffer_shape(layout), f.dtype) for f in families}
 
@@ -102,14 +107,19 @@ def allocate_buffers(layout: SharedKVLayout, families: Sequence[Family],
 class SharedKVPool:
     """One rank's handle on the group's shared KV buffers, one per :class:`Family`.
 
-    ``buffers[name]`` has shape ``family.buffer_shape(layout)`` and dtype
-    ``family.dtype`` (``uint8`` rows for a formatted family); it is the same
-    memory in every rank. ``fence`` is called between a layer's writes and its
-    reads (a barrier on the CP group; a no-op for a single rank).
+    ``buffers[name]`` is the group's buffer of that family, the same memory in
+    every rank: a rank-major tensor of shape ``family.buffer_shape(layout)``
+    and dtype ``family.dtype`` (``uint8`` rows for a formatted family), or a
+    :class:`~cpkv.consumers.kv_view.KVView` of the same shape over one segment
+    per rank (the GPU: each rank's segment in its own device memory).
+    ``views[name]`` is the :class:`KVView` either way. ``fence`` is called
+    between a layer's writes and its reads (a barrier on the CP group; a
+    no-op for a single rank). Every index into a buffer goes through
+    :func:`cpkv.consumers.placement.place` first.
     """
 
     def __init__(self, layout: SharedKVLayout, rank: int, families: Sequence[Family],
-                 buffers: Mapping[str, torch.Tensor], fence: Callable[[], None] | None = None):
+                 buffers: Mapping[str, torch.Tensor | KVView], fence: Callable[[], None] | None = None):
         if not 0 <= rank < layout.cp_size:
             raise ValueError(f"rank {rank} is not in a CP group of {layout.cp_size}")
         names = [f.name for f in families]
@@ -120,12 +130,15 @@ class SharedKVPool:
             if tuple(b.shape) != f.buffer_shape(layout) or b.dtype != f.dtype:
                 raise ValueError(f"buffer {f.name} of shape {tuple(b.shape)} {b.dtype} does not match "
                                  f"{f.buffer_shape(layout)} {f.dtype} for {layout}")
+            if isinstance(b, KVView) and b.num_ranks != layout.cp_size:
+                raise ValueError(f"buffer {f.name} has {b.num_ranks} segments for a group of {layout.cp_size}")
         self.layout, self.rank = layout, rank
         self.families = {f.name: f for f in families}
+        self.views = {n: b if isinstance(b, KVView) else KVView.of_buffer(b, layout.cp_size)
+                      for n, b in buffers.items()}
         self.buffers = dict(buffers)
         self._row = {f.name: {layer: i for i, layer in enumerate(f.layers)} for f in families}
-        spr = layout.slots_per_rank
-        self._own = {n: b[:, rank * spr : (rank + 1) * spr] for n, b in self.buffers.items()}  # write views
+        self._own = {n: v.segment(rank) for n, v in self.views.items()}  # write views
         self._fence = fence or (lambda: None)
         self._written = torch.zeros(layout.pages_per_rank, dtype=torch.bool)
 
@@ -137,7 +150,7 @@ class SharedKVPool:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every family and layer, measured from the buffers."""
-        return self.layout.slots_per_page * sum(b.element_size() * b[:, 0].numel() for b in self.buffers.values())
+        return self.layout.slots_per_page * sum(s.element_size() * s[:, 0].numel() for s in self._own.values())
 
     def bytes_held(self) -> int:
         """Bytes this rank holds: pages of its segment it has written and not released."""
@@ -147,12 +160,13 @@ class SharedKVPool:
         """How many of the logical ``pages`` (all owned by this rank) this rank
         has written into its segment since they were last released."""
         pages = torch.as_tensor(pages, dtype=torch.int64)
-        return int(self._written[pages // self.layout.cp_size].sum())
+        return int(self._written[placement.place(pages // self.layout.cp_size, self._written)].sum())
 
     def release(self, slots: torch.Tensor) -> None:
         """Forget the pages of ``slots`` that this rank owns (after the allocator freed them)."""
         mine = slots[self.layout.owned_slot_mask(slots, owner_rank=self.rank)]
-        self._written[self.layout.translate_write_slots(mine) // self.layout.slots_per_page] = False
+        local_page = self.layout.translate_write_slots(mine) // self.layout.slots_per_page
+        self._written[placement.place(local_page, self._written)] = False
 
     def row(self, name: str, layer: int) -> int:
         """Row of model ``layer`` in family ``name``'s buffer; raises if the layer keeps none."""
@@ -204,8 +218,9 @@ class SharedKVPool:
         loc, local_page, keep = self._owned_local(slots)
         stored = {n: self._stored(n, x if keep is None else x[keep]) for n, x in values.items()}
         for n, x in stored.items():
-            self._own[n][rows[n]].index_copy_(0, loc, x)
-        self._written[local_page.cpu()] = True
+            seg = self._own[n][rows[n]]
+            seg.index_copy_(0, placement.place(loc, seg), placement.place(x, seg))
+        self._mark_written(local_page)
 
     def write_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Plan this rank's writes of one batch, once before its first layer:
@@ -220,8 +235,8 @@ class SharedKVPool:
         slots = slots.cpu()
         loc, local_page, keep = self._owned_local(slots)
         rows = torch.arange(slots.numel()) if keep is None else torch.nonzero(keep).flatten()
-        self._written[local_page] = True
-        return loc.to(torch.int64).to(self.device), rows.to(self.device)
+        self._mark_written(local_page)
+        return placement.place(loc.to(torch.int64), self.device), placement.place(rows, self.device)
 
     def write_at(self, layer: int, local: torch.Tensor, **values: torch.Tensor) -> None:
         """Write ``values[name] [W', *shape]`` at the local slots ``local [W']``
@@ -234,23 +249,30 @@ class SharedKVPool:
             f = self.families[n]
             if tuple(x.shape) != (local.numel(), *f.shape):
                 raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {local.numel()} slots of {f.shape}")
-            self._own[n][self.row(n, layer)].index_copy_(0, local, self._stored(n, x))
+            seg = self._own[n][self.row(n, layer)]
+            seg.index_copy_(0, placement.place(local, seg), self._stored(n, x))
 
     def segment(self, name: str, layer: int) -> torch.Tensor:
         """This rank's own segment of family ``name`` at model ``layer``:
         ``[slots_per_rank, *row_shape]``, a view (what the store kernel writes)."""
         return self._own[name][self.row(name, layer)]
 
-    def view(self, name: str, layer: int) -> torch.Tensor:
+    def view(self, name: str, layer: int) -> torch.Tensor | LayerView:
         """The whole group's buffer of family ``name`` at model ``layer``,
-        rank-major: ``[cp_size * slots_per_rank, *row_shape]``, a view (what
-        the attention kernels read). [[RFC-0001:C-READ-PATH]]"""
-        return self.buffers[name][self.row(name, layer)]
+        rank-major: ``[cp_size * slots_per_rank, *row_shape]`` (what the
+        attention kernels read): a tensor view over one buffer, a
+        :class:`~cpkv.consumers.kv_view.LayerView` (a table of the ranks'
+        segment bases) over per-rank segments. [[RFC-0001:C-READ-PATH]]"""
+        return self.views[name].layer(self.row(name, layer))
 
     @property
     def device(self) -> torch.device:
-        """The device of the buffers (every family's is the same)."""
-        return next(iter(self.buffers.values())).device
+        """The device of this rank's segments (every family's is the same; the CPU for a pool of none)."""
+        return next(iter(self.views.values())).device if self.views else torch.device("cpu")
+
+    def _mark_written(self, local_page: torch.Tensor) -> None:
+        """Mark this rank's local pages ``local_page`` written (control state on the CPU)."""
+        self._written[placement.place(local_page, self._written)] = True
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """Copy every family, every layer, from logical ``src`` to ``dst`` slots
@@ -262,9 +284,10 @@ class SharedKVPool:
         mine = self.layout.owned_slot_mask(dst, owner_rank=self.rank)
         read = self.layout.translate_read_slots(src[mine])
         loc, local_page, _ = self._owned_local(dst[mine])
-        for n, b in self.buffers.items():
-            self._own[n].index_copy_(1, loc, b.index_select(1, read))
-        self._written[local_page.cpu()] = True
+        for n, v in self.views.items():
+            own = self._own[n]
+            own.index_copy_(1, placement.place(loc, own), v.read(placement.place(read, own)))
+        self._mark_written(local_page)
         return int(mine.sum())
 
     def write_all_layers(self, slots: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
@@ -285,9 +308,10 @@ class SharedKVPool:
                 raise ValueError(f"{n}: stored rows of format {f.format} are uint8, not {x.dtype}")
         loc, local_page, keep = self._owned_local(slots)
         for n, x in values.items():
-            self._own[n].index_copy_(1, loc.to(self.device),
-                                    (x if keep is None else x[:, keep]).to(self.device, self.families[n].dtype))
-        self._written[local_page.cpu()] = True
+            own = self._own[n]
+            rows = x if keep is None else x[:, placement.place(keep, x)]
+            own.index_copy_(1, placement.place(loc, own), placement.to_device(rows, own.device).to(own.dtype))
+        self._mark_written(local_page)
 
     def read_owned_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every family, every layer, at logical ``slots [T]`` read from this
@@ -297,7 +321,7 @@ class SharedKVPool:
         disaggregation source sends through here: only the owner of a page
         sends it. [[RFC-0001:C-DISAGG]]"""
         loc, _, _ = self._owned_local(slots, "read")
-        return {n: v.index_select(1, loc) for n, v in self._own.items()}
+        return {n: v.index_select(1, placement.place(loc, v)) for n, v in self._own.items()}
 
     def read_all_layers(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every family, every layer, at logical ``slots [T]`` (no padding),
@@ -305,7 +329,7 @@ class SharedKVPool:
         *row_shape]}`` (raw ``uint8`` rows of a formatted family).
         [[RFC-0001:C-READ-PATH]]"""
         read = self.layout.translate_read_slots(slots)
-        return {n: b.index_select(1, read) for n, b in self.buffers.items()}
+        return {n: v.read(placement.place(read, self._own[n])) for n, v in self.views.items()}
 
     def fence(self) -> None:
         """Separate this layer's writes from its reads on every rank."""
@@ -331,10 +355,10 @@ class SharedKVPool:
         ``[*index.shape, *family.shape]``; a formatted family's rows decoded
         to float32. [[RFC-0001:C-READ-PATH]] [[RFC-0001:C-KV-FORMAT]]"""
         names = names or tuple(n for n in self.families if layer in self._row[n])
-        flat = index.reshape(-1)
+        flat = placement.place(index.reshape(-1), self.device)
         out = []
         for n in names:
-            f, rows = self.families[n], self.buffers[n][self.row(n, layer)].index_select(0, flat)
+            f, rows = self.families[n], self.views[n].read(flat, self.row(n, layer))
             out.append((rows if f.format is None else f.format.decode(rows)).view(*index.shape, *f.shape))
         return tuple(out)
 

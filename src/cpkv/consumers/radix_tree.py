@@ -1,7 +1,7 @@
 """The radix tree of the prefix cache: cached token chains and their slots,
 page granular, with per-lane counts kept exact. It answers questions and
 changes only its own shape; it never calls the allocator (the cache,
-:mod:`cpkv.consumers.prefix_cache`, does). [[RFC-0001:C-PREFIX-CACHE]]
+:class:`~cpkv.consumers.prefix_cache.PrefixCache`, does). [[RFC-0001:C-PREFIX-CACHE]]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of, ranges
 
 
@@ -19,11 +20,6 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
     d = np.flatnonzero(a[:n] != b[:n])
     return int(d[0]) if d.size else n
-
-
-def host_ints(x) -> np.ndarray:
-    """``x`` (an int tensor or array) as an int64 numpy array, without a copy when it already is one."""
-    return (x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64, copy=False)
 
 
 def page_key(tokens: np.ndarray, page_size: int) -> bytes:
@@ -98,7 +94,7 @@ class RadixTree:
 
     def pages_of(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pages under ``slots`` (an int tensor or array) and their count per lane."""
-        pages = np.unique(page_of(host_ints(slots), self.S))
+        pages = np.unique(page_of(int_vector(slots, "slots"), self.S))
         return pages, np.bincount(owner_of(pages, self.N), minlength=self.N)
 
     def _node(self, key: np.ndarray, slots: np.ndarray, parent: _Node | None) -> _Node:
@@ -196,17 +192,20 @@ class RadixTree:
                 best, best_key = leaf, key
         return best
 
-    def prefix_tokens(self, node: _Node) -> np.ndarray:
-        """Every token from the root through the end of ``node`` (int64, a copy)."""
+    @staticmethod
+    def prefix_tokens(node: _Node) -> np.ndarray:
+        """Every token from the root through the end of ``node`` (int64, a copy).
+        Reads the node's chain only (a node that left the tree keeps it)."""
         keys = []
         while node.parent is not None:
             keys.append(node.key)
             node = node.parent
         return np.concatenate(keys[::-1]) if keys else np.empty(0, dtype=np.int64)
 
-    def prefix_slots(self, node: _Node | None) -> torch.Tensor:
+    @staticmethod
+    def prefix_slots(node: _Node | None) -> torch.Tensor:
         """The slots of every token from the root through the end of ``node``
-        (int64, a copy; empty for ``None`` or a root)."""
+        (int64, a copy; empty for ``None`` or a root). Reads the node's chain only."""
         parts = []
         while node is not None and node.parent is not None:
             parts.append(node.slots)
@@ -239,7 +238,7 @@ class RadixTree:
         would join, so every cached chain keeps one lane base at every
         position (SGLang's kv-shard radix cache declines such a graft
         likewise). Vectorised. [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-PREFIX-CACHE]]"""
-        slots = host_ints(slots)
+        slots = int_vector(slots, "slots")
         lanes = owner_of(page_of(slots[:: self.S], self.S), self.N)
         ok = int(self.graft_pages([node], np.array([start]), lanes, np.array([lanes.size]))[0])
         return int(slots.size) if ok == lanes.size else ok * self.S
@@ -295,7 +294,7 @@ class RadixTree:
         Tokens and slots are copied once for the batch; the per-lane counts
         are updated once. Returns the new nodes."""
         S, N, B = self.S, self.N, len(parents)
-        tokens, slots = np.array(tokens, dtype=np.int64), host_ints(slots).copy()
+        tokens, slots = np.array(tokens, dtype=np.int64), int_vector(slots, "slots").copy()
         starts = np.cumsum(counts) - counts
         heads = np.flatnonzero(ranges(np.zeros_like(counts), counts) % S == 0)  # each page's first slot
         pages = page_of(slots[heads], S)

@@ -41,11 +41,13 @@ def replicated_layout(page_size: int, pages: int) -> SharedKVLayout:
     return SharedKVLayout(1, page_size, pages)
 
 
-def replicated_buffers(layout: SharedKVLayout, families: Sequence[Family]) -> dict[str, torch.Tensor]:
-    """One zeroed private buffer per family for one copy (never shared memory)."""
+def replicated_buffers(layout: SharedKVLayout, families: Sequence[Family],
+                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One zeroed private buffer per family for one copy, on ``device`` (the
+    rank's GPU under ``--device cuda``; never shared memory, never exported)."""
     if layout.cp_size != 1:
         raise ValueError(f"a replicated copy has a one-rank layout, got {layout}")
-    return allocate_buffers(layout, families)
+    return allocate_buffers(layout, families, lambda tag, shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
 
 
 class ReplicatedKVPool(SharedKVPool):

@@ -45,6 +45,7 @@ import torch
 
 from ..contract.errors import ContractViolation, UnsupportedPagePlan
 from ..contract.layout import SharedKVLayout, page_of
+from . import placement
 from .kv_pool import Family, SharedKVPool
 
 #: Each family's part of a message starts on this byte boundary, so the
@@ -355,7 +356,7 @@ def send_transfer(plan: TransferPlan, pool: SharedKVPool, transport, peer: Calla
     fams, a = _families(pool), pool.rank
     sends, sent = [], {}
     for b in plan.destinations_of(a):
-        slots = plan.send_slots(a, b).to(pool.buffers[fams[0].name].device if fams else "cpu")
+        slots = placement.place(plan.send_slots(a, b), pool.device)
         sends.append((peer(b), pack_message(fams, pool.read_owned_all_layers(slots))))
         sent[b] = payload_nbytes(fams, slots.numel())
     return transport.post(sends, []), sent
@@ -369,7 +370,7 @@ def receive_transfer(plan: TransferPlan, pool: SharedKVPool, transport, peer: Ca
     The caller fences before anyone reads the slots. [[RFC-0001:C-DISAGG]]"""
     _check_pool(pool, plan.dst, "destination")
     fams, b = _families(pool), pool.rank
-    device = pool.buffers[fams[0].name].device if fams else torch.device("cpu")
+    device = pool.device
     srcs = plan.sources_of(b)
     counts = [int(plan.pair_slots[a, b]) for a in srcs]
     bufs = [torch.empty(message_nbytes(fams, n), dtype=torch.uint8, device=device) for n in counts]
@@ -377,7 +378,7 @@ def receive_transfer(plan: TransferPlan, pool: SharedKVPool, transport, peer: Ca
     if not srcs:
         return {}
     parts = [unpack_message(fams, buf, n) for buf, n in zip(bufs, counts)]
-    slots = torch.cat([plan.recv_slots(a, b) for a in srcs]).to(device)
+    slots = placement.place(torch.cat([plan.recv_slots(a, b) for a in srcs]), device)
     pool.write_all_layers(slots, {f.name: torch.cat([p[f.name] for p in parts], 1) for f in fams})
     return {a: payload_nbytes(fams, n) for a, n in zip(srcs, counts)}
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import plan
+from .deprecated import RankSplit, split_page, warn_deprecated
 from .errors import UnsupportedPagePlan
 from .layout import SharedKVLayout, owner_of, page_of
 
@@ -26,8 +26,7 @@ class Allocation:
 
     One word for one thing: an *allocation* is what the allocator handed out
     for one batch (a decode is an extend of one token per request, so it
-    returns the same kind). ``ExtendAllocation`` is the same class under its
-    former name, kept for compatibility. Consumers (the pool's direct write,
+    returns the same kind). Consumers (the pool's direct write,
     the read path, the host tier, the disaggregation transfer) take this as given and validate it against their
     layout; they never recompute owners from prefix and extend lengths
     ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]).
@@ -122,15 +121,20 @@ class Allocation:
             self._cache["own"] = owner_of(page_of(self.out_cache_loc, self.page_size), self.cp_size)
         return self._cache["own"]
 
-    def rank_split(self, rank: int) -> plan.RankSplit:
-        """Page-granular split for ``rank`` ([[RFC-0001:C-PLANNER-SPLIT]])."""
+    def rank_token_indices(self, rank: int) -> torch.Tensor:
+        """Entries of ``out_cache_loc`` that ``rank`` computes under the page
+        split: those on pages it owns, in batch order, int64 ``[t]``
+        ([[RFC-0001:C-PLANNER-SPLIT]]). ``ValueError`` for a rank outside the group."""
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank {rank} is not in a CP group of {self.cp_size}")
-        return plan.split_page(self.token_owners, self.request_of_token, self.positions, self.batch_size, rank)
+        return torch.nonzero(self.token_owners == rank).flatten()
 
-    def rank_token_indices(self, rank: int) -> torch.Tensor:
-        """Entries of ``out_cache_loc`` that ``rank`` computes under the page split."""
-        return self.rank_split(rank).token_indices
+    def rank_split(self, rank: int) -> RankSplit:
+        """Deprecated (see :mod:`cpkv.contract.deprecated`): the page split for
+        ``rank`` as a ``RankSplit``; use :meth:`rank_token_indices`."""
+        warn_deprecated("Allocation.rank_split", "Allocation.rank_token_indices")
+        self.rank_token_indices(rank)  # the rank check
+        return split_page(self.token_owners, self.request_of_token, self.positions, self.batch_size, rank)
 
     def validate(self, layout: SharedKVLayout) -> None:
         """Refuse a result planned for another layout ([[RFC-0001:C-FAIL-FAST]])."""
@@ -144,4 +148,9 @@ class Allocation:
             raise UnsupportedPagePlan("slot-out-of-range", f"a slot exceeds the layout capacity {layout.capacity}")
 
 
-ExtendAllocation = Allocation  # the former name; an extend and a decode return the same Allocation
+
+def __getattr__(name: str):
+    if name == "ExtendAllocation":  # the former name, one release (cpkv.contract.deprecated)
+        warn_deprecated("ExtendAllocation", "Allocation")
+        return Allocation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

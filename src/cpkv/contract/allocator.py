@@ -1,13 +1,15 @@
-"""The owner-lane paged allocator, with SGLang's paged-allocator surface (workstream W2).
+"""The owner-lane paged allocator: the core an engine calls.
 
-:class:`OwnerLaneAllocator` is what an engine calls. Its parts:
-:class:`~cpkv.contract.free_lists.LaneFreeLists` holds the state (one free
-list per owner lane, a fill mark per page) and is the only code that changes
-it; :class:`~cpkv.contract.rules.AllocationRules` answers whether a call may
-go ahead; :class:`~cpkv.contract.planner.BatchPlanner` plans an extend or decode
-batch and builds its result without changing anything; this class checks the
-inputs, commits the plan and speaks SGLang's surface. Invariants, held after
-every call:
+:class:`OwnerLaneAllocator` checks inputs, commits plans and answers
+questions. Its parts: :class:`~cpkv.contract.free_lists.LaneFreeLists` holds
+the state (one free list per owner lane, a fill mark per page) and is the only
+code that changes it; :class:`~cpkv.contract.rules.AllocationRules` answers
+whether a call may go ahead; :class:`~cpkv.contract.planner.BatchPlanner` plans
+an extend or decode batch and builds its result without changing anything.
+SGLang's call shapes (``alloc_extend``, ``alloc_decode``, ``alloc``, segment
+frees, retraction copies) are an adapter over this core,
+:class:`cpkv.contract.sglang.SGLangAllocator`. Invariants, held after every
+call:
 
 * every usable page is either on exactly one free list (its own lane's) or
   allocated, never both; per lane, free + allocated == the lane's pages;
@@ -35,20 +37,20 @@ import numpy as np
 import torch
 
 from . import plan
-from .allocation import Allocation, ExtendAllocation
+from .allocation import Allocation
+from .deprecated import warn_deprecated
 from .errors import UnsupportedPagePlan
 from .planner import BatchPlanner, PendingAllocation, _device_tensor
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
-from .inputs import check_int_tensor, int_scalar, int_vector, usable_device
+from .inputs import int_scalar, int_vector, usable_device
 from .kv_row import RowPlacement
 from .layout import SharedKVLayout, lane_of_position
 from .rules import AllocationRules, pages_of
-from .sglang_calls import SGLangCalls
 
-__all__ = ["Allocation", "AllocatorState", "ExtendAllocation", "OwnerLaneAllocator", "RowPlacement"]
+__all__ = ["Allocation", "AllocatorState", "OwnerLaneAllocator", "RowPlacement"]
 
 
-class OwnerLaneAllocator(SGLangCalls):
+class OwnerLaneAllocator:
     """Paged KV allocator with one free list per owner lane.
 
     ``size`` tokens make ``size // page_size`` usable pages, numbered from 1
@@ -62,6 +64,15 @@ class OwnerLaneAllocator(SGLangCalls):
     sorted, so the lowest free page of a lane is handed out next; off, a
     lane hands out its most recently freed page first. Inputs are 1-D int32/int64 tensors (any device), arrays or
     lists of ints; anything else is refused (``TypeError``/``ValueError``).
+    :meth:`for_layout` builds the allocator of a whole layout.
+
+    The verbs: ``allocate_extend`` / ``allocate_decode`` (a batch, with its
+    owner plan), ``alloc_pages_with_owners`` (pages by lane), ``free`` /
+    ``free_pages``; the state: ``clear``, ``backup_state`` /
+    ``restore_state``, free groups; questions that change nothing. SGLang's
+    call shapes live in :class:`cpkv.contract.sglang.SGLangAllocator`; the
+    ones this class had before keep working here for one release, with a
+    ``DeprecationWarning`` (``CHANGELOG.md``).
     """
 
     def __init__(self, size: int, page_size: int, cp_size: int, device: str | torch.device = "cpu", *,
@@ -89,23 +100,25 @@ class OwnerLaneAllocator(SGLangCalls):
         self._rules = AllocationRules(self._lists, page_size, layout.padding_value, base_policy)
         self.lane_pages = self._lists.lane_pages
         self.last_deficit: np.ndarray | None = None
-        self.last_allocation: Allocation | None = None
         self._planner = BatchPlanner(self._lists, self._rules, page_size, cp_size, base_policy, self.device)
+
+    @classmethod
+    def for_layout(cls, layout: SharedKVLayout, device: str | torch.device = "cpu", *,
+                   base_policy: str = "least_full", need_sort: bool = False) -> OwnerLaneAllocator:
+        """The allocator of every usable page of ``layout`` (all its pages but
+        the reserved page 0), with its page and CP size; ``TypeError`` for
+        anything but a :class:`SharedKVLayout`, ``ValueError`` for a layout
+        with no usable page."""
+        if not isinstance(layout, SharedKVLayout):
+            raise TypeError(f"for_layout takes a SharedKVLayout, got {type(layout).__name__}")
+        S = layout.slots_per_page
+        return cls((layout.num_pages - 1) * S, S, layout.cp_size, device, base_policy=base_policy, layout=layout,
+                   need_sort=need_sort)
 
     # -- questions ----------------------------------------------------------------------
     def lane_free_pages(self) -> list[int]:
         """Free pages per lane."""
         return self._lists.free.tolist()
-
-    def available_size(self) -> int:
-        """Tokens on new pages that fit whatever lane base the next request gets.
-
-        A request of n new pages takes at most ``ceil(n / N)`` pages of any
-        lane, so it fits for every base iff ``ceil(n / N) <= min lane free``:
-        ``N * min(lane_free_pages) * page_size`` tokens. With ``cp_size == 1``
-        that is SGLang's free-token count.
-        """
-        return self.cp_size * int(self._lists.free.min()) * self.page_size
 
     def lane_for_new_chain(self, position: int, prefer: int | None = None, pages: int | None = None) -> int:
         """Lane for a request's first own page at request-local position
@@ -156,7 +169,7 @@ class OwnerLaneAllocator(SGLangCalls):
         p = pages_of(np.where(pad, self.page_size, s), self.page_size)
         if p.size and (p.min() < 1 or p.max() > self.num_pages):
             raise IndexError(f"slots must lie on pages 1..{self.num_pages} (or be padding)")
-        return np.where(pad, 0, self._lists.gen[p])
+        return np.where(pad | (self._lists.fill[p] == 0), 0, self._lists.gen[p])
 
     # -- SGLang's state surface ---------------------------------------------------------
     def clear(self) -> None:
@@ -297,13 +310,15 @@ class OwnerLaneAllocator(SGLangCalls):
         prefix, seq, last = self._lengths(prefix_lens_cpu, seq_lens_cpu, last_loc)
         gen = self._gens(last_loc_gen, seq.size)
         has, last_page = self._rules.check_extend(prefix, seq, last)
-        self._rules.check_capacity(prefix, seq, has, last_page)
-        total = int((seq - prefix).sum())
+        self._rules.check_capacity(prefix, seq, False if has is None else has, last_page)
+        if has is not None:
+            self._rules.check_chain(prefix, last, gen)
+        total = int(seq.sum()) if has is None else int((seq - prefix).sum())
         if extend_num_tokens is not None and int_scalar(extend_num_tokens, "extend_num_tokens") != total:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page), prefix, last, gen)
+        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page))
 
     def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> Allocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
@@ -319,10 +334,10 @@ class OwnerLaneAllocator(SGLangCalls):
         ``last_loc_gen`` as in :meth:`allocate_extend`."""
         seq, last = int_vector(seq_lens_cpu, "seq_lens"), int_vector(last_loc, "last_loc")
         gen = self._gens(last_loc_gen, seq.size)
-        batch = self._planner.decode(seq, last)
-        return self._commit(batch, seq - 1, last, gen)
+        return self._commit(self._planner.decode(seq, last, gen))
 
-    def _gens(self, last_loc_gen, bs: int) -> np.ndarray | None:
+    @staticmethod
+    def _gens(last_loc_gen, bs: int) -> np.ndarray | None:
         if last_loc_gen is None:
             return None
         gen = int_vector(last_loc_gen, "last_loc_gen")
@@ -330,46 +345,18 @@ class OwnerLaneAllocator(SGLangCalls):
             raise UnsupportedPagePlan("mismatched-lengths", f"{bs} requests but {gen.size} last_loc_gen")
         return gen
 
-    def _check_chain(self, prefix: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> None:
-        """Refuse a ``last_loc`` (already checked by the rules: on an allocated
-        page, at the prefix's offset, the page's last written slot) whose page
-        has another recorded chain position than ``(prefix - 1) // S``, or,
-        with ``gen``, another stamp."""
-        has = prefix > 0
-        if not has.any():
-            return
-        S = self.page_size
-        page = pages_of(np.where(has, last, S), S)
-        pos = self._lists.pos[page]
-        bad = has & (pos >= 0) & (pos != (prefix - 1) // S)
-        if bad.any():
-            r = int(bad.nonzero()[0][0])
-            raise UnsupportedPagePlan(
-                "inconsistent-last-loc",
-                f"last_loc {last[r]} lies on the page at chain position {pos[r]}, but a prefix of {prefix[r]} "
-                f"tokens ends on page position {(prefix[r] - 1) // S} (do seq_lens include the new token?)", r)
-        if gen is not None and (stale := has & (self._lists.gen[page] != gen)).any():
-            r = int(stale.nonzero()[0][0])
-            raise UnsupportedPagePlan(
-                "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
-                f"got it (stamp {self._lists.gen[page[r]]}, the request holds {gen[r]})", r)
-
-    def _commit(self, batch: PendingAllocation | np.ndarray, prefix: np.ndarray, last: np.ndarray,
-                gen: np.ndarray | None) -> Allocation | None:
-        """Check the chain positions and stamps of the ``last_loc`` of a planned
-        batch, then apply it (nothing after the check can fail), or record a
-        refusal."""
-        self._check_chain(prefix, last, gen)
+    def _commit(self, batch: PendingAllocation | np.ndarray) -> Allocation | None:
+        """Apply a checked, planned batch (nothing here can fail), or record the
+        per-lane deficit of a refused one."""
         if isinstance(batch, np.ndarray):
             self.last_deficit = batch
             return None
-        self._lists.take(batch.new_pages, batch.lane_counts, batch.new_fill, batch.new_positions)
-        self._lists.cursor = batch.cursor
+        lists = self._lists
+        lists.take(batch.new_pages, batch.lane_counts, batch.new_fill, batch.new_positions)
+        lists.cursor = batch.cursor
         if batch.grown is not None:
-            self._lists.write(batch.grown, batch.grown_fill)
-        alloc = Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
-        self.last_allocation = alloc
-        return alloc
+            lists.write(batch.grown, batch.grown_fill)
+        return Allocation(batch.out, self.page_size, self.cp_size, batch.host_plan)
 
     def _lengths(self, prefix, seq, last) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host copies of a batch's prefix lengths, sequence lengths and last
@@ -382,41 +369,9 @@ class OwnerLaneAllocator(SGLangCalls):
             )
         return prefix, seq, last
 
-    # -- SGLang's call shapes -------------------------------------------------------------------
-    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
-                     seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
-                     num_new_pages: int | None = None, *, last_loc_gen=None):
-        """SGLang's paged ``alloc_extend``: ``out_cache_loc [extend_num_tokens]``
-        or ``None`` when a lane is short (state unchanged). The device copies
-        are checked for kind and length, never read; the full plan is
-        ``last_allocation``. ``num_new_pages`` (SGLang's precomputed
-        :meth:`get_num_new_pages`), if given, must match the lengths (rule
-        ``num-new-pages``). ``last_loc_gen``: see :meth:`allocate_extend`."""
-        self._device_copies(prefix_lens, prefix_lens_cpu, "prefix_lens")
-        self._device_copies(seq_lens, seq_lens_cpu, "seq_lens")
-        if num_new_pages is not None:
-            want = self.get_num_new_pages(seq_lens_cpu, prefix_lens=prefix_lens_cpu)
-            if int_scalar(num_new_pages, "num_new_pages") != want:
-                raise UnsupportedPagePlan("num-new-pages", f"num_new_pages={num_new_pages} but the lengths add {want}")
-        alloc = self.allocate_extend(prefix_lens_cpu, seq_lens_cpu, last_loc, int_scalar(extend_num_tokens,
-                                                                                          "extend_num_tokens"),
-                                     last_loc_gen=last_loc_gen)
-        return None if alloc is None else alloc.out_cache_loc
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, *,
-                     last_loc_gen=None):
-        """SGLang's paged ``alloc_decode``: ``seq_lens`` include the new token,
-        ``last_loc`` is the previous token's slot (-1 for none). Returns
-        ``out_cache_loc [bs]`` or ``None`` (state unchanged). Refusals and
-        ``last_loc_gen``: see :meth:`allocate_decode`."""
-        self._device_copies(seq_lens, seq_lens_cpu, "seq_lens")
-        alloc = self.allocate_decode(seq_lens_cpu, last_loc, last_loc_gen=last_loc_gen)
-        return None if alloc is None else alloc.out_cache_loc
-
-    @staticmethod
-    def _device_copies(device_copy, host_copy, name: str) -> None:
-        check_int_tensor(device_copy, name)
-        check_int_tensor(host_copy, name)
-        size = (lambda x: x.shape[0] if isinstance(x, (torch.Tensor, np.ndarray)) else len(x))
-        if size(device_copy) != size(host_copy):
-            raise UnsupportedPagePlan("mismatched-lengths", f"device and cpu copies of {name} differ in size")
+def __getattr__(name: str):
+    if name == "ExtendAllocation":  # the former name of Allocation, one release (cpkv.contract.deprecated)
+        warn_deprecated("ExtendAllocation", "Allocation")
+        return Allocation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

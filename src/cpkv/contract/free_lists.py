@@ -5,16 +5,18 @@ belongs to lane ``p % N``. State:
 
 * ``stack[l, :free[l]]``: lane l's free pages, the next one to hand out last;
 * ``fill[p]``: how many slots of page p are written (handed out), ``0`` when
-  the page is free. A page is allocated iff ``fill[p] > 0``; a chain may only
-  continue from the last written slot of its page, ``p*S + fill[p] - 1``;
-* ``gen[p]``: the stamp of the allocation that handed page p out (0 when
-  free). Stamps come from one counter, ``epoch``, that only grows: every
-  allocation call takes the next one, and neither a free, a restore nor
+  the page is free (and for ``p = num_pages + 1``, a page that never is). A
+  page is allocated iff ``fill[p] > 0``; a chain may only continue from the
+  last written slot of its page, ``p*S + fill[p] - 1``;
+* ``gen[p]``, while page p is allocated: the stamp of the allocation that
+  handed it out. Stamps come from one counter, ``epoch``, that only grows:
+  every allocation call takes the next one, and neither a free, a restore nor
   ``clear`` hands a stamp out twice, so a ``(page, stamp)`` pair kept from a
   dead allocation never matches a live one;
-* ``pos[p]``: the request-local page position q of page p in its chain when
-  the allocation knew it (extend, decode), ``-1`` when it did not (pages
-  taken by owner or by ``alloc``) or the page is free;
+* ``pos[p]``, while page p is allocated: its request-local page position q in
+  its chain when the allocation knew it (extend, decode), ``-1`` when it did
+  not (pages taken by owner or by ``alloc``). A free leaves ``gen`` and
+  ``pos`` as they were (only ``fill`` says whether a page is allocated);
 * ``pending``: pages freed inside an open free group, still allocated until
   the group ends (a page freed by several calls of one group is one free);
 * ``cursor``: the lane where a fresh request's lane base goes on a tie
@@ -37,22 +39,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layout import floor_div, floor_mod
+
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """For each entry, how many earlier entries share its lane. When the lanes
     cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
     is ``i // N``; otherwise one stable radix sort of the lane ids."""
     N, i = counts.size, np.arange(lanes.size)
-    if lanes.size:
-        apart = lanes - lanes[0] - i  # a multiple of N everywhere iff the lanes cycle
-        if N & (N - 1) == 0:  # a power of two: mask and shift
-            if not (apart & (N - 1)).any():
-                return i >> (N.bit_length() - 1)
-        elif not (apart % N).any():
-            return i // N
-    order = np.argsort(lanes.astype(np.int16) if counts.size < 2**15 else lanes, kind="stable")
+    if lanes.size and not floor_mod(lanes - lanes[0] - i, N).any():  # a multiple of N everywhere iff they cycle
+        return floor_div(i, N)
+    order = np.argsort(lanes.astype(np.int16) if N < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
-    rank[order] = np.arange(lanes.size) - (counts.cumsum() - counts)[lanes[order]]
+    rank[order] = i - (counts.cumsum() - counts)[lanes[order]]
     return rank
 
 
@@ -87,9 +86,11 @@ class LaneFreeLists:
         self.stack = self._initial.copy()
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
         self.free = self.lane_pages.copy()
-        self.fill = np.zeros(num_pages + 1, dtype=np.int32)  # a page holds at most S < 2**31 slots
+        # fill and pos have one more entry, a page that is never allocated: a gather clipped to it
+        # (np.take(..., mode="clip")) reads a free page for any index outside the usable pages
+        self.fill = np.zeros(num_pages + 2, dtype=np.int32)  # a page holds at most S < 2**31 slots
         self.gen = np.zeros(num_pages + 1, dtype=np.int64)
-        self.pos = np.full(num_pages + 1, -1, dtype=np.int64)
+        self.pos = np.full(num_pages + 2, -1, dtype=np.int64)
         self.epoch = 1  # the next allocation's stamp; never reset, never restored
         self.cursor = 0  # where lane-base ties go (plan.choose_lane_bases)
         self.pending: np.ndarray | None = None  # a bitmap while a free group is open
@@ -129,26 +130,30 @@ class LaneFreeLists:
         pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
         return pages
 
-    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+    def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray, n: int,
                     iota: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`peek` for whole chains: request r takes ``counts[r]`` pages
         cycling from lane ``first_lane[r]``, after the ``before[r, l]`` pages
         of lane l that earlier requests take (``starts`` is the exclusive
-        cumulative sum of ``counts``, ``iota`` an ``arange`` at least as long
-        as the batch's pages). Returns ``(pages, lanes)`` in request order,
-        one vectorised pass per quantity. Nothing changes."""
-        N, n = self.cp_size, int(counts.sum())
-        j = iota[:n] - starts.repeat(counts)  # position of each page in its request
-        lanes = first_lane.repeat(counts) + j
-        if N & (N - 1):
-            lanes %= N
-            turn = j // N
-        else:  # a power of two: mask and shift
-            lanes &= N - 1
-            turn = j >> (N.bit_length() - 1)
-        top = (np.arange(N) * self.cap + self.free - 1) - before  # stack index of request r's next page of lane l
-        idx = top.ravel()[(iota[: counts.size] * N).repeat(counts) + lanes] - turn
-        return self.stack.ravel()[idx], lanes
+        cumulative sum of ``counts``, ``n`` their sum, ``iota`` an ``arange``
+        at least ``n`` long). Returns ``(pages, j)`` in request order, ``j``
+        each page's place in its request's new pages. Nothing changes.
+
+        Page j of request r is the ``before[r, l] + j // N``-th page the batch
+        takes from lane ``l = (first_lane[r] + j) % N``: with ``top[r, i]``
+        the stack index of request r's next page of its i-th lane from
+        ``first_lane[r]``, its stack index is ``top[r, j % N] - j // N``."""
+        N, bs = self.cp_size, counts.size
+        lanes = floor_mod(first_lane[:, None] + np.arange(N), N)  # [bs, N]: request r's lanes from its first
+        top = (self._lane_top + self.free)[lanes] - np.take_along_axis(before, lanes, 1)
+        if bs == 1:
+            j = iota[:n]
+            idx = top[0][floor_mod(j, N)]
+        else:
+            j = iota[:n] - starts.repeat(counts)
+            idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
+        idx -= floor_div(j, N)
+        return self.stack.ravel()[idx], j
 
     def page_bitmap(self) -> np.ndarray:
         """An empty bitmap over pages ``0 .. num_pages``."""
@@ -157,12 +162,14 @@ class LaneFreeLists:
     def snapshot(self) -> tuple:
         """The whole state as a hashable value: free pages per lane in order,
         fill marks, pages pending in a free group (None when none is open),
-        chain positions, the lane-base cursor. Allocation stamps are left out: they name
-        allocations, and two allocators on the same calls with a restore
-        between them stamp differently (a restore never rewinds ``epoch``)."""
+        the chain positions of allocated pages, the lane-base cursor.
+        Allocation stamps are left out: they name allocations, and two
+        allocators on the same calls with a restore between them stamp
+        differently (a restore never rewinds ``epoch``)."""
         lanes = tuple(tuple(self.stack[l, : self.free[l]].tolist()) for l in range(self.cp_size))
         pending = None if self.pending is None else tuple(self.pending.nonzero()[0].tolist())
-        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, self.pos.tobytes(), self.cursor
+        pos = np.where(self.fill > 0, self.pos, -1)
+        return tuple(self.free.tolist()), lanes, self.fill.tobytes(), pending, pos.tobytes(), self.cursor
 
     # -- changes ----------------------------------------------------------------
     def take(self, pages: np.ndarray, counts: np.ndarray, fill, positions=None) -> int:
@@ -188,7 +195,7 @@ class LaneFreeLists:
         counts = np.bincount(lanes, minlength=self.cp_size)
         self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
         self.free += counts
-        self.fill[pages], self.gen[pages], self.pos[pages] = 0, 0, -1
+        self.fill[pages] = 0  # gen and pos mean nothing on a free page
         if self.need_sort:
             self._sort_lanes(counts.nonzero()[0])
 

@@ -32,6 +32,19 @@ def page_of(slots, page_size: int):
     return slots // page_size
 
 
+def floor_div(a, n: int):
+    """``a // n`` (floor, for ints, numpy or torch), as a shift when ``n`` is a
+    power of two: numpy's integer division is several times slower than a
+    shift on large arrays. The one place cpkv takes that shortcut."""
+    return a >> (n.bit_length() - 1) if n & (n - 1) == 0 else a // n
+
+
+def floor_mod(a, n: int):
+    """``a % n`` (floor: non-negative for positive ``n``), as a mask when ``n``
+    is a power of two (see :func:`floor_div`)."""
+    return a & (n - 1) if n & (n - 1) == 0 else a % n
+
+
 def owner_of(pages, cp_size: int):
     """Owner rank (lane) of each logical page: ``p % N``. Ints, numpy or torch."""
     return pages % cp_size
@@ -86,7 +99,8 @@ def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.n
     start = np.asarray(lane_of_position(lane_base, first_position, cp_size), dtype=np.int64)
     n = np.asarray(num_pages, dtype=np.int64)
     lanes = np.arange(cp_size)
-    return n[..., None] // cp_size + ((lanes - start[..., None]) % cp_size < (n % cp_size)[..., None])
+    return floor_div(n, cp_size)[..., None] + (floor_mod(lanes - start[..., None], cp_size)
+                                               < floor_mod(n, cp_size)[..., None])
 
 
 def _cast(out: torch.Tensor, output_dtype: torch.dtype | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from . import plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
-from .layout import lane_base_of_last_loc
+from .layout import floor_div, floor_mod, lane_base_of_last_loc
 from .rules import AllocationRules
 
 
@@ -102,24 +102,27 @@ class BatchPlanner:
         S, N, lists = self.S, self.N, self.lists
         ext = seq - prefix
         # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
-        fresh = not has.any()
-        if fresh:
-            first_new = fixed = np.zeros(seq.size, dtype=np.int64)
-            n_new = -(-seq // S)
+        fresh = has is None
+        if fresh:  # no request has a prefix
+            n_new = floor_div(seq + (S - 1), S)
+            first_new, zeros = 0, np.zeros(seq.size, dtype=np.int64)
+            base, cursor = plan.choose_lane_bases(zeros, zeros != 0, zeros, n_new, lists.free, N, self.base_policy,
+                                                  lists.cursor)
         else:
-            first_new = -(-prefix // S)
-            n_new = -(-seq // S) - first_new
+            first_new = floor_div(prefix + (S - 1), S)
+            n_new = floor_div(seq + (S - 1), S) - first_new
             fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
-        base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
-                                              lists.cursor)
+            base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
+                                                  lists.cursor)
         take = plan.lane_take(base, first_new, n_new, N)
         if (deficit := lists.deficit(take.lane_counts)) is not None:
             return deficit
         # page level: the new pages, then every run of slots the extend writes;
         # a partial prefix page (the prefix ends mid-page) is its request's first run
         starts = _excl_cumsum(n_new)
-        iota = self._iota(max(total, int(n_new.sum()) + seq.size))
-        new_pages, owners = lists.peek_chains(take.first_lane, take.before, n_new, starts, iota)
+        n = int(starts[-1] + n_new[-1]) if seq.size else 0
+        iota = self._iota(max(total, n + seq.size))
+        new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
         grown = grown_fill = None
         if (partial is None or not partial.any()) and total == new_pages.size * S:  # whole new pages only
@@ -146,22 +149,23 @@ class BatchPlanner:
             else:
                 out = _expand_runs(new_pages * S, written, total, iota, self._expand_on)
 
-        positions = (first_new - starts).repeat(n_new) + iota[: new_pages.size]
+        positions = j if fresh else first_new.repeat(n_new) + j
 
         def host_plan():
             return {"prefix_lens": prefix, "seq_lens": seq, "extend_lens": ext, "extend_start_loc": _excl_cumsum(ext),
-                    "lane_base": base, "new_page_start": starts, "new_pages": new_pages, "new_page_owners": owners,
-                    "new_page_positions": positions}
+                    "lane_base": base, "new_page_start": starts, "new_pages": new_pages,
+                    "new_page_owners": floor_mod(new_pages, N), "new_page_positions": positions}
 
         return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions,
                                  cursor)
 
-    def decode(self, seq: np.ndarray, last: np.ndarray) -> PendingAllocation | np.ndarray:
+    def decode(self, seq: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> PendingAllocation | np.ndarray:
         """A decode batch (``seq [bs]`` include the new token, ``last [bs]`` the
-        previous token's slot, padding for none), checked here: the
-        :class:`PendingAllocation`, or the per-lane deficit. Raises as an extend with
-        ``prefix = seq - 1`` would, plus ``empty-decode`` for ``seq < 1``."""
-        S, N, lists = self.S, self.N, self.lists
+        previous token's slot, padding for none; ``gen`` their stamps or
+        None), checked here: the :class:`PendingAllocation`, or the per-lane
+        deficit. Raises as an extend with ``prefix = seq - 1`` would, plus
+        ``empty-decode`` for ``seq < 1``."""
+        S, N, lists, rules = self.S, self.N, self.lists, self.rules
         if last.size != seq.size:
             raise UnsupportedPagePlan("mismatched-lengths", f"{seq.size} seq_lens, {last.size} last_loc")
         shortest = int(seq.min()) if seq.size else 1
@@ -170,21 +174,32 @@ class BatchPlanner:
             raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
         prefix = seq - 1  # a fresh array: the caller's seq_lens may change after the call
         base, cursor = None, lists.cursor
-        if (fast := self.rules.check_decode(seq, last, shortest)) is not None:  # every request goes on
-            last_page, needs = fast
-            self.rules.check_capacity(prefix, seq, None, last_page)
+        if (fast := rules.check_decode(prefix, last, shortest)) is not None:  # every request goes on its chain
+            last_page, needs, fill = fast
+            rules.check_capacity(prefix, seq, None, last_page)
+            if gen is not None:
+                rules.check_chain(prefix, last, gen, positions=False)
+            grows = ~needs
+            grown, grown_fill = last_page[grows], fill[grows] + 1
             idx = needs.nonzero()[0]
-            lanes = (last_page[idx] + 1) % N  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
+            lanes = floor_mod(last_page[idx] + 1, N)  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         else:
-            has, last_page = self.rules.check_extend(prefix, seq, last)
-            self.rules.check_capacity(prefix, seq, has, last_page)
-            needs = prefix % S == 0  # the prefix ended its page, or there is none
+            has, last_page = rules.check_extend(prefix, seq, last)
+            rules.check_capacity(prefix, seq, False if has is None else has, last_page)
+            needs = floor_mod(prefix, S) == 0  # the prefix ended its page, or there is none
             idx = needs.nonzero()[0]
-            lanes = (last_page[idx] + 1) % N
+            if has is None:
+                has = np.zeros(seq.size, dtype=bool)
+                last_page = np.zeros(seq.size, dtype=np.int64)
+            else:
+                rules.check_chain(prefix, last, gen)
+            grown = last_page[~needs]
+            grown_fill = lists.fill[grown] + 1
+            lanes = floor_mod(last_page[idx] + 1, N)
             if not has.all():  # fresh requests: the lane-base rule for the whole batch
                 fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
-                base, cursor = plan.choose_lane_bases(fixed, has, prefix // S, needs.astype(np.int64), lists.free,
-                                                      N, self.base_policy, cursor)
+                base, cursor = plan.choose_lane_bases(fixed, has, floor_div(prefix, S), needs.astype(np.int64),
+                                                      lists.free, N, self.base_policy, cursor)
                 lanes = np.where(has[idx], lanes, base[idx])
         counts = np.bincount(lanes, minlength=N)
         if (deficit := lists.deficit(counts)) is not None:
@@ -192,8 +207,7 @@ class BatchPlanner:
         new_pages = lists.peek_unordered(lanes, counts, self._iota(lanes.size))
         slots = last + 1
         slots[idx] = new_pages * S
-        grown = last_page[~needs]
-        positions = prefix[idx] // S
+        positions = floor_div(prefix[idx], S)
 
         def host_plan():  # every request has a prefix unless ``base`` was chosen
             b = lane_base_of_last_loc(last_page * S, prefix, S, N) if base is None else base  # last may change
@@ -204,5 +218,5 @@ class BatchPlanner:
                 "new_page_owners": lanes, "new_page_positions": positions,
             }
 
-        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, lists.fill[grown] + 1,
+        return PendingAllocation(_device_tensor(slots, self.device), new_pages, counts, 1, grown, grown_fill,
                                  host_plan, positions, cursor)

@@ -16,15 +16,12 @@ from .errors import InvalidFree, UnsupportedPagePlan
 from .free_lists import LaneFreeLists
 from .inputs import int_vector
 from . import layout
-from .layout import lane_base_of_last_loc, page_of
+from .layout import floor_div, floor_mod, lane_base_of_last_loc
 
 
 def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """:func:`cpkv.contract.layout.page_of` (``s // S``, floor for negatives),
-    as a shift when ``S`` is a power of two (three times faster on big frees)."""
-    if page_size & (page_size - 1) == 0:
-        return slots >> (page_size.bit_length() - 1)
-    return page_of(slots, page_size)
+    """:func:`cpkv.contract.layout.page_of` (``s // S``, floor for negatives) of a host array."""
+    return floor_div(slots, page_size)
 
 
 def ends_prefix(last: np.ndarray, prefix: np.ndarray, page_size: int) -> np.ndarray:
@@ -33,20 +30,30 @@ def ends_prefix(last: np.ndarray, prefix: np.ndarray, page_size: int) -> np.ndar
     return _offset(last, page_size) == (prefix - 1) % page_size
 
 
-def continues_chain(last: np.ndarray, prefix: np.ndarray, fill: np.ndarray, page_size: int) -> np.ndarray:
+def continues_chain(last: np.ndarray, prefix: np.ndarray, fill: np.ndarray, page_size: int,
+                    pos: np.ndarray | None = None) -> np.ndarray:
     """The continuation rule: a chain of ``prefix`` tokens may grow from
     ``last_loc`` only where ``last_loc`` ends the prefix (:func:`ends_prefix`)
     and is the last written slot of its page (``fill - 1``, ``fill`` its fill mark); its lane
     base is then :func:`cpkv.contract.layout.lane_base_of_last_loc`. ``fill``
     are the fill marks of ``last_loc``'s pages (a page range the caller has
     checked). The one place cpkv states the rule: the allocation rules and the
-    prefix cache both call it. [[RFC-0001:C-FAIL-FAST]] [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    prefix cache both call it. [[RFC-0001:C-FAIL-FAST]] [[RFC-0001:C-REQUEST-RELATIVE]]
+
+    With ``pos``, the pages' recorded chain positions, the rule and the chain
+    position in one fused test, for a fast path: true where ``last_loc`` is
+    its page's last written slot and that slot is position ``prefix - 1`` of
+    the chain (``pos * S + fill == prefix``, which implies :func:`ends_prefix`);
+    false also where the position is not recorded (``-1``), so false only
+    says "not proven here"."""
+    if pos is not None:
+        return (pos * page_size + fill == prefix) & (_offset(last, page_size) + 1 == fill)
     return ends_prefix(last, prefix, page_size) & (fill - 1 == _offset(last, page_size))
 
 
 def _offset(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """Page offset ``s % S`` (a mask when ``S`` is a power of two)."""
-    return slots & (page_size - 1) if page_size & (page_size - 1) == 0 else slots % page_size
+    """Page offset ``s % S``."""
+    return floor_mod(slots, page_size)
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -60,6 +67,7 @@ class AllocationRules:
         self.lists, self.S, self.pad, self.base_policy = lists, page_size, padding, base_policy
         self.N, self.P = lists.cp_size, lists.num_pages
         self._scratch = np.zeros(self.P + 1, dtype=np.int32)  # for duplicate tests; never read unwritten
+        self._iota = np.arange(self.P + 1)  # grown on demand (_idx); never written
         self._fits_any = self.N * int(lists.lane_pages.min())  # a chain this long fits every base
 
     # -- extend and decode ----------------------------------------------------------
@@ -74,14 +82,15 @@ class AllocationRules:
         (not the last written slot of its page: the chain it ended has moved
         on, or the page was freed and handed to someone else) and
         ``shared-partial-page`` (two requests would extend one partial page).
-        Returns ``(has_prefix, page of last_loc)``.
+        Returns ``(has_prefix, page of last_loc)``, or ``(None, None)`` when no
+        request has a prefix.
         """
         S = self.S
-        has = prefix > 0
-        if not has.any():  # a batch of fresh requests: no last_loc to check
-            if (prefix < 0).any() or (prefix > seq).any() or (last != self.pad).any():
+        if not prefix.any():  # a batch of fresh requests: no last_loc to check
+            if (last != self.pad).any() or (seq.size and seq.min() < 0):
                 self.explain_extend(prefix, seq, last)
-            return has, np.full(prefix.size, -1, dtype=np.int64)
+            return None, None
+        has = prefix > 0
         page = pages_of(last, S)
         usable = (page >= 1) & (page <= self.P)
         chain_ok = usable & continues_chain(last, prefix, self.lists.fill[np.where(usable, page, 0)], S)
@@ -91,29 +100,68 @@ class AllocationRules:
             self.explain_extend(prefix, seq, last)
         return has, page
 
-    def check_decode(self, seq: np.ndarray, last: np.ndarray, shortest: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """:meth:`check_extend` for a decode batch in which every request has a
-        prefix (``prefix = seq - 1 >= 1``) and ``S`` is a power of two, in fewer
-        steps (``shortest`` is ``seq.min()``); returns ``(page of last_loc,
-        whether last_loc ends its page)``, or None when the batch is not of
-        that kind (then use :meth:`check_extend`). Raises as
-        :meth:`check_extend` does."""
-        S = self.S
-        if S & (S - 1) or shortest < 2:
+    def check_decode(self, prefix: np.ndarray, last: np.ndarray, shortest: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """All of :meth:`check_extend` and :meth:`check_chain` (without stamps)
+        for a decode batch (``prefix = seq - 1``, ``shortest = seq.min()``) in
+        one fused test, when every request continues a chain from a page whose
+        chain position is recorded (:func:`continues_chain` with the chain
+        positions). Returns ``(page of last_loc, whether last_loc ends its
+        page, the fill marks of those pages)``, or None when the batch is not
+        of that kind or some request fails the test (then
+        :meth:`check_extend` and :meth:`check_chain` explain). Raises
+        ``shared-partial-page`` as :meth:`check_extend` does.
+        [[RFC-0001:C-FAIL-FAST]]"""
+        if shortest < 2:
             return None
-        page = last >> (S.bit_length() - 1)
-        if int(page.min()) < 1 or int(page.max()) > self.P:
-            self.explain_extend(seq - 1, seq, last)
-        ends = last & (S - 1) == S - 1
-        if not continues_chain(last, seq - 1, self.lists.fill[page], S).all() or self._repeats(page[~ends]):
-            self.explain_extend(seq - 1, seq, last)
-        return page, ends
+        S, lists = self.S, self.lists
+        page = pages_of(last, S)
+        fill = np.take(lists.fill, page, mode="clip")  # outside 1..P: the never-allocated page, which fails
+        if not continues_chain(last, prefix, fill, S, np.take(lists.pos, page, mode="clip")).all():
+            return None
+        ends = _offset(prefix, S) == 0  # last_loc is its page's last slot
+        if self._repeats(page[~ends]):
+            self.explain_extend(prefix, prefix + 1, last)
+        return page, ends, fill
+
+    def check_chain(self, prefix: np.ndarray, last: np.ndarray, gen: np.ndarray | None = None,
+                    positions: bool = True) -> None:
+        """Refuse a ``last_loc`` (already through :meth:`check_extend`: on an
+        allocated page, at the prefix's offset, the page's last written slot)
+        whose page has another recorded chain position than ``(prefix - 1) //
+        S`` (``inconsistent-last-loc``; with ``positions``), or, with ``gen``
+        (what :meth:`~cpkv.contract.allocator.OwnerLaneAllocator.slot_generations`
+        said of each ``last_loc``), another stamp (``stale-last-loc``).
+        Requests without a prefix are not checked."""
+        has = prefix > 0
+        if not has.any():
+            return
+        S, lists = self.S, self.lists
+        page = pages_of(np.where(has, last, S), S)
+        if positions:
+            pos = lists.pos[page]
+            bad = has & (pos >= 0) & (pos != floor_div(prefix - 1, S))
+            if (r := _first(bad)) is not None:
+                raise UnsupportedPagePlan(
+                    "inconsistent-last-loc",
+                    f"last_loc {last[r]} lies on the page at chain position {pos[r]}, but a prefix of {prefix[r]} "
+                    f"tokens ends on page position {(prefix[r] - 1) // S} (do seq_lens include the new token?)", r)
+        if gen is not None and (r := _first(has & (lists.gen[page] != gen))) is not None:
+            raise UnsupportedPagePlan(
+                "stale-last-loc", f"last_loc {last[r]} lies on page {page[r]}, handed out again since the request "
+                f"got it (stamp {lists.gen[page[r]]}, the request holds {gen[r]})", r)
+
+    def _idx(self, n: int) -> np.ndarray:
+        """``np.arange(n)``, a view of one kept between calls."""
+        if self._iota.size < n:
+            self._iota = np.arange(max(n, 2 * self._iota.size))
+        return self._iota[:n]
 
     def _repeats(self, pages: np.ndarray) -> bool:
         """Whether some page occurs twice (``pages`` are usable pages)."""
         if pages.size < 2:
             return False
-        idx = np.arange(pages.size, dtype=np.int32)
+        idx = self._idx(pages.size)
         self._scratch[pages] = idx
         return bool((self._scratch[pages] != idx).any())
 
@@ -170,12 +218,15 @@ class AllocationRules:
         a request whose lane base is fixed (by its prefix, or by the ``lane0``
         policy), more pages in one lane than that lane has. A request that could
         fit after eviction is left to the allocation, which returns None.
-        ``has`` None means every request has a prefix."""
+        ``has`` None means every request has a prefix, False that none has."""
         if seq.size == 0 or -(-int(seq.max()) // self.S) <= self._fits_any:
             return
         chain = -(-seq // self.S)
         N, lane_pages = self.N, self.lists.lane_pages
-        has = np.ones(seq.size, dtype=bool) if has is None else has
+        if has is None or has is False:
+            has = np.full(seq.size, has is None)
+        if page is None:
+            page = np.zeros(seq.size, dtype=np.int64)
         big = (chain > self._fits_any).nonzero()[0]
         fixed = has[big] | (self.base_policy == "lane0")
         base = np.where(has[big], lane_base_of_last_loc(page[big] * self.S, prefix[big], self.S, N), 0)
@@ -251,7 +302,7 @@ class AllocationRules:
 
     def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the last occurrence of each distinct page (usable pages only)."""
-        idx = np.arange(pages.size, dtype=np.int32)
+        idx = self._idx(pages.size)
         self._scratch[pages] = idx  # with repeats, the last write wins
         return self._scratch[pages] == idx
 

@@ -10,7 +10,8 @@ from the unquantized model: the largest logit difference from the plain float
 forward of the same sequence, and how many requests' tokens equal the plain
 model's greedy decoding (teacher-forced over the run's own tokens: a request's
 tokens equal the plain model's greedy decoding exactly when the plain argmax
-at every generated position is the run's token there).
+at every generated position is the run's token there). The reference runs on
+the model's device (``--device cuda``: the GPU) and is compared on the CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Sequence
 import torch
 
 from ..consumers.kv_pool import Family
-from ..models.round_trip import reference_logits
 
 
 def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
@@ -32,6 +32,8 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
     ``mismatched`` (spec ids) against that reference, and ``unquantized``:
     ``{"max_abs_diff", "greedy_agreement"}`` against the plain float model
     (the same figures as the check when nothing is formatted)."""
+    from ..models.round_trip import reference_logits  # transformers: imported where the check runs
+
     formats = {f.name: f.format for f in families if f.format is not None}
     worst, plain_worst, mismatched, plain_agree, logits_checked = 0.0, 0.0, [], 0, 0
     for r in sched.requests:
@@ -41,7 +43,7 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
         got = ex.logits.get(r.index, {})
         if got:
             pos = torch.tensor(sorted(got))
-            ours = torch.stack([got[p] for p in pos.tolist()])
+            ours = torch.stack([got[p] for p in pos.tolist()]).cpu()  # compared on the CPU, as the reference
             worst = max(worst, float((ours - ref[pos]).abs().max()))
             plain_worst = max(plain_worst, float((ours - plain[pos]).abs().max()))
             logits_checked += pos.numel()

@@ -56,11 +56,14 @@ class RunConfig:
     holds N times the pages of the replicated one
     (:func:`~cpkv.runtime.sizing.group_pages`).
     ``kv_events`` a ZMQ
-    endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds a publisher of the
-    prefix cache's KV events in vLLM's format (``None``: no events)
+    endpoint (``tcp://127.0.0.1:5557``) where rank 0 binds, before the first
+    step, a publisher of the prefix cache's KV events in vLLM's format
+    (``None``: no events), ``kv_events_replay`` where it binds vLLM's replay
+    socket (``None``: none), keeping ``kv_events_buffer`` batches for replay
     ([[RFC-0001:C-KV-EVENTS]]).
     ``device`` where the model and the KV cache live (``"cpu"``, or
-    ``"cuda"``: untested on hardware); ``kernels`` the data plane, ``"torch"``
+    ``"cuda"``: each rank's KV segment on its GPU, :mod:`cpkv.runtime.device`;
+    not yet run on hardware); ``kernels`` the data plane, ``"torch"``
     or ``"triton"`` (``None``: triton on a GPU, torch on the CPU, resolved at
     construction).
     """
@@ -90,6 +93,8 @@ class RunConfig:
     progress: bool = False
     kv: str = "shared"
     kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_buffer: int = 10_000
     device: str = "cpu"
     kernels: str | None = None
 
@@ -308,15 +313,22 @@ def parse_disagg(text: str) -> tuple[int, int]:
     return out
 
 
-def engine_footprint(cfg):
+#: Bytes of the allocator's and prefix cache's bookkeeping per page (free lists, owners, the page index).
+BOOKKEEPING_BYTES_PER_PAGE = 48
+
+
+def engine_footprint(cfg, specs=None):
     """The :class:`~cpkv.runtime.sizing.GroupFootprint` of the engine with
-    ``cfg``: every rank holds the model, its page table and (rank 0, with
+    ``cfg`` on the trace ``specs`` (default ``cfg.trace()``): every rank holds
+    the model, the scheduler's page table (``max_running`` rows as long as the
+    longest request), the cache's bookkeeping of every page and (rank 0, with
     ``check``) the logits it keeps; the group shares the device and host KV
-    segments of every cache family."""
+    segments of every cache family. Arithmetic only: nothing is allocated."""
     import torch
 
     from ..models import build_adapter
     from ..runtime.sizing import group_footprint
+    from .trace import kv_tokens
 
     with torch.device("meta"):
         adapter = build_adapter(cfg.model)
@@ -325,8 +337,11 @@ def engine_footprint(cfg):
     page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
     copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
     shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
-    specs = cfg.trace()
+    specs = cfg.trace() if specs is None else specs
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
     private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
     private += copy if cfg.replicated else 0
+    private += 8 * min(cfg.max_running, len(specs)) * (max(kv_tokens(specs), default=0) + 1)  # the page table
+    lanes = 1 if cfg.replicated else cfg.cp_size
+    private += BOOKKEEPING_BYTES_PER_PAGE * (lanes * cfg.device_pages + cfg.host_pages)
     return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)

@@ -2,7 +2,7 @@
 
 Every rank builds the same scheduler over the same trace and runs the same
 steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
-copies, then the forwards through :class:`~cpkv.runtime.runner.CPRunner`), and
+copies, then the step's forward through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
 ``check``, rank 0 keeps every computed logit and compares each finished
 request with ``transformers``' own forward of its full sequence and its greedy
@@ -20,8 +20,8 @@ import torch
 from ..consumers.hicache import HostPool, HostTier
 from ..consumers.kv_events import KVEventSink
 from ..consumers.kv_pool import SharedKVPool
-from ..contract.allocation import Allocation
 from ..models import build_adapter
+from ..runtime.batch import choose_backend
 from ..runtime.comm import Comm, DistComm, LocalComm, run_threads
 from ..runtime.group import RankContext, RankFailure, launch
 from ..runtime.progress import RunProgress, progress_bar
@@ -29,6 +29,7 @@ from ..runtime.runner import CPRunner
 from .check import check
 from .config import EngineConfig
 from .latency import LatencyClock, latency_report
+from .records import outputs
 from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
 from .scheduler import Scheduler
 from .step_plan import Forward, StepPlan
@@ -41,7 +42,8 @@ class RankExecutor:
     Order: backups (IO rank, fenced before and after), loads (each owner),
     copies (each destination owner) and arrivals (KV from another group, by
     ``receive(plan)``, each owner writing its own segment), a fence, then the
-    decode and prefill forwards, reading the scheduler's page table.
+    step's forward (decodes and prefill chunks in one pass), reading the
+    scheduler's page table.
     """
 
     def __init__(self, runner: CPRunner, host: HostPool | None = None, check: bool = False, receive=None):
@@ -51,11 +53,10 @@ class RankExecutor:
         self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
 
     def run(self, plan: StepPlan) -> list[list[int]]:
-        """Execute ``plan``; the greedy token of every request of every batch, identical on every rank.
-        A step with both a decode and a prefill batch runs one forward: the
-        decode tokens as one-token extends before the prefill chunks (SGLang's
-        mixed chunk), so the step pays one pass, not two; ``--decode-split``
-        then governs the steps without a prefill."""
+        """Execute ``plan``; the greedy token of every request of its forward,
+        identical on every rank (one list per :meth:`StepPlan.forwards`). The
+        step's decodes and prefill chunks are one forward, as the scheduler
+        planned them; ``--decode-split`` governs a forward of decodes only."""
         pool = self.pool
         if plan.backups:
             pool.tier_fence()
@@ -72,14 +73,7 @@ class RankExecutor:
             self.receive(plan)
         if plan.loads or plan.copies or plan.arrivals:
             pool.tier_fence()
-        d, f = plan.decode, plan.prefill
-        if d is None or f is None:
-            return [self._forward(b) for b in plan.forwards()]
-        # one forward for the step: the decode tokens as one-token extends before the prefill chunks
-        toks = self._forward(Forward(d.requests + f.requests, torch.cat([d.rows, f.rows]),
-                                     Allocation.concat(d.alloc, f.alloc), torch.cat([d.ids, f.ids]),
-                                     [*d.sample, *f.sample], False, f.table))
-        return [toks[: len(d.requests)], toks[len(d.requests):]]
+        return [self._forward(b) for b in plan.forwards()]
 
     def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
@@ -119,21 +113,22 @@ def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
     sink = KVEventSink(publisher, sched.S)
     sched.cache.events = sink
     if sched.host is not None:
-        sched.host.index.events = sink
+        sched.host.events = sink
     sink.cleared()
     return sink
 
 
 @contextmanager
 def kv_event_publisher(cfg: EngineConfig, rank: int):
-    """Rank 0's publisher bound on ``cfg.kv_events`` (``None`` elsewhere, or
-    without ``kv_events``), closed on the way out, error or not."""
+    """Rank 0's publisher bound on ``cfg.kv_events`` and its replay socket on
+    ``cfg.kv_events_replay`` (``None`` elsewhere, or without ``kv_events``),
+    closed on the way out, error or not."""
     if not cfg.kv_events or rank != 0:
         yield None
         return
     from ..consumers.kv_events_zmq import KVEventPublisher
 
-    pub = KVEventPublisher(cfg.kv_events)
+    pub = KVEventPublisher(cfg.kv_events, cfg.kv_events_replay, buffer_steps=cfg.kv_events_buffer)
     try:
         yield pub
     finally:
@@ -141,39 +136,56 @@ def kv_event_publisher(cfg: EngineConfig, rank: int):
 
 
 def _engine_rank(ctx: RankContext, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
-    if cfg.device == "cuda":  # untested on hardware: NCCL, KV buffers over CUDA IPC, pinned host tier
-        from ..runtime.device import pin_shared, share_device_buffer
-
-        comm: Comm = DistComm(device=ctx.device) if ctx.distributed else LocalComm()
-        adapter = build_adapter(cfg.model)
-        adapter.model.to(ctx.device)
-        return engine_rank(lambda tag, shape, dtype: share_device_buffer(ctx, tag, shape, dtype, ctx.device),
-                           comm, cfg, adapter, progress,
-                           host_shared=lambda tag, shape, dtype: pin_shared(ctx.shared(tag, shape, dtype)))
+    if cfg.device == "cuda":
+        return gpu_engine_rank(ctx, DistComm(device=ctx.device) if ctx.distributed else LocalComm(), cfg, progress)
     comm = DistComm() if ctx.distributed else LocalComm()
     return engine_rank(ctx.shared, comm, cfg, build_adapter(cfg.model), progress)
 
 
+def gpu_engine_rank(ctx, comm: Comm, cfg: EngineConfig, progress: RunProgress | None = None) -> dict | None:
+    """One rank of the engine on ``ctx.device`` (a GPU), in ``ctx``'s group
+    (:class:`~cpkv.runtime.group.RankContext`, or a torchrun rank's
+    :class:`~cpkv.runtime.torchrun.JoinedContext`) with ``comm`` its
+    collectives: the model on the device; each family's KV one segment per
+    rank on its own GPU, the others' opened over CUDA IPC
+    (:func:`~cpkv.runtime.device.group_segments`; a private copy on the device
+    for ``--kv replicated``); the host tier in the group's shared memory,
+    page-locked until ``ctx`` closes (:func:`~cpkv.runtime.device.pin_host`);
+    the fence ``comm.barrier`` (on the device). Returns the report on rank 0."""
+    from ..runtime.device import group_segments, pin_host
+
+    adapter = build_adapter(cfg.model)
+    adapter.model.to(ctx.device)
+    return engine_rank(lambda tag, shape, dtype: group_segments(comm, tag, shape, dtype, ctx.device),
+                       comm, cfg, adapter, progress,
+                       host_shared=lambda tag, shape, dtype: pin_host(ctx.shared(tag, shape, dtype), ctx.at_close),
+                       device=ctx.device)
+
+
 def engine_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter,
-                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None) -> dict | None:
+                progress: RunProgress | None = None, host_shared: SharedBuffers | None = None,
+                device: torch.device | None = None) -> dict | None:
     """One rank of the engine: ``shared(tag, shape, dtype)`` gives the group's
-    shared KV buffers (``host_shared`` its host tier's, default ``shared``),
-    ``comm`` its collectives; rank 0 keeps ``progress`` (when given) up to
+    shared KV buffers (a rank-major tensor, or a
+    :class:`~cpkv.consumers.kv_view.KVView` of per-rank segments;
+    ``host_shared`` its host tier's, default ``shared``), ``comm`` its
+    collectives, ``device`` where a replicated copy lives (default the CPU);
+    rank 0 keeps ``progress`` (when given) up to
     date after every step. Idle steps (nothing runs, nothing is due) are
     skipped (:meth:`Scheduler.skip_idle`). Returns the report on rank 0.
     With ``cfg.kv_events``, rank 0 publishes its caches' KV events there."""
     with kv_event_publisher(cfg, comm.rank) as pub:
-        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared)
+        return _run_rank(shared, comm, cfg, adapter, pub, progress, host_shared, device)
 
 
 def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub,
-              progress: RunProgress | None, host_shared: SharedBuffers | None) -> dict | None:
+              progress: RunProgress | None, host_shared: SharedBuffers | None,
+              device: torch.device | None = None) -> dict | None:
     specs = cfg.trace()
     sched = build_scheduler(cfg, specs)
     events = connect_kv_events(sched, pub) if pub is not None else None
     layout = sched.layout
-    parts = build_rank(cfg, adapter, layout, comm, shared, sched.max_len + 1, cfg.host_pages, page_table=sched.table,
-                       host_shared=host_shared)
+    parts = build_rank(cfg, adapter, layout, comm, shared, cfg.host_pages, host_shared=host_shared, device=device)
     pool, runner = parts.pool, parts.runner
     ex = RankExecutor(runner, parts.host, check=cfg.check)
     bar = progress_bar(desc="steps", unit="step", disable=not (cfg.progress and comm.rank == 0), leave=False)
@@ -198,7 +210,7 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     seconds = time.perf_counter() - t0
     bar.close()
     own = layout.rank_pages(0 if cfg.replicated else comm.rank)  # this rank's lane, or its whole copy
-    held = own[sched.cache.is_allocated(own)]
+    held = own[sched.cache.alloc.is_allocated(own)]
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
@@ -212,19 +224,23 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     if comm.rank != 0:
         return None
     checked = check(adapter.model, sched, ex, list(pool.families.values())) if cfg.check else None
-    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock))
+    return report(cfg, sched, pool.page_bytes, moved, seconds, checked, latency_report(sched.requests, clock),
+                  kernels_fallback=choose_backend(runner.kernels, pool)[1])
 
 
 def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, seconds: float,
-           checked: dict | None, latency: dict | None = None) -> dict:
+           checked: dict | None, latency: dict | None = None, kernels_fallback: str | None = None) -> dict:
     """The run's figures (see ``cpkv run --help``); ``latency`` is
-    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request)."""
+    :func:`~cpkv.engine.latency.latency_report`'s (TTFT, TPOT, per request);
+    ``kernels_fallback``: why the data plane asked for is not the one that
+    ran (:func:`~cpkv.runtime.batch.choose_backend`), else ``None``."""
     st = sched.stats
     occ = np.array(st.occupancy) if st.occupancy else np.zeros((1, sched.N))
     # a replicated copy holds every used page on every rank; a shared cache each lane on its rank
     peak_lane = np.full(cfg.cp_size, occ.sum(1).max()) if cfg.replicated else occ.max(0)
     return {
         "config": cfg.public(),  # without the test-only fault hooks
+        "kernels_fallback": kernels_fallback,
         "requests": len(sched.requests),
         "finished": st.finished,
         "steps": st.steps,
@@ -253,6 +269,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "ranks": ranks,
         "check": checked,
         "latency": latency,
+        "outputs": outputs(sched.requests),
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],
         "occupancy": st.occupancy,
         "host_occupancy": st.host_occupancy,

@@ -33,7 +33,11 @@ from ..runtime.torchrun import TORCHRUN_ENV, JoinedContext, TorchrunEnv, join, t
 from .config import DisaggConfig, EngineConfig
 from .disagg.control import DisaggControl
 from .disagg.driver import SIDES, disagg_rank
-from .engine import build_scheduler, engine_rank
+from .engine import build_scheduler, engine_rank, gpu_engine_rank
+
+
+#: Why ``--disagg`` with ``--device cuda`` is refused, with or without torchrun.
+DISAGG_ON_GPU = "--device cuda runs one CP group; --disagg on GPUs is not built"
 
 
 def _env(environ: Mapping[str, str] | None) -> TorchrunEnv:
@@ -55,6 +59,8 @@ def _agree_on_cache(comm, cfg) -> None:
 
 def _engine_target(ctx: JoinedContext, cfg: EngineConfig) -> dict | None:
     _agree_on_cache(ctx.comm, cfg)
+    if cfg.device == "cuda":  # the model, the KV segments and the fence on this rank's GPU
+        return gpu_engine_rank(ctx, ctx.comm, cfg)
     return engine_rank(ctx.shared, ctx.comm, cfg, build_adapter(cfg.model))
 
 
@@ -63,17 +69,23 @@ def run_engine_joined(cfg: EngineConfig, environ: Mapping[str, str] | None = Non
     the others.
 
     Refuses, before joining (so every rank refuses alike and nothing starts), with ``RuntimeError`` outside
-    torchrun, ``ValueError`` when the world is not one node of ``cfg.cp_size`` ranks, and whatever
-    :func:`~cpkv.engine.engine.build_scheduler` refuses of the trace. The group's KV cache lives in the node's
-    shared segments [[RFC-0001:C-DIRECT-WRITE]]; cleanup as :func:`~cpkv.runtime.torchrun.join` guarantees."""
+    torchrun or for a ``cfg.device`` the node cannot run (:func:`~cpkv.runtime.device.plan_devices`: the
+    message ``cpkv run`` gives without torchrun), ``ValueError`` when the world is not one node of
+    ``cfg.cp_size`` ranks, and whatever :func:`~cpkv.engine.engine.build_scheduler` refuses of the trace. The
+    group's KV cache lives in the node's shared segments, or with ``device="cuda"`` one segment per rank on its
+    GPU (device from ``LOCAL_RANK``, the fence on the device) [[RFC-0001:C-DIRECT-WRITE]]; cleanup as
+    :func:`~cpkv.runtime.torchrun.join` guarantees."""
+    from ..runtime.device import plan_devices
+
     env = _env(environ)
     if env.world_size != cfg.cp_size or env.local_world_size != cfg.cp_size:
         raise ValueError(f"the engine's CP group of {cfg.cp_size} ranks is one node: start torchrun with "
                          f"--nnodes 1 --nproc-per-node {cfg.cp_size} (this world has WORLD_SIZE={env.world_size}, "
                          f"LOCAL_WORLD_SIZE={env.local_world_size})")
+    plan_devices(cfg.device, env.local_world_size)
     cfg.model.config()
     build_scheduler(cfg, cfg.trace())  # refuse a trace that cannot run before joining
-    return join(_engine_target, cfg, timeout=cfg.timeout, environ=environ)
+    return join(_engine_target, cfg, timeout=cfg.timeout, device=cfg.device, environ=environ)
 
 
 def _disagg_target(ctx: JoinedContext, cfg: DisaggConfig) -> dict | None:
@@ -101,6 +113,8 @@ def run_disagg_joined(cfg: DisaggConfig, environ: Mapping[str, str] | None = Non
     run; after joining (every rank alike), with ``ValueError`` when the roles' sizes are not ``M`` and ``N``
     or a role spans nodes. The KV moves point to point between the nodes [[RFC-0001:C-DISAGG]]."""
     env = _env(environ)
+    if cfg.device != "cpu":
+        raise RuntimeError(DISAGG_ON_GPU)
     if env.role not in SIDES:
         raise ValueError(f"this node's role is {env.role!r}: start each node's torchrun with --role prefill or "
                          f"--role decode")

@@ -33,10 +33,8 @@ STEP_KINDS = ("decode", "mixed", "prefill", "none")
 
 
 def step_kind(plan: StepPlan) -> str:
-    """The :data:`STEP_KINDS` entry of ``plan`` (by its decode and prefill forwards)."""
-    if plan.decode is not None:
-        return "mixed" if plan.prefill is not None else "decode"
-    return "prefill" if plan.prefill is not None else "none"
+    """The :data:`STEP_KINDS` entry of ``plan`` (by what its forward computes)."""
+    return "none" if plan.forward is None else plan.forward.kind
 
 
 class LatencyClock:

@@ -1,7 +1,8 @@
 """One rank's parts, built the same way by the engine and by the disaggregation driver.
 
 * :func:`build_cache` - the prefix cache over a fresh owner-lane allocator of one group;
-* :func:`build_rank` - a rank's shared KV pool, host pool and runner;
+* :func:`build_rank` - a rank's shared KV pool, host pool and runner (the
+  runtime's :func:`~cpkv.runtime.parts.build_parts`, and the host tier);
 * :func:`thread_buffers` - the ``shared(tag, shape, dtype)`` of ranks that are threads
   of one process (tests): one zeroed tensor per tag, made once;
 * :func:`inject_fault` - the fault a test asks a rank for (raise, or die by SIGKILL).
@@ -14,23 +15,19 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..consumers.hicache import HostPool
-from ..consumers.kv_pool import SharedKVPool, allocate_buffers
-from ..consumers.page_table import PageTable
+from ..consumers.kv_pool import SharedKVPool
 from ..consumers.prefix_cache import PrefixCache
-from ..consumers.replicated import ReplicatedHostPool, ReplicatedKVPool, replicated_buffers
+from ..consumers.replicated import ReplicatedHostPool
 from ..contract.allocator import OwnerLaneAllocator
 from ..contract.layout import SharedKVLayout
 from ..runtime.comm import Comm
+from ..runtime.parts import SharedBuffers, build_parts
 from ..runtime.runner import CPRunner
 from .config import RunConfig
-
-#: ``shared(tag, shape, dtype) -> tensor``: a group's buffer by tag, the same memory on every rank of the group.
-SharedBuffers = Callable[[str, tuple, torch.dtype], torch.Tensor]
 
 
 def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCache:
@@ -38,7 +35,14 @@ def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCach
     ``cp_size`` ranks with ``pages_per_rank`` pages of ``page_size`` tokens each
     (page 0 reserved); every rank of the group builds the same one."""
     layout = SharedKVLayout(cp_size, page_size, pages_per_rank)
-    return PrefixCache(OwnerLaneAllocator((layout.num_pages - 1) * page_size, page_size, cp_size, layout=layout))
+    return PrefixCache(OwnerLaneAllocator.for_layout(layout))
+
+
+def cache_lane_pages(cp_size: int, pages_per_rank: int) -> list[int]:
+    """The pages per lane of :func:`build_cache`'s cache, without building it:
+    ``pages_per_rank`` on every lane but lane 0, which holds one fewer (page 0
+    is reserved). A command refuses a trace with it before any allocation."""
+    return [pages_per_rank - 1] + [pages_per_rank] * (cp_size - 1)
 
 
 @dataclass
@@ -51,14 +55,13 @@ class RankParts:
     runner: CPRunner
 
 
-def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers, max_len: int,
-               host_pages: int, *, page_table: PageTable | None = None,
-               host_shared: SharedBuffers | None = None) -> RankParts:
+def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, shared: SharedBuffers,
+               host_pages: int, *, host_shared: SharedBuffers | None = None,
+               device: torch.device | None = None) -> RankParts:
     """Build rank ``group.rank``'s parts over ``layout``: the pool over the
     group's shared buffers (fenced by ``group.barrier``), a host pool of
-    ``host_pages`` pages (none for 0) and a runner for ``cfg.max_running``
-    requests of up to ``max_len`` tokens with ``cfg``'s splits, reading the
-    scheduler's ``page_table`` (the one page table of the group's requests).
+    ``host_pages`` pages (none for 0) and a runner with ``cfg``'s splits
+    (its forwards read the scheduler's page table).
     With ``cfg.replicated`` the pool is the rank's private full copy over
     ``layout`` (one rank: :mod:`cpkv.consumers.replicated`) and the splits are
     ``cfg.splits()``'s token splits. The caches are
@@ -67,18 +70,14 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     (default ``shared``; on a GPU the KV buffers are device memory and the
     host tier pinned host memory)."""
     fams = adapter.kv_families(cfg.kv_dtype)
-    if cfg.replicated:  # a full private copy on every rank, over the scheduler's one-lane layout
-        pool = ReplicatedKVPool(layout, fams, replicated_buffers(layout, fams), group_rank=group.rank,
-                                group_size=group.size, barrier=group.barrier)
-    else:
-        pool = SharedKVPool(layout, group.rank, fams, allocate_buffers(layout, fams, shared), fence=group.barrier)
+    prefill_split, decode_split = cfg.splits()
+    parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
+                        replicated=cfg.replicated, prefill_split=prefill_split, decode_split=decode_split,
+                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device)
+    pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool
     host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))
             if host_pages else None)
-    prefill_split, decode_split = cfg.splits()
-    runner = CPRunner(adapter, pool, comm=group, max_requests=cfg.max_running, max_len=max_len,
-                      prefill_split=prefill_split, decode_split=decode_split, check_plans=cfg.check_plans,
-                      page_table=page_table, kernels=cfg.kernels)
     return RankParts(pool, host, runner)
 
 

@@ -1,7 +1,8 @@
-"""The records the scheduler keeps: a :class:`Request` (its tokens, its
-page-table row, where it stands) and the :class:`Stats` of a trace (counted
-identically on every rank). Values with O(1) accessors only; their life is
-:mod:`cpkv.engine.requests`.
+"""The records the scheduler keeps and reports: a :class:`Request` (its
+tokens, its page-table row, where it stands) and the :class:`Stats` of a trace
+(counted identically on every rank), with what each step adds to them
+(:meth:`Stats.record`, :func:`lanes_used`). Values with O(1) accessors only;
+their life is :class:`~cpkv.engine.scheduler.Scheduler`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import torch
 
 from ..consumers.page_table import PageTable
 from ..consumers.prefix_cache import PrefixMatch
+from ..contract.allocator import OwnerLaneAllocator
+from ..contract.layout import owner_of
 from .trace import RequestSpec
 
-__all__ = ["Request", "Stats", "append_tokens", "id_runs"]
+__all__ = ["Request", "Stats", "append_tokens", "id_runs", "lanes_used", "outputs"]
 
 
 @dataclass(eq=False)
@@ -107,6 +110,15 @@ class Request:
         return self.computed < self.target
 
 
+def outputs(reqs: list[Request]) -> list[dict]:
+    """What each request of a run produced, in trace order: ``id``,
+    ``prompt_tokens`` (its whole prompt, a follow-up's history included) and
+    ``generated`` (its greedy token ids), so a run can be diffed against
+    another engine's on the same trace (``cpkv run --json``, ``--print-tokens``)."""
+    return [{"id": r.spec.id, "prompt_tokens": len(r.prompt), "generated": [int(t) for t in r.generated]}
+            for r in reqs]
+
+
 def append_tokens(reqs: list[Request], tokens: list[int]) -> list[Request]:
     """``tokens[i]`` sampled for ``reqs[i]``: appended to its ``generated``
     and its id buffer (amortised O(1) each, one pass). Returns the requests
@@ -173,7 +185,37 @@ class Stats:
     occupancy: list = field(default_factory=list)  # per step: used device pages per lane
     host_occupancy: list = field(default_factory=list)  # per step: used host pages
 
+    def record(self, step: int, used: np.ndarray, host_used: int | None, evicted_nodes: int,
+               evicted_pages: int) -> None:
+        """Step ``step`` closed: its used device pages per lane ``used`` (see
+        :func:`lanes_used`), its used host pages (``None``: no host tier) and
+        the prefix cache's eviction counters so far."""
+        self.evicted_nodes, self.evicted_pages = evicted_nodes, evicted_pages
+        self.occupancy.append(used.tolist())
+        if host_used is not None:
+            self.host_occupancy.append(host_used)
+        self.steps = step + 1
+
+    def record_finished(self, per_lane: np.ndarray) -> None:
+        """Requests finished holding ``per_lane`` ``[n, N]`` pages per lane:
+        ``max_request_skew`` keeps the largest spread of one request's pages
+        over the lanes (at most 1 while every chain keeps one lane base)."""
+        if per_lane.size:
+            self.max_request_skew = max(self.max_request_skew, int((per_lane.max(1) - per_lane.min(1)).max()))
+
     def lane_gap(self, lane_pages: int) -> float:
         """Largest gap between the fullest and the emptiest lane over the run, in % of a lane."""
         occ = np.array(self.occupancy) if self.occupancy else np.zeros((1, 1))
         return 100.0 * float((occ.max(1) - occ.min(1)).max()) / max(lane_pages, 1)
+
+
+def lanes_used(alloc: OwnerLaneAllocator, lanes: int, pages: np.ndarray) -> np.ndarray:
+    """Used device pages per lane ``[lanes]``: from the allocator's own
+    counters when ``lanes`` is its lane count (O(N)); else (the
+    owner-oblivious baseline, one allocator lane, reported over ``lanes``)
+    the allocated pages among ``pages`` (every page, ``0 .. num_pages``)
+    counted by ``page % lanes``."""
+    if lanes == alloc.cp_size:
+        return alloc.lane_pages - np.asarray(alloc.lane_free_pages())
+    used = pages[alloc.is_allocated(pages)]
+    return np.bincount(owner_of(used, lanes), minlength=lanes)

@@ -3,14 +3,15 @@
 A :class:`StepPlan` lists :class:`Backup` (device -> host, by the IO rank),
 :class:`Load` (host -> device, by each owner), :class:`Copy` (device ->
 device, by the destination's owner) and :class:`Arrival` (KV computed by
-another group) entries, then the step's :class:`Forward` passes (a decode, a
-prefill). The slots of every request live in the scheduler's one
-:class:`~cpkv.consumers.page_table.PageTable`; a forward names its rows there.
+another group) entries, then the step's one :class:`Forward`: the decodes,
+then the prefill chunks, in one pass (SGLang's mixed chunk). The slots of
+every request live in the scheduler's one
+:class:`~cpkv.consumers.page_table.PageTable`; the forward names its rows there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,17 +23,8 @@ if TYPE_CHECKING:
     from .records import Request
 
 
-class _Entry:
-    """A step entry. It also unpacks in field order (``src, dst, request =
-    copy``), as the positional tuples it replaced did, for callers not yet
-    moved to the field names."""
-
-    def __iter__(self):
-        return iter(tuple(getattr(self, f.name) for f in fields(self)))
-
-
 @dataclass(frozen=True, eq=False)
-class Backup(_Entry):
+class Backup:
     """Device slots ``device [n]`` -> host slots ``host [n]`` (int64), copied by
     the IO rank before the device pages are reused. [[RFC-0001:C-HICACHE]]"""
 
@@ -41,7 +33,7 @@ class Backup(_Entry):
 
 
 @dataclass(frozen=True, eq=False)
-class Load(_Entry):
+class Load:
     """Host slots ``host [n]`` -> new device slots ``device [n]`` of
     ``request``, each owner writing the pages it owns. [[RFC-0001:C-HICACHE]]"""
 
@@ -51,7 +43,7 @@ class Load(_Entry):
 
 
 @dataclass(frozen=True, eq=False)
-class Copy(_Entry):
+class Copy:
     """A partly matched page's KV ``src [n]`` -> the private copy ``dst [n]``
     of ``request`` (the destination's owner reads through the shared view).
     [[RFC-0001:C-PREFIX-CACHE]]"""
@@ -62,7 +54,7 @@ class Copy(_Entry):
 
 
 @dataclass(frozen=True, eq=False)
-class Arrival(_Entry):
+class Arrival:
     """Remote prefill: the KV of positions ``start ..`` of ``request`` arrives
     from another group into the new device ``slots [n]``, written by each owner."""
 
@@ -74,39 +66,60 @@ class Arrival(_Entry):
 @dataclass
 class Forward:
     """One forward pass: ``requests`` in batch order, their page-table ``rows
-    [bs]`` in ``table``, the ``alloc`` of their new slots, the new token
-    ``ids [E]`` (in ``alloc.out_cache_loc`` order), whether each request's
-    last token gives a new token (``sample``: a prefill chunk that ends before
-    the prompt does not) and whether it is a decode."""
+    [bs]`` (int64) in ``table``, the ``alloc`` of their new slots, the new
+    token ``ids [E]`` (in ``alloc.out_cache_loc`` order), whether each
+    request's last token gives a new token (``sample``: a prefill chunk that
+    ends before the prompt does not), and ``decodes``: how many of the
+    requests, first in the batch, decode one token (the rest are prefill
+    chunks). [[RFC-0001:C-FLATTENED-ORDER]]"""
 
     requests: list
     rows: torch.Tensor
     alloc: Allocation
     ids: torch.Tensor
     sample: list
-    decode: bool
-    table: PageTable | None = None
+    decodes: int
+    table: PageTable
+
+    @property
+    def decode(self) -> bool:
+        """Whether every request decodes (the forward then runs the decode split)."""
+        return self.decodes == len(self.requests)
+
+    @property
+    def kind(self) -> str:
+        """``"decode"`` (decodes only), ``"mixed"`` (decodes and prefill chunks) or ``"prefill"``."""
+        return "decode" if self.decode else "mixed" if self.decodes else "prefill"
+
+    @classmethod
+    def mixed(cls, decode: "Forward | None", prefill: "Forward | None") -> "Forward | None":
+        """One forward of ``decode``'s requests then ``prefill``'s (either may
+        be ``None``): the decodes ride in the prefill pass as one-token
+        extends; the allocation is the one a single call would have made
+        (:meth:`Allocation.concat`)."""
+        if decode is None or prefill is None:
+            return decode or prefill
+        return cls(decode.requests + prefill.requests, torch.cat([decode.rows, prefill.rows]),
+                   Allocation.concat(decode.alloc, prefill.alloc), torch.cat([decode.ids, prefill.ids]),
+                   decode.sample + prefill.sample, decode.decodes + prefill.decodes, decode.table)
 
 
 @dataclass
 class StepPlan:
     """What the executor does in one step, in this order: ``backups``,
-    ``loads``, ``copies``, ``arrivals`` (lists of the entries above), then the
-    ``decode`` and ``prefill`` forwards."""
+    ``loads``, ``copies``, ``arrivals`` (lists of the entries above), then
+    the step's ``forward`` (``None``: nothing to compute)."""
 
     step: int
     backups: list[Backup] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     copies: list[Copy] = field(default_factory=list)
     arrivals: list[Arrival] = field(default_factory=list)
-    decode: Forward | None = None
-    prefill: Forward | None = None
+    forward: Forward | None = None
 
     def forwards(self) -> list[Forward]:
-        """The forwards of the step, decode first."""
-        return [b for b in (self.decode, self.prefill) if b is not None]
-
-    batches = forwards  # the former name, for callers not yet moved (engine/disagg.py)
+        """The step's forwards: ``[forward]``, or none."""
+        return [] if self.forward is None else [self.forward]
 
     def drop(self, r: "Request") -> None:
         """Forget what was planned for a request preempted or cancelled in this step."""

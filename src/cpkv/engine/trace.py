@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract import layout
+
 
 #: The trace format's limits, one sentence (``cpkv run --help`` shows it).
 TRACE_LIMITS = ("one JSON object a line with id (a string used once), arrival (a step >= 0), tokens (ids below "
@@ -61,8 +63,16 @@ def lane_split(pages: int, lanes: int) -> list[int]:
     return [pages // lanes + (i < pages % lanes) for i in range(lanes)]
 
 
+#: The largest ``scale`` of the built-in traces (their longest request, 32K tokens at 1, is then 32M tokens).
+MAX_SCALE = 1000.0
+
+#: Requests a :class:`CacheTooSmall` message names (the longest), however many are refused.
+SHOWN = 2
+
+
 class CacheTooSmall(TraceError):
-    """Requests of a trace that could never fit the device cache, all of them.
+    """Requests of a trace that could never fit the device cache, all of them
+    (the message names the longest :data:`SHOWN`, so it stays one short line).
 
     ``requests`` lists ``(id, kv_tokens)``: the most tokens with KV each will
     hold (its whole prompt, a follow-up's included, and its replies but the
@@ -85,10 +95,12 @@ class CacheTooSmall(TraceError):
         longest = max(-(-kv // S) for _, kv in self.requests)
         self.pages_per_rank_needed = -(-longest // N) + 1  # + page 0, reserved on lane 0
         why = []
-        for rid, kv in self.requests:
+        for rid, kv in sorted(self.requests, key=lambda r: -r[1])[:SHOWN]:  # the longest: one short line
             pages = -(-kv // S)
             why.append(f"request {rid!r} needs {pages} pages of {S} tokens for {kv} tokens of KV "
                        f"({_listed(lane_split(pages, N))} per lane)")
+        if len(self.requests) > SHOWN:
+            why[-1] += f" (the longest {SHOWN} of them shown)"
         if N == 1:
             held = f"its one lane holds {smallest} pages (page 0 is reserved)"
         else:
@@ -98,6 +110,37 @@ class CacheTooSmall(TraceError):
                 else "a request can never fit the device cache")
         super().__init__(f"{head}: {'; '.join(why)}. The cache holds at most {self.capacity_tokens} tokens per "
                          f"request: {held}")
+
+
+def kv_tokens(specs: list["RequestSpec"]) -> list[int]:
+    """The most tokens with KV each request of a validated trace will hold, in
+    order: its whole prompt (a follow-up's: its parent's prompt and replies,
+    then its own tokens) and its replies but the last. Pure, O(requests)."""
+    lengths, by_id_max_new, out = {}, {}, []
+    for s in specs:
+        base = 0 if s.after is None else lengths[s.after] + by_id_max_new[s.after]
+        lengths[s.id] = base + len(s.tokens)
+        out.append(lengths[s.id] + s.max_new_tokens - 1)
+        by_id_max_new[s.id] = s.max_new_tokens
+    return out
+
+
+def check_fits(specs: list["RequestSpec"], lane_pages, page_size: int) -> int:
+    """Raise :class:`CacheTooSmall` naming every request of ``specs`` a cache
+    with ``lane_pages`` [N] pages per lane could never hold (a request's pages go
+    round robin from any lane base, so its fullest lane,
+    :func:`~cpkv.contract.layout.chain_lane_pages`, must fit the smallest lane); else return the most KV tokens any request holds. Pure:
+    nothing is allocated, so a command refuses a trace before it builds a cache."""
+    lanes = [int(x) for x in lane_pages]
+    N, smallest = len(lanes), min(lanes)
+    kv = kv_tokens(specs)
+    def fullest(k: int) -> int:  # pages on the fullest lane, whatever the lane base: one lane rule
+        return int(layout.chain_lane_pages(0, 0, -(-k // page_size), N).max())
+
+    too_large = [(s.id, k) for s, k in zip(specs, kv) if fullest(k) > smallest]
+    if too_large:
+        raise CacheTooSmall(too_large, lanes, page_size)
+    return max(kv, default=0)
 
 
 @dataclass(frozen=True)

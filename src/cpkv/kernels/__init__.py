@@ -1,18 +1,27 @@
-"""Data-plane kernels over the shared owner-lane cache: store, paged GQA
-attention, DSA's indexer scores and sparse MLA attention, and the log-sum-exp
-merge, each in two backends that must agree.
+"""The data plane over the shared owner-lane cache: store, paged GQA attention,
+DSA's indexer scores and sparse MLA attention, and the log-sum-exp merge, in
+two backends that must agree (:mod:`cpkv.kernels.backend` is the interface).
 
-* ``backend="torch"``: the vectorised references of :mod:`cpkv.kernels.reference`,
-  on any device torch runs on;
-* ``backend="triton"``: Triton kernels that take the layout's numbers
-  (``cp_size``, page size, ``pages_per_rank``) and translate logical slots
-  themselves, as SGLang's shared-KV kernels do: local slot
-  ``(p // N) * S + s % S`` for a write, rank-major slot
+* ``"torch"``: :class:`~cpkv.kernels.reference.TorchBackend`, the vectorised
+  definition, on any device torch runs on;
+* ``"triton"``: :class:`~cpkv.kernels.triton_backend.TritonBackend`, kernels
+  that take the layout's numbers (``cp_size``, page size, ``slots_per_rank``)
+  and translate logical slots themselves, as SGLang's shared-KV kernels do:
+  local slot ``(p // N) * S + s % S`` for a write, rank-major slot
   ``((p % N) * pages_per_rank + p // N) * S + s % S`` for a read
   ([[RFC-0001:C-DIRECT-WRITE]], [[RFC-0001:C-READ-PATH]]); the padding slot
   passes through (writes nothing, reads masked, [[RFC-0001:C-PADDING]]);
-* ``backend="auto"`` (default): ``triton`` for CUDA tensors when triton
-  imports, else ``torch``.
+  decode split over the context (flash-decoding), prefill tiled by query
+  blocks, byte formats (bfloat16 bytes, scaled FP8) decoded and encoded in
+  the kernels ([[RFC-0001:C-KV-FORMAT]]);
+* ``"auto"`` (default): ``triton`` for CUDA tensors when triton imports, else ``torch``.
+
+A forward takes a backend once (:func:`get`: one instance per name, bound
+once) and calls its ``plan`` once per batch, its run methods per layer. The
+functions below are the same kernels for one call each, with every argument
+checked first (same errors on both backends, nothing written on a refusal);
+``check=False`` skips only the slot-range read (a device sync) for a table
+validated once per batch.
 
 Triton on the CPU: importing this package on a machine without CUDA sets
 ``TRITON_INTERPRET=1`` (``os.environ.setdefault``, so an explicit setting
@@ -22,89 +31,106 @@ bfloat16 there: bfloat16 is GPU-only for this backend). Set the variable
 yourself if triton may be imported before this package. Without triton
 installed, ``backend="triton"`` raises ``RuntimeError`` and ``torch`` works.
 
-Dtypes: float32 and float16 inputs (bfloat16 on GPUs), math and accumulation
-in float32; outputs in the input's dtype, log-sum-exps float32. Index tensors
-int32 or int64. Every call checks its arguments first (same errors on both
-backends, nothing written on a refusal); ``check=False`` skips only the
-slot-range read (a device sync) for a table validated once per batch.
+Dtypes: float32 and float16 inputs (bfloat16 on GPUs); float32 math is exact
+(IEEE products), 16-bit operands use tensor cores with float32 accumulation.
+Outputs in the query's dtype, log-sum-exps float32. Index tensors int32 or
+int64. A cache in a byte format is a ``uint8`` view with its ``fmt``.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from types import SimpleNamespace
 
 import torch
 
 if not torch.cuda.is_available():  # before any triton import: kernels then run on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from ..consumers.kv_format import KVFormat  # noqa: E402
 from ..contract.errors import ContractViolation  # noqa: E402
-from . import reference  # noqa: E402
+from .backend import Backend, LayerView, WriteIndex  # noqa: E402
 from .checks import (check_dim, check_float, check_index, check_layout, check_rank, check_same_device,  # noqa: E402
                      check_slots, check_view)
+from .reference import TorchBackend  # noqa: E402
 
 BACKENDS = ("torch", "triton", "auto")
+_BOUND: dict[str, Backend] = {"torch": TorchBackend()}
 
 
-def _triton():
-    """The Triton implementations, imported on first use."""
-    try:
-        from . import triton_attention, triton_dsa, triton_store
-    except ImportError as e:
-        raise RuntimeError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
-                           "use backend='torch'") from e
-    fns = dict(store=triton_store.store, paged_attention=triton_attention.paged_attention,
-               merge_lse=triton_attention.merge_lse, index_scores=triton_dsa.index_scores,
-               sparse_mla_attention=triton_dsa.sparse_mla_attention)
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's state is global: one launch at a time
-        fns = {n: _one_at_a_time(f) for n, f in fns.items()}
-    return SimpleNamespace(**fns)
+def _triton() -> Backend:
+    """The Triton backend, imported and bound on first use."""
+    if "triton" not in _BOUND:
+        try:
+            from .triton_backend import TritonBackend
+        except ImportError as e:
+            raise RuntimeError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
+                               "use backend='torch'") from e
+        _BOUND["triton"] = TritonBackend()
+    return _BOUND["triton"]
 
 
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _one_at_a_time(fn):
-    """``fn`` serialised across threads: Triton's interpreter patches module
-    state while a kernel runs, so ranks that are threads (tests) must not run
-    kernels at the same time. Compiled kernels (a GPU) need no lock."""
-
-    def locked(*args, **kwargs):
-        with _INTERPRETER_LOCK:
-            return fn(*args, **kwargs)
-
-    locked.__name__ = fn.__name__
-    return locked
-
-
-def _impl(backend: str, device: torch.device):
+def get(backend: str, device: torch.device | str | None = None) -> Backend:
+    """The :class:`~cpkv.kernels.backend.Backend` named ``backend``
+    (``"torch"``, ``"triton"``, or ``"auto"``: triton on a CUDA ``device``
+    when it imports, else torch), one instance per name. Raises
+    ``ValueError`` for an unknown name, ``RuntimeError`` for triton without
+    triton."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if device.type != "cuda":
-            return reference
+        if device is None or torch.device(device).type != "cuda":
+            return _BOUND["torch"]
         try:
             return _triton()
         except RuntimeError:
-            return reference
-    return reference if backend == "torch" else _triton()
+            return _BOUND["torch"]
+    return _BOUND["torch"] if backend == "torch" else _triton()
+
+
+def _cache(name: str, view: torch.Tensor, fmt: KVFormat | None, layout, axes: int) -> LayerView:
+    """Check one cache view (``axes`` value axes per slot) and wrap it."""
+    if not isinstance(view, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(view).__name__}")
+    check_view(name, view, layout)
+    if fmt is None:
+        check_float(name, view, 1 + axes)
+        return LayerView(view, None, tuple(view.shape[1:]))
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+    if view.dtype != torch.uint8 or view.dim() != 2 or view.shape[1] != fmt.bytes_per_slot:
+        raise ValueError(f"{name} in format {fmt} must be uint8 rows of {fmt.bytes_per_slot} bytes, got "
+                         f"{view.dtype} {tuple(view.shape)}")
+    if len(fmt.shape) != axes:
+        raise ValueError(f"{name}: format {fmt} has {len(fmt.shape)} value axes, expected {axes}")
+    return LayerView(view, fmt, tuple(fmt.shape))
+
+
+def _same_dtype(q: torch.Tensor, **views: LayerView) -> None:
+    """A float view shares q's dtype (a byte format is decoded to q's dtype in the kernel)."""
+    for n, v in views.items():
+        if v.fmt is None and v.data.dtype != q.dtype:
+            raise TypeError(f"q and {n} must share a dtype, got {q.dtype} and {v.data.dtype}")
+
+
+def _splits(splits: int | None) -> None:
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
 
 
 # -- store ----------------------------------------------------------------------------------
 def store(buffer: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, layout, rank: int, *,
-          check: bool = True, backend: str = "auto") -> torch.Tensor:
+          fmt: KVFormat | None = None, check: bool = True, backend: str = "auto") -> torch.Tensor:
     """Write one family's new entries into rank ``rank``'s own segment.
 
     ``buffer [slots_per_rank, *shape]`` (float, trailing axes contiguous: the
-    rank's segment of one layer), ``values [T, *shape]`` (float, cast to the
-    buffer's dtype), logical ``slots [T]`` (int32/int64), all on one device.
-    Entry t goes to local slot ``(p // N) * S + s % S``; padding is skipped; a
-    slot ``rank`` does not own (or outside the layout) is not written (the
-    entries it does own are). Returns the report ``int32 [2]`` on the
-    buffer's device: the number of refused slots and the index of the first
-    (``T`` when none), so a caller may check once per batch with
+    rank's segment of one layer; with ``fmt``, ``uint8 [slots_per_rank,
+    fmt.bytes_per_slot]``, the values encoded into it), ``values [T, *shape]``
+    (float, cast to the buffer's dtype), logical ``slots [T]`` (int32/int64),
+    all on one device. Entry t goes to local slot ``(p // N) * S + s % S``;
+    padding is skipped; a slot ``rank`` does not own (or outside the layout)
+    is not written (the entries it does own are). Returns the report ``int32
+    [2]`` on the buffer's device: the number of refused slots and the index of
+    the first (``T`` when none), so a caller may check once per batch with
     :func:`raise_refused`; ``check=True`` (default) does so now and raises
     :class:`~cpkv.contract.errors.ContractViolation`, or ``IndexError`` for a
     slot outside the layout. Raises ``TypeError``/``ValueError`` on a wrong
@@ -112,17 +138,27 @@ def store(buffer: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, layou
     """
     check_layout(layout)
     rank = check_rank("rank", rank, layout)
-    check_float("buffer", buffer)
     check_float("values", values)
     check_index("slots", slots, 1)
     check_same_device(buffer=buffer, values=values, slots=slots)
+    if fmt is None:
+        check_float("buffer", buffer)
+        shape = tuple(buffer.shape[1:])
+    else:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape[1] != fmt.bytes_per_slot:
+            raise ValueError(f"buffer in format {fmt} must be uint8 rows of {fmt.bytes_per_slot} bytes, got "
+                             f"{buffer.dtype} {tuple(buffer.shape)}")
+        shape = tuple(fmt.shape)
     check_dim("buffer", buffer.shape[0], layout.slots_per_rank, "rows (slots_per_rank)")
-    if tuple(values.shape) != (slots.numel(), *buffer.shape[1:]):
+    if tuple(values.shape) != (slots.numel(), *shape):
         raise ValueError(f"values of shape {tuple(values.shape)} for {slots.numel()} slots of a buffer "
-                         f"{tuple(buffer.shape)}: expected {(slots.numel(), *buffer.shape[1:])}")
+                         f"{tuple(buffer.shape)}: expected {(slots.numel(), *shape)}")
     if buffer.dim() > 1 and not buffer[0].is_contiguous():
         raise ValueError(f"buffer's trailing axes must be contiguous, got strides {buffer.stride()}")
-    report = _impl(backend, buffer.device).store(buffer, values, slots, layout, rank)
+    report = torch.zeros(2, dtype=torch.int32, device=buffer.device)
+    report[1] = slots.numel()  # a fill on the device, not a host-to-device copy
+    get(backend, buffer.device).store(LayerView(buffer, fmt, shape), values, WriteIndex(slots), layout, rank,
+                                      report)
     if check:
         raise_refused(report, slots, layout, rank)
     return report
@@ -163,38 +199,43 @@ def _check_table(table, q_req, q_pos, q, layout, check):
 
 def paged_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor, table: torch.Tensor,
                     q_req: torch.Tensor, q_pos: torch.Tensor, layout, scaling: float, *,
-                    only_rank: int | None = None, check: bool = True,
-                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                    only_rank: int | None = None, fmt: KVFormat | None = None, splits: int | None = None,
+                    check: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Causal GQA attention of queries over the shared paged cache, with log-sum-exp.
 
     ``q [T, H, D]``; ``k_view [N * slots_per_rank, Hkv, D]`` and ``v_view
     [N * slots_per_rank, Hkv, Dv]``: one layer of the rank-major view, in
-    q's dtype (``H`` a multiple of ``Hkv``); ``table [B, L]`` logical slots of
+    q's dtype (``H`` a multiple of ``Hkv``), or with ``fmt`` (a
+    :class:`~cpkv.consumers.kv_format.KVFormat` of shape ``(Hkv, D)``, both
+    views) ``uint8`` rows of that format; ``table [B, L]`` logical slots of
     each request by position (``-1``: padding, masked); ``q_req [T]`` the
     table row of query t, ``q_pos [T]`` its position: it sees positions
     ``0 .. q_pos[t]`` (prefill after a prefix of any length, or decode; a
     negative position sees nothing). ``only_rank``: see only slots that rank
     owns (the log-sum-exp decode split; merge with :func:`merge_lse`).
-    Returns ``out [T, H, Dv]`` (q's dtype) and ``lse [T, H]`` (float32, on the
-    scaled scores); a query that sees nothing gets ``out = 0``, ``lse = -inf``,
-    as :func:`cpkv.models.attention.attend`. ``check``: validate table slots
-    and ``q_req`` (a sync). [[RFC-0001:C-READ-PATH]]"""
+    ``splits``: context chunks of each decode (default: enough to fill the
+    GPU). Returns ``out [T, H, Dv]`` (q's dtype) and ``lse [T, H]`` (float32,
+    on the scaled scores); a query that sees nothing gets ``out = 0``, ``lse
+    = -inf``. ``check``: validate table slots and ``q_req`` (a sync).
+    [[RFC-0001:C-READ-PATH]]"""
     check_layout(layout)
     only = check_rank("only_rank", only_rank, layout, optional=True)
     check_float("q", q, 3)
-    check_float("k_view", k_view, 3)
-    check_float("v_view", v_view, 3)
+    _splits(splits)
+    k = _cache("k_view", k_view, fmt, layout, 2)
+    v = _cache("v_view", v_view, fmt, layout, 2)
     dev = check_same_device(q=q, k_view=k_view, v_view=v_view)
-    if not q.dtype == k_view.dtype == v_view.dtype:
+    _same_dtype(q, k_view=k, v_view=v)
+    if fmt is None and k_view.dtype != v_view.dtype:
         raise TypeError(f"q, k_view, v_view must share a dtype, got {q.dtype}, {k_view.dtype}, {v_view.dtype}")
-    check_view("k_view", k_view, layout)
-    check_view("v_view", v_view, layout)
-    check_dim("k_view", k_view.shape[2], q.shape[2], "head dim (q's D)")
-    check_dim("v_view", v_view.shape[1], k_view.shape[1], "kv heads (k_view's Hkv)")
-    if q.shape[1] % k_view.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of k_view's {k_view.shape[1]} kv heads")
+    check_dim("k_view", k.shape[1], q.shape[2], "head dim (q's D)")
+    check_dim("v_view", v.shape[0], k.shape[0], "kv heads (k_view's Hkv)")
+    if q.shape[1] % k.shape[0]:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of k_view's {k.shape[0]} kv heads")
     _check_table(table, q_req, q_pos, q, layout, check)
-    return _impl(backend, dev).paged_attention(q, k_view, v_view, table, q_req, q_pos, layout, scaling, only)
+    b = get(backend, dev)
+    plan = b.plan(table, q_req, q_pos, layout, own_rank=None if only < 0 else only)
+    return b.dense(plan, q, k, v, scaling, splits=splits)
 
 
 def merge_lse(outs: torch.Tensor, lses: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +244,7 @@ def merge_lse(outs: torch.Tensor, lses: torch.Tensor, *, backend: str = "auto") 
     ``outs [R, T, H, D]`` (float), ``lses [R, T, H]`` (float32) on one device.
     Returns ``out [T, H, D]`` (outs' dtype) ``= sum_r exp(lse_r - lse) * out_r``
     and ``lse [T, H]`` (float32) ``= logsumexp_r lse_r``; partials with
-    ``lse = -inf`` drop out, and a row every partial missed stays ``0, -inf``,
-    as :func:`cpkv.models.attention.merge_partials`."""
+    ``lse = -inf`` drop out, and a row every partial missed stays ``0, -inf``."""
     check_float("outs", outs, 4)
     check_float("lses", lses, 3)
     if lses.dtype != torch.float32:
@@ -213,82 +253,76 @@ def merge_lse(outs: torch.Tensor, lses: torch.Tensor, *, backend: str = "auto") 
         raise ValueError(f"lses of shape {tuple(lses.shape)} for outs {tuple(outs.shape)}: "
                          f"expected {tuple(outs.shape[:3])}")
     dev = check_same_device(outs=outs, lses=lses)
-    return _impl(backend, dev).merge_lse(outs, lses)
+    return get(backend, dev).merge(outs, lses)
 
 
 # -- DSA --------------------------------------------------------------------------------------
 def index_scores(q: torch.Tensor, weights: torch.Tensor, k_view: torch.Tensor, table: torch.Tensor,
-                 q_req: torch.Tensor, q_pos: torch.Tensor, layout, scale: float, *, check: bool = True,
-                 backend: str = "auto") -> torch.Tensor:
+                 q_req: torch.Tensor, q_pos: torch.Tensor, layout, scale: float, *, fmt: KVFormat | None = None,
+                 splits: int | None = None, check: bool = True, backend: str = "auto") -> torch.Tensor:
     """Lightning-indexer scores of each query over its visible context, through the shared view.
 
     ``q [T, Hi, Di]``, ``weights [T, Hi]`` (signed, already scaled by the
     model), ``k_view [N * slots_per_rank, Di]`` (one layer of the indexer-key
-    family, q's dtype), ``table``, ``q_req``, ``q_pos`` as in
-    :func:`paged_attention`. Returns ``[T, L]`` float32:
-    ``sum_h weights[t, h] * relu(scale * q[t, h] . key(table[q_req[t], l]))``,
-    the formula of :func:`cpkv.models.attention.index_scores`, and ``-inf``
-    where position l is not visible (past ``q_pos[t]`` or padding), so
-    ``topk`` may run on it directly. [[RFC-0001:C-INDEXER-POOL]]"""
+    family, q's dtype; or uint8 rows of ``fmt``), ``table``, ``q_req``,
+    ``q_pos`` as in :func:`paged_attention`. Returns ``[T, L]`` float32:
+    ``sum_h weights[t, h] * relu(scale * q[t, h] . key(table[q_req[t], l]))``
+    (:func:`cpkv.kernels.reference.indexer_scores`), and ``-inf`` where
+    position l is not visible (past ``q_pos[t]`` or padding), so ``topk`` may
+    run on it directly. ``splits``: context chunks per query (default: enough
+    to fill the GPU). [[RFC-0001:C-INDEXER-POOL]]"""
     check_layout(layout)
     check_float("q", q, 3)
     check_float("weights", weights, 2)
-    check_float("k_view", k_view, 2)
+    _splits(splits)
+    k = _cache("k_view", k_view, fmt, layout, 1)
     dev = check_same_device(q=q, weights=weights, k_view=k_view)
-    if q.dtype != k_view.dtype:
-        raise TypeError(f"q and k_view must share a dtype, got {q.dtype} and {k_view.dtype}")
-    check_view("k_view", k_view, layout)
-    check_dim("k_view", k_view.shape[1], q.shape[2], "key dim (q's Di)")
+    _same_dtype(q, k_view=k)
+    check_dim("k_view", k.shape[0], q.shape[2], "key dim (q's Di)")
     if tuple(weights.shape) != tuple(q.shape[:2]):
         raise ValueError(f"weights of shape {tuple(weights.shape)} for q {tuple(q.shape)}: "
                          f"expected {tuple(q.shape[:2])}")
     _check_table(table, q_req, q_pos, q, layout, check)
-    return _impl(backend, dev).index_scores(q, weights, k_view, table, q_req, q_pos, layout, scale)
+    b = get(backend, dev)
+    return b.index_scores(b.plan(table, q_req, q_pos, layout), q, weights, k, scale, splits=splits)
 
 
 def sparse_mla_attention(q: torch.Tensor, latent_view: torch.Tensor, slots: torch.Tensor, layout,
-                         scaling: float, value_dims: int, *, only_rank: int | None = None, check: bool = True,
+                         scaling: float, value_dims: int, *, only_rank: int | None = None,
+                         fmt: KVFormat | None = None, splits: int | None = None, check: bool = True,
                          backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention of each query over its selected logical slots.
 
     ``q [T, H, r + dr]`` (``[q_nope W_UK | q_rope]``), ``latent_view
     [N * slots_per_rank, r + dr]`` (one layer of the latent family: latent
-    ``c`` then rope key, q's dtype), ``slots [T, K]`` logical slots each query
-    selected (``-1``: padding), ``value_dims = r``: keys are the whole row,
-    values its first r entries. ``only_rank``: only slots that rank owns.
-    Returns ``out [T, H, r]`` (q's dtype) and ``lse [T, H]`` (float32); a
-    query with nothing selected gets ``0, -inf``. [[RFC-0001:C-MLA-LATENT-POOL]]"""
+    ``c`` then rope key, q's dtype; or uint8 rows of ``fmt``, e.g.
+    :func:`~cpkv.consumers.kv_format.mla_latent_fp8`), ``slots [T, K]``
+    logical slots each query selected (``-1``: padding), ``value_dims = r``:
+    keys are the whole row, values its first r entries. ``only_rank``: only
+    slots that rank owns. ``splits``: chunks of each selection (default:
+    enough to fill the GPU). Returns ``out [T, H, r]`` (q's dtype) and ``lse
+    [T, H]`` (float32); a query with nothing selected gets ``0, -inf``.
+    [[RFC-0001:C-MLA-LATENT-POOL]]"""
     check_layout(layout)
     only = check_rank("only_rank", only_rank, layout, optional=True)
     check_float("q", q, 3)
-    check_float("latent_view", latent_view, 2)
     check_index("slots", slots, 2)
+    _splits(splits)
+    lat = _cache("latent_view", latent_view, fmt, layout, 1)
     dev = check_same_device(q=q, latent_view=latent_view, slots=slots)
-    if q.dtype != latent_view.dtype:
-        raise TypeError(f"q and latent_view must share a dtype, got {q.dtype} and {latent_view.dtype}")
-    check_view("latent_view", latent_view, layout)
-    check_dim("latent_view", latent_view.shape[1], q.shape[2], "row width (q's r + dr)")
+    _same_dtype(q, latent_view=lat)
+    check_dim("latent_view", lat.shape[0], q.shape[2], "row width (q's r + dr)")
     check_dim("slots", slots.shape[0], q.shape[0], "rows (queries T)")
     if not isinstance(value_dims, int) or not 1 <= value_dims <= q.shape[2]:
         raise ValueError(f"value_dims must be an int in [1, {q.shape[2]}], got {value_dims!r}")
     if check:
         check_slots("slots", slots, layout)
-    return _impl(backend, dev).sparse_mla_attention(q, latent_view, slots, layout, scaling, value_dims, only)
+    b = get(backend, dev)
+    T = q.shape[0]  # a selection reads no table: plan T queries that see no context of one
+    plan = b.plan(torch.zeros((1, 0), dtype=torch.int64, device=dev), torch.zeros(T, dtype=torch.int64, device=dev),
+                  torch.full((T,), -1, dtype=torch.int64, device=dev), layout, own_rank=None if only < 0 else only)
+    return b.selected(plan, q, lat, slots, scaling, value_dims, splits=splits)
 
 
-def get(backend: str) -> SimpleNamespace:
-    """The five kernels bound to one backend (``"torch"``, ``"triton"`` or
-    ``"auto"``): ``get("triton").paged_attention(...)`` is
-    ``paged_attention(..., backend="triton")``. Raises ``ValueError`` for an
-    unknown backend, ``RuntimeError`` for triton without triton."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        _triton()
-    fns = (store, paged_attention, merge_lse, index_scores, sparse_mla_attention)
-    return SimpleNamespace(backend=backend, **{f.__name__: (lambda f: lambda *a, **k: f(*a, backend=backend, **k))(f)
-                                               for f in fns}, raise_refused=raise_refused)
-
-
-__all__ = ["BACKENDS", "get", "store", "raise_refused", "paged_attention", "merge_lse", "index_scores",
-           "sparse_mla_attention"]
+__all__ = ["BACKENDS", "Backend", "LayerView", "get", "store", "raise_refused", "paged_attention", "merge_lse",
+           "index_scores", "sparse_mla_attention"]

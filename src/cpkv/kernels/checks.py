@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..consumers.kv_view import LayerView
 from ..contract.layout import SharedKVLayout
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -25,8 +26,9 @@ def check_layout(layout) -> SharedKVLayout:
 
 
 def check_float(name: str, x: torch.Tensor, dim: int | None = None) -> None:
-    """``x`` is a float32/float16/bfloat16 tensor with ``dim`` axes (any if None)."""
-    if not isinstance(x, torch.Tensor):
+    """``x`` is a float32/float16/bfloat16 tensor with ``dim`` axes (any if None)
+    (or the group's view of one layer, a :class:`~cpkv.consumers.kv_view.LayerView`)."""
+    if not isinstance(x, (torch.Tensor, LayerView)):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOATS:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
@@ -61,7 +63,10 @@ def check_dim(name: str, got: int, want: int, what: str) -> None:
 
 def check_view(name: str, view: torch.Tensor, layout: SharedKVLayout) -> None:
     """``view`` is the rank-major view of all segments: ``cp_size * slots_per_rank``
-    rows, unit stride on its last axis (kernels read rows in place)."""
+    rows, unit stride on its last axis (kernels read rows in place); a
+    :class:`~cpkv.consumers.kv_view.LayerView` has one segment per rank."""
+    if isinstance(view, LayerView):
+        check_dim(name, view.num_ranks, layout.cp_size, "segments (cp_size)")
     check_dim(name, view.shape[0], layout.cp_size * layout.slots_per_rank, "rows (cp_size * slots_per_rank)")
     if view.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride on its last axis, got strides {view.stride()}")

@@ -1,7 +1,19 @@
-"""Triton kernels of DSA's sparse attention over the shared view: the
-lightning indexer's scores ([[RFC-0001:C-INDEXER-POOL]]) and absorbed MLA over
-selected logical slots ([[RFC-0001:C-MLA-LATENT-POOL]]), slots translated in
-the kernel."""
+"""Triton kernels of DSA's sparse attention over the shared view, logical slots
+translated in the kernel, byte formats decoded in it:
+
+* :func:`index_launch` - the lightning indexer's scores
+  ([[RFC-0001:C-INDEXER-POOL]]): one program per query and chunk of its
+  context, the query's ``[Hi, Di]`` block loaded once and held while it walks
+  the chunk's key tiles (a batch-1 decode still fills the GPU: the context is
+  split into as many chunks as that takes);
+* :func:`sparse_mla_launch` - absorbed MLA over selected logical slots
+  ([[RFC-0001:C-MLA-LATENT-POOL]]): one program per query, block of heads and
+  chunk of its selection, partials merged by
+  :func:`~cpkv.kernels.triton_attention.merge_launch`.
+
+Grids are one-dimensional (at most ``2**31 - 1`` programs, the hardware's x
+limit; the y and z limits of 65,535 never apply).
+"""
 
 from __future__ import annotations
 
@@ -9,60 +21,78 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import block, dot_precision, launchable, owner_and_local, usable
+from .triton_common import Launch, ViewFormat, block, dot_precision, fp8_part, load_values, owner_and_local, usable
 
-BLOCK_L = 32
-BLOCK_K = 32
+#: (BLOCK_L keys per tile, num_warps, num_stages) of the indexer, by query dtype
+INDEX_CONFIG = {torch.float32: (32, 8, 1), torch.float16: (64, 4, 2), torch.bfloat16: (64, 4, 2)}
+#: (BLOCK_H heads, BLOCK_K selected slots per tile, num_warps, num_stages) of sparse MLA, by query dtype
+MLA_CONFIG = {torch.float32: (16, 16, 8, 1), torch.float16: (16, 16, 8, 2), torch.bfloat16: (16, 16, 8, 2)}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "L", "st_b", "so_t", "CHUNK", "SPLITS", "CAP", "SPR"])
 def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
-                  sq_t, sq_h, sw_t, sk_n, st_b, HI, DI, L, N, S, SPR, PAD, CAP, scale,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PREC: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+                  sq_t, sq_h, sw_t, sk_n, st_b, so_t, T, L, CHUNK, SPLITS, SPR, CAP, scale,
+                  N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PREC: tl.constexpr,
+                  KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
+                  KPART: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    split = pid % SPLITS
+    t = pid // SPLITS
+    req = tl.load(req_ptr + t).to(tl.int64)
+    n = tl.minimum(tl.load(pos_ptr + t).to(tl.int64) + 1, L)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    req = tl.load(req_ptr + t).to(tl.int64)
-    n_ctx = tl.minimum(tl.load(pos_ptr + t).to(tl.int64) + 1, L)
-    vis = offs < n_ctx
-    s = tl.load(table_ptr + req * st_b + offs, mask=vis, other=PAD).to(tl.int64)
-    ok = usable(s, PAD, CAP) & vis
-    owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
-    row = owner * SPR + local
     q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=(h < HI)[:, None] & (d < DI)[None, :],
                 other=0.0)
-    k = tl.load(k_ptr + row[:, None] * sk_n + d[None, :], mask=ok[:, None] & (d < DI)[None, :], other=0.0)
-    sc = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC) * scale, 0.0)  # [BLOCK_H, BLOCK_L]
     w = tl.load(w_ptr + t * sw_t + h, mask=h < HI, other=0.0).to(tl.float32)
-    score = tl.sum(w[:, None] * sc, 0)
-    tl.store(out_ptr + t * L + offs, tl.where(ok, score, float("-inf")), mask=offs < L)
+    for s0 in range(start, end, BLOCK_L):
+        offs = s0 + tl.arange(0, BLOCK_L)
+        inr = offs < end
+        s = tl.load(table_ptr + req * st_b + offs, mask=inr, other=PAD).to(tl.int64)
+        ok = usable(s, PAD, CAP) & inr
+        owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
+        row = owner * SPR + local
+        k = load_values(k_ptr, row[:, None], 0, d[None, :], ok[:, None] & (d < DI)[None, :], sk_n,
+                        KFMT, KBODY, KTILE, KTAIL, KPART)
+        sc = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale, 0.0)  # [BLOCK_H, BLOCK_L]
+        score = tl.sum(w[:, None] * sc, 0)
+        tl.store(out_ptr + t * so_t + offs, tl.where(ok, score, float("-inf")), mask=inr)
 
 
-def index_scores(q, weights, k_view, table, q_req, q_pos, layout, scale):
-    """See :func:`cpkv.kernels.index_scores`; returns ``[T, L]`` float32."""
-    launchable(q, weights, k_view, table)
+def index_launch(q, w, k, kf: ViewFormat, table, req, pos, out, layout, scale: float, splits: int,
+                 chunk: int) -> Launch:
+    """The indexer launch: ``q [T, Hi, Di]``, ``w [T, Hi]``, keys ``k`` (as
+    :func:`~.triton_common.kernel_view` gives them) over ``table [B, L]``,
+    into ``out [T, L]`` (float32, filled with ``-inf`` by the caller): each
+    query's visible context in ``splits`` chunks of ``chunk`` keys."""
     T, Hi, Di = q.shape
-    L = table.shape[1]
-    out = torch.full((T, L), float("-inf"), dtype=torch.float32, device=q.device)
-    if T == 0 or L == 0:
-        return out
-    q, weights, table = q.contiguous(), weights.contiguous(), table.contiguous()
-    _index_kernel[(T, triton.cdiv(L, BLOCK_L))](
-        q, weights, k_view, table, q_req.contiguous(), q_pos.contiguous(), out,
-        q.stride(0), q.stride(1), weights.stride(0), k_view.stride(0), table.stride(0), Hi, Di, L,
-        layout.cp_size, layout.slots_per_page, layout.slots_per_rank, layout.padding_value, layout.capacity,
-        float(scale), BLOCK_H=block(Hi), BLOCK_D=block(Di), BLOCK_L=BLOCK_L, PREC=dot_precision(q, k_view))
-    return out
+    bl, warps, stages = INDEX_CONFIG[q.dtype]
+    args = dict(q_ptr=q, w_ptr=w, k_ptr=k, table_ptr=table, req_ptr=req, pos_ptr=pos, out_ptr=out,
+                sq_t=q.stride(0), sq_h=q.stride(1), sw_t=w.stride(0), sk_n=k.stride(0), st_b=table.stride(0),
+                so_t=out.stride(0), T=T, L=table.shape[1], CHUNK=chunk, SPLITS=splits, SPR=layout.slots_per_rank,
+                CAP=layout.capacity, scale=float(scale))
+    const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HI=Hi, DI=Di,
+                 BLOCK_H=block(Hi), BLOCK_D=block(Di), BLOCK_L=bl, PREC=dot_precision(q.dtype),
+                 **kf.read("K", 0, 0, 1, Di, block(Di)))
+    return Launch(_index_kernel, (T * splits,), args, const, warps, stages, "index")
 
 
-@triton.jit
-def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, sl_n, ss_t, so_t, so_h,
-                       H, KSEL, VD, RD, N, S, SPR, PAD, CAP, ONLY, scaling,
-                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                       BLOCK_R: tl.constexpr, PREC: tl.constexpr, ONLY_SET: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+@triton.jit(do_not_specialize=["T", "KSEL", "CHUNK", "SPLITS", "CAP", "SPR", "ONLY"])
+def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, sl_n, ss_t, so_s, so_t, so_h, sl_s,
+                       T, KSEL, CHUNK, SPLITS, SPR, CAP, ONLY, scaling,
+                       N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
+                       VD: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr, ONLY_SET: tl.constexpr,
+                       LFMT: tl.constexpr, LBODY: tl.constexpr, LTILE: tl.constexpr, LTAIL: tl.constexpr,
+                       CPART: tl.constexpr, RPART: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    split = pid % SPLITS
+    hb = (pid // SPLITS) % HB
+    t = pid // (SPLITS * HB)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_V)  # latent part: keys and values
     e = tl.arange(0, BLOCK_R)  # rope part: keys only, after the latent
     hm = h < H
@@ -72,17 +102,21 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-    for start in range(0, KSEL, BLOCK_K):
-        offs = start + tl.arange(0, BLOCK_K)
-        s = tl.load(slot_ptr + t * ss_t + offs, mask=offs < KSEL, other=PAD).to(tl.int64)
-        ok = usable(s, PAD, CAP) & (offs < KSEL)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, KSEL)
+    for s0 in range(start, end, BLOCK_K):
+        offs = s0 + tl.arange(0, BLOCK_K)
+        inr = offs < end
+        s = tl.load(slot_ptr + t * ss_t + offs, mask=inr, other=PAD).to(tl.int64)
+        ok = usable(s, PAD, CAP) & inr
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         if ONLY_SET:  # the log-sum-exp split: only the slots rank ONLY owns
             ok = ok & (owner == ONLY)
         row = owner * SPR + local
-        lat_c = tl.load(lat_ptr + row[:, None] * sl_n + c[None, :], mask=ok[:, None] & (c < VD)[None, :], other=0.0)
-        lat_r = tl.load(lat_ptr + row[:, None] * sl_n + VD + e[None, :], mask=ok[:, None] & (e < RD)[None, :],
-                        other=0.0)
+        lat_c = load_values(lat_ptr, row[:, None], 0, c[None, :], ok[:, None] & (c < VD)[None, :], sl_n,
+                            LFMT, LBODY, LTILE, LTAIL, CPART).to(q_c.dtype)
+        lat_r = load_values(lat_ptr, row[:, None], VD, e[None, :], ok[:, None] & (e < RD)[None, :], sl_n,
+                            LFMT, LBODY, LTILE, LTAIL, RPART).to(q_c.dtype)
         sc = tl.dot(q_c, tl.trans(lat_c), input_precision=PREC) + tl.dot(q_r, tl.trans(lat_r), input_precision=PREC)
         sc = tl.where(ok[None, :], sc * scaling, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -90,30 +124,35 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, lat_c.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_c.dtype), lat_c, input_precision=PREC)
         m_i = m_new
     seen = l_i > 0
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    tl.store(lse_ptr + t * H + h, lse, mask=hm)
-    tl.store(out_ptr + t * so_t + h[:, None] * so_h + c[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(lse_ptr + split * sl_s + t * H + h, lse, mask=hm)
+    tl.store(out_ptr + split * so_s + t * so_t + h[:, None] * so_h + c[None, :], out.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & (c < VD)[None, :])
 
 
-def sparse_mla_attention(q, latent_view, slots, layout, scaling, value_dims, only_rank=-1):
-    """See :func:`cpkv.kernels.sparse_mla_attention`; returns ``(out [T, H, value_dims], lse [T, H] fp32)``."""
-    launchable(q, latent_view, slots)
+def sparse_mla_launch(q, lat, lf: ViewFormat, slots, out, lse, layout, scaling: float, value_dims: int,
+                      only_rank: int, splits: int, chunk: int) -> Launch:
+    """The sparse MLA launch: ``q [T, H, r + dr]`` over the latent rows ``lat``
+    (as :func:`~.triton_common.kernel_view` gives them) at ``slots [T, K]``,
+    ``splits`` chunks of ``chunk`` selected slots each; writes ``out [T, H,
+    r]``/``lse [T, H]`` with one split, else partials ``out [splits, T, H, r]``
+    and ``lse [splits, T, H]`` (float32) to merge."""
     T, H, Dl = q.shape
-    out = torch.zeros((T, H, value_dims), dtype=q.dtype, device=q.device)
-    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    if T == 0 or slots.shape[1] == 0:
-        return out, lse
-    q, slots = q.contiguous(), slots.contiguous()
-    BLOCK_H = block(min(H, 16))  # heads per program: a [16, r] fp32 accumulator at r = 512
-    _sparse_mla_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        q, latent_view, slots, out, lse, q.stride(0), q.stride(1), latent_view.stride(0), slots.stride(0),
-        out.stride(0), out.stride(1), H, slots.shape[1], value_dims, Dl - value_dims,
-        layout.cp_size, layout.slots_per_page, layout.slots_per_rank, layout.padding_value, layout.capacity,
-        only_rank, float(scaling), BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_V=block(value_dims),
-        BLOCK_R=block(Dl - value_dims), PREC=dot_precision(q, latent_view), ONLY_SET=only_rank >= 0)
-    return out, lse
+    bh, bk, warps, stages = MLA_CONFIG[q.dtype]
+    bh = min(bh, block(H))
+    part = out.dim() == 4
+    args = dict(q_ptr=q, lat_ptr=lat, slot_ptr=slots, out_ptr=out, lse_ptr=lse, sq_t=q.stride(0), sq_h=q.stride(1),
+                sl_n=lat.stride(0), ss_t=slots.stride(0), so_s=out.stride(0) if part else 0, so_t=out.stride(-3),
+                so_h=out.stride(-2), sl_s=lse.stride(0) if part else 0, T=T, KSEL=slots.shape[1], CHUNK=chunk,
+                SPLITS=splits, SPR=layout.slots_per_rank, CAP=layout.capacity, ONLY=max(only_rank, 0),
+                scaling=float(scaling))
+    const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, H=H, HB=triton.cdiv(H, bh),
+                 VD=value_dims, RD=Dl - value_dims, BLOCK_H=bh, BLOCK_K=bk, BLOCK_V=block(value_dims),
+                 BLOCK_R=block(Dl - value_dims), PREC=dot_precision(q.dtype), ONLY_SET=only_rank >= 0,
+                 **lf.const("L"), CPART=fp8_part(lf, 0, 0, 1, value_dims, block(value_dims)),
+                 RPART=fp8_part(lf, value_dims, 0, 1, Dl - value_dims, block(Dl - value_dims)))
+    return Launch(_sparse_mla_kernel, (T * triton.cdiv(H, bh) * splits,), args, const, warps, stages, "sparse_mla")

@@ -1,13 +1,15 @@
 """Model adapters: a decoder's own modules around cpkv's attention over the shared cache.
 
 An adapter exposes the per-layer pieces a CP runner needs; attention runs over
-the shared paged cache (:mod:`cpkv.models.attention`). One module per family:
+the shared paged cache through the data plane (:mod:`cpkv.kernels`); the
+models' own attention math is :mod:`cpkv.models.attention`. One module per family:
 :mod:`~cpkv.models.llama` (GQA), :mod:`~cpkv.models.dsa` (DeepSeek-V3.2 and
 GLM-5: MLA over a latent pool, sparse attention over an indexer-key pool).
 """
 
-from .attention import (absorb_query, absorbed_output, attend, index_scores, merge_partials, paged_attention,
-                        topk_positions)
+import warnings
+
+from .attention import absorb_query, absorbed_output, index_scores, topk_positions
 from .base import KV_DTYPES, CacheAccess, ModelAdapter
 from .dsa import DsaAdapter, DsaCacheShape, TinyDsa, glm_indexer_types, real_shape
 from .llama import LlamaAdapter, TinyLlama
@@ -32,6 +34,20 @@ def build_adapter(config: TinyLlama | TinyDsa) -> ModelAdapter:
         return LlamaAdapter(config.build())
     raise TypeError(f"no adapter for a {type(config).__name__}; a model is a TinyLlama or a TinyDsa")
 
-__all__ = ["KV_DTYPES", "MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape", "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama",
-           "absorb_query", "absorbed_output", "attend", "glm_indexer_types", "index_scores", "merge_partials",
-           "paged_attention", "real_shape", "topk_positions"]
+
+def __getattr__(name: str):
+    """``attend``, ``merge_partials`` and ``paged_attention`` (now
+    ``gathered_attention``) moved to :mod:`cpkv.kernels.reference`: the former
+    names, with a ``DeprecationWarning`` (one release)."""
+    if name in ("attend", "merge_partials", "paged_attention"):
+        from ..kernels import reference
+
+        new = "gathered_attention" if name == "paged_attention" else name
+        warnings.warn(f"cpkv.models.{name} moved to cpkv.kernels.reference.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(reference, new)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["KV_DTYPES", "MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape",
+           "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama", "absorb_query", "absorbed_output",
+           "glm_indexer_types", "index_scores", "real_shape", "topk_positions"]

@@ -26,6 +26,7 @@ from typing import Mapping
 import torch
 from transformers import DynamicCache
 
+from ..consumers import placement
 from ..consumers.kv_format import KVFormat
 
 
@@ -73,11 +74,14 @@ def reference_logits(model, seq: torch.Tensor, formats: Mapping[str, KVFormat] |
     """``transformers``' logits ``[S, vocab]`` of ``seq [S]`` (int64): with
     ``formats`` (cache family name -> format, non-empty), one forward with a
     :class:`RoundTripCache` (``use_cache=True``), the quantized reference;
-    without, the plain forward (no cache)."""
+    without, the plain forward (no cache). The forward runs on the model's
+    device (the ids are placed there); the logits come back on the CPU,
+    where ``--check`` compares them."""
     if seq.dim() != 1:
         raise ValueError(f"seq must be 1-D token ids, got shape {tuple(seq.shape)}")
+    ids = placement.place(seq, next(model.parameters()))[None]
     with torch.no_grad():
         if not formats:
-            return model(seq[None]).logits[0]
+            return model(ids).logits[0].cpu()
         cache = RoundTripCache(model.config, formats)
-        return model(seq[None], cache=cache, use_cache=True).logits[0]
+        return model(ids, cache=cache, use_cache=True).logits[0].cpu()

@@ -18,15 +18,19 @@ way of dividing a batch among the ranks of a CP group:
   layer; the owner of the new token's page writes its entries. A top-k
   selection over the whole context (DSA's indexer, :meth:`ForwardBatch.select`)
   is not replicated: each token's is made by one rank (tokens dealt out by
-  context length, :func:`cpkv.contract.plan.balanced_ranks`) and shared by one
+  context length, :func:`cpkv.runtime.forward_plan.balanced_ranks`) and shared by one
   all-gather; attention over the selected positions is then split by owner.
 
 Each batch is planned once, before its first layer (:class:`~cpkv.runtime.forward_plan.ForwardPlan`:
-tokens, write slots with their ownership checked, read indices, the LSE
-split's metadata, on the pool's device); per layer only store, fence and
-attend run, without host synchronisation. ``kernels`` chooses the data
-plane: ``"torch"`` (the reference) or ``"triton"`` (:mod:`cpkv.kernels`: the
-store and the attention kernels translate logical slots themselves).
+tokens, write slots with their ownership checked, the data plane's own plan,
+the LSE split's metadata, on the pool's device); per layer only store, fence
+and attend run, without host synchronisation or host-to-device copy.
+``kernels`` chooses the data plane once per batch, one
+:class:`~cpkv.kernels.backend.Backend` every method calls: ``"torch"`` (the
+reference) or ``"triton"`` (:mod:`cpkv.kernels`: the store and the attention
+kernels translate logical slots themselves and decode byte formats in the
+kernel). A cache format the Triton kernels cannot read runs the batch on the
+torch backend, named in :attr:`ForwardBatch.fallback`.
 
 Fences are collective and lazy: a read of another rank's segment fences first
 if this batch wrote since the last fence. Every rank runs the same layers with
@@ -43,15 +47,20 @@ from typing import Callable
 
 import torch
 
+from ..consumers.kv_format import all_finite
 from ..consumers.kv_pool import SharedKVPool
 from ..contract.allocation import Allocation
-from ..models.attention import IndexerScore, attend, merge_partials, paged_attention, topk_positions
+from ..kernels import get as get_backend
+from ..kernels import raise_refused
+from ..kernels.backend import Backend, LayerView, QueryPlan
+from ..models.attention import IndexerScore, topk_positions
 from .comm import Comm
-from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ContextIndex, ForwardPlan, pack_left, split_ranks
+from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ForwardPlan, split_ranks
 
 KERNELS = ("torch", "triton")
 
-__all__ = ["DECODE_SPLITS", "KERNELS", "PREFILL_SPLITS", "ForwardBatch", "default_kernels", "split_ranks"]
+__all__ = ["DECODE_SPLITS", "KERNELS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
+           "split_ranks"]
 
 
 def default_kernels(device: torch.device | str) -> str:
@@ -59,70 +68,81 @@ def default_kernels(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+def choose_backend(kernels: str, pool: SharedKVPool) -> tuple[Backend, str | None]:
+    """The backend a batch of ``pool`` runs on for ``kernels`` (``"torch"`` or
+    ``"triton"``; ``ValueError`` otherwise), and the fallback taken, or
+    ``None``: the torch backend when a family's format is one the Triton
+    kernels cannot read in place (the reason named)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    backend = get_backend(kernels)
+    for f in pool.families.values():
+        why = backend.unreadable(f.format)
+        if why:
+            return get_backend("torch"), f"family {f.name}: {why}; torch backend"
+    return backend, None
+
+
 class ForwardBatch:
     """This rank's tokens of an allocated batch and its access to the cache.
 
-    ``table [B, L]`` holds the logical slots of every request of the batch at
-    positions ``0 .. seq_len - 1`` (padding after), the new slots included.
+    ``table [R, W]`` holds the logical slots of the batch's requests, row
+    ``rows[i]`` request ``i``'s (every row in order when ``rows`` is
+    ``None``) at positions ``0 .. seq_len - 1`` (padding after), the new
+    slots included; the plan reads ``[rows, :L]`` of it only.
     The batch is planned here (:meth:`ForwardPlan.build`: a slot this rank
     would write but does not own raises ``ContractViolation`` now, once).
-    ``kernels``: ``"torch"`` or ``"triton"`` (``ValueError`` otherwise);
-    ``plan_per_layer`` (benchmarks only) re-plans at every layer, as cpkv did
-    before the forward plan.
+    ``kernels``: ``"torch"`` or ``"triton"`` (``ValueError`` otherwise), the
+    backend chosen once (:func:`choose_backend`; ``kernels`` then names the
+    one that runs, ``fallback`` why it is not the one asked for, else
+    ``None``); ``rows`` as :meth:`ForwardPlan.build` takes them.
     """
 
     def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str,
-                 kernels: str = "torch", plan_per_layer: bool = False):
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+                 kernels: str = "torch", rows: torch.Tensor | None = None):
+        self.backend, self.fallback = choose_backend(kernels, pool)
+        self.kernels = self.backend.name
         self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
         self.layout = pool.layout
-        self._table_arg, self._plan_per_layer, self._planned_layer = table, plan_per_layer, -1
-        self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size)
+        self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size, rows=rows,
+                                      backend=self.backend)
         p = self.plan
         self.token_indices, self.req, self.positions, self.slots = p.token_indices, p.req, p.positions, p.slots
         self.num_tokens = p.num_tokens
         self.table = p.table
-        self._kernels = None
-        if kernels == "triton" and all(f.format is None for f in pool.families.values()):
-            from .. import kernels as K
-
-            self._kernels = K.get("triton")
-        self.kernels = "triton" if self._kernels is not None else "torch"
         self.scratch: dict = {}
         self._dirty = False
-        self._reports: list[torch.Tensor] = []
+        dev = pool.device
+        self._report = torch.zeros(2, dtype=torch.int32, device=dev)  # every store's refusals, read at finish
+        self._report[1] = p.write_slots.numel()
+        self._stores = 0
+        self._finite = torch.ones((), dtype=torch.bool, device=dev)  # formatted values cached, read at finish
         self._counted: list[tuple[tuple[str, ...], torch.Tensor | int]] = []
         self.kv_read = 0
         self.reads: dict[str, int] = {}
         self.moved_bytes = 0
 
-    def _replan(self, layer: int) -> None:
-        """With ``plan_per_layer``: build the plan again on a new layer (the benchmark's "before")."""
-        if self._plan_per_layer and layer != self._planned_layer:
-            if self._planned_layer >= 0:
-                self.plan = ForwardPlan.build(self.pool, self.comm.rank, self.alloc, self._table_arg, self.mode,
-                                              group_size=self.comm.size)
-            self._planned_layer = layer
+    def _view(self, name: str, layer: int) -> LayerView:
+        """One layer of family ``name`` in the rank-major view, with its format."""
+        f = self.pool.families[name]
+        return LayerView(self.pool.view(name, layer), f.format, f.shape)
 
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
         """Cache this rank's new entries; under a token split, all-gather them
-        first and write the slots this rank owns. [[RFC-0001:C-DIRECT-WRITE]]"""
-        self._replan(layer)
+        first and write the slots this rank owns. A formatted family's values
+        are checked finite on the device, read once at :meth:`finish`.
+        [[RFC-0001:C-DIRECT-WRITE]]"""
         p = self.plan
         if p.gathered_order is not None:
             values = self._gather_entries(values)
-        if self._kernels is not None:
-            for n, x in values.items():
-                seg = self.pool.segment(n, layer)
-                self._reports.append(self._kernels.store(seg, x.to(seg.dtype), p.write_slots, self.layout,
-                                                         self.comm.rank, check=False))
-        else:
-            rows = p.write_rows
-            whole = rows.numel() == p.write_slots.numel()  # every entry is written: no row selection
-            self.pool.write_at(layer, p.write_local, **{n: (x if whole else x.index_select(0, rows))
-                                                        for n, x in values.items()})
+        for n, x in values.items():
+            f = self.pool.families[n]
+            if f.format is not None:
+                self._finite &= all_finite(x)
+            segment = LayerView(self.pool.segment(n, layer), f.format, f.shape)
+            self.backend.store(segment, x, p.write, self.layout, self.pool.rank, self._report)
+            self._stores += 1
         self._dirty = True
 
     def _gather_entries(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -145,19 +165,21 @@ class ForwardBatch:
 
     def finish(self) -> None:
         """Closing fence: no rank reads this batch's context any more, so its
-        slots may be freed and reused. Reads the batch's counters and the store
-        kernels' reports on the host (once per batch) and raises
-        ``ContractViolation`` if a kernel refused a slot."""
+        slots may be freed and reused. Reads the batch's counters, the store
+        reports and the finiteness flag on the host (once per batch) and
+        raises ``ContractViolation`` if a store refused a slot, ``ValueError``
+        if a formatted family was given a NaN or infinite value (its bytes
+        were written, as garbage: the run must stop)."""
         self.pool.fence()
         self._dirty = False
-        if self._reports:
-            reports = torch.stack(self._reports).cpu()
-            self._reports.clear()
-            for r in reports:
-                if int(r[0]):
-                    from ..kernels import raise_refused
-
-                    raise_refused(r, self.plan.write_slots.cpu(), self.layout, self.comm.rank)
+        if self._stores:
+            count, first, finite = torch.cat([self._report, self._finite.view(1).to(torch.int32)]).tolist()
+            if count:
+                report = torch.tensor([count // self._stores, first], dtype=torch.int32)
+                raise_refused(report, self.plan.write_slots.cpu(), self.layout, self.pool.rank)
+            if not finite:
+                raise ValueError("a layer cached a NaN or infinite value in a formatted family (its FP8 scale or "
+                                 "bfloat16 bytes are garbage now): the model's values must be finite")
         for names, n in self._counted:
             n = int(n)
             self.kv_read += n
@@ -166,38 +188,13 @@ class ForwardBatch:
         self._counted.clear()
 
     # -- reads through the shared view -------------------------------------------------
-    def _gather(self, layer: int, index: torch.Tensor, count, names: tuple[str, ...],
-                own: bool = False) -> list[torch.Tensor]:
-        """Entries of each family in ``names`` at rank-major ``index`` (clamped),
-        ``[*index.shape, *shape]``; ``count`` valid entries are counted (an
-        int, or a device tensor read at :meth:`finish`). ``own``: only this
-        rank's segment is read, so no fence."""
-        if not own:  # another rank's segment: its writes of this layer must have landed
-            self._fence_if_dirty()
-        self._counted.append((names, count))
-        return list(self.pool.gather(layer, index, *names))
-
-    def _values(self, layer, index, count, key, value, value_dims, own=False):
-        """Keys and values for attention, ``[*index.shape, Hkv, D]`` (a one-head
-        family such as the MLA latent gets a head axis of 1)."""
-        if key == value:
-            (k,) = self._gather(layer, index, count, (key,), own)
-            v = k
-        else:
-            k, v = self._gather(layer, index, count, (key, value), own)
-        if k.dim() == index.dim() + 1:
-            k, v = k.unsqueeze(-2), v.unsqueeze(-2)
-        return k, (v if value_dims is None else v[..., :value_dims])
-
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's whole context in ``family`` through the shared view:
         ``(values [T, L, *shape], visible [T, L])``."""
-        self._replan(layer)
-        return self._context(layer, family, self.plan.context)
-
-    def _context(self, layer: int, family: str, c: ContextIndex):
-        (ctx,) = self._gather(layer, c.read, c.count, (family,))
-        return (ctx if c.identity else ctx[c.inv]), c.visible
+        self._fence_if_dirty()
+        plan = self.plan.attn
+        self._counted.append(((family,), plan.context.count))
+        return self.backend.context(plan, self._view(family, layer))
 
     def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
                *queries: torch.Tensor) -> torch.Tensor:
@@ -205,21 +202,20 @@ class ForwardBatch:
         (see :class:`cpkv.models.CacheAccess`), ``[T, K]`` int64, ``-1`` padding.
 
         Under ``lse`` every rank holds every token, yet each token is scored
-        once: by the rank :func:`~cpkv.contract.plan.balanced_ranks` deals it to
+        once: by the rank :func:`~cpkv.runtime.forward_plan.balanced_ranks` deals it to
         by context length, which reads that token's whole context through the
         shared view; one all-gather of the ``[T', K]`` positions (int32) gives
         every rank every selection, ``K = min(k, longest context)``. Elsewhere
         the rank scores its own tokens. The set is the one scoring every
-        token's whole row would pick (the same rows, the same ``topk``). With
-        the triton kernels, an :class:`~cpkv.models.attention.IndexerScore`
-        is computed by ``cpkv.kernels.index_scores`` over the view."""
-        self._replan(layer)
+        token's whole row would pick (the same rows, the same ``topk``). An
+        :class:`~cpkv.models.attention.IndexerScore` is computed by the
+        backend's ``index_scores`` over the view; another score gets the
+        gathered context."""
         p = self.plan
         if self.mode != "lse":
-            return self._select(layer, family, k, score, queries, p.context, None)
+            return self._select(layer, family, k, score, queries, p.attn)
         lp = p.lse
-        sel = self._select(layer, family, k, score, tuple(x[lp.sel_mine] for x in queries), lp.sel_context,
-                           lp.sel_mine)
+        sel = self._select(layer, family, k, score, tuple(x[lp.sel_mine] for x in queries), lp.sel)
         K = min(k, lp.width)
         packed = torch.full((lp.sel_mine.numel(), K), -1, dtype=torch.int32, device=p.device)
         w = min(K, sel.shape[1])
@@ -230,78 +226,56 @@ class ForwardBatch:
         out[lp.sel_order] = torch.cat(parts).to(torch.int64)
         return out
 
-    def _select(self, layer, family, k, score, queries, c: ContextIndex, mine):
-        if self._kernels is not None and isinstance(score, IndexerScore):
-            self._fence_if_dirty()
-            self._counted.append(((family,), c.count))
-            req, pos = (self.req, self.positions) if mine is None else (self.req[mine], self.positions[mine])
-            view = self.pool.view(family, layer)
+    def _select(self, layer, family, k, score, queries, plan: QueryPlan):
+        self._fence_if_dirty()
+        self._counted.append(((family,), plan.context.count))
+        view = self._view(family, layer)
+        if isinstance(score, IndexerScore):
             q, w = queries
-            s = self._kernels.index_scores(q.to(view.dtype), w, view, self.table, req, pos, self.layout,
-                                           score.scale, check=False)
-            L = c.visible.shape[1]  # the torch path's context width: the same top-k width
-            return topk_positions(s[:, :L], c.visible, k)
-        keys, visible = self._context(layer, family, c)
+            L = plan.context.read.shape[1]  # the gathered path's context width: the same top-k width
+            s = self.backend.index_scores(plan, q, w, view, score.scale)[:, :L]
+            return topk_positions(s, s > float("-inf"), k)
+        keys, visible = self.backend.context(plan, view)
         return topk_positions(score(*queries, keys), visible, k)
 
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
                      value_dims: int | None = None) -> torch.Tensor:
-        """Causal attention over each token's whole context (see :class:`cpkv.models.CacheAccess`)."""
-        self._replan(layer)
-        p = self.plan
-        if self._kernels is not None and value_dims is None:
-            only = self.comm.rank if self.mode == "lse" else None
-            if only is None:  # lse reads this rank's own segment only: no fence
-                self._fence_if_dirty()
-            self._counted.append(((key, value), p.lse.own_count if only is not None else p.context.count))
-            kv, vv = self.pool.view(key, layer), self.pool.view(value, layer)
-            out, lse = self._kernels.paged_attention(q.to(kv.dtype), kv, vv, self.table, self.req, self.positions,
-                                                     self.layout, scaling, only_rank=only, check=False)
-            out = out.to(q.dtype)
-            return self._merge(out, lse) if only is not None else out
-        if self.mode == "lse":
-            return self._attend_own(layer, q, scaling, key, value, value_dims)
-        c = p.context
-        k, v = self._values(layer, c.read, c.count, key, value, value_dims)
-        return paged_attention(q, c.inv, self.positions, k, v, scaling, p.groups)
+        """Causal attention over each token's whole context (see
+        :class:`cpkv.models.CacheAccess`); under ``lse``, over the context
+        slots this rank owns only (its own segment: no fence), merged."""
+        a, lse_split = self.plan.attn, self.mode == "lse"
+        if not lse_split:
+            self._fence_if_dirty()
+        self._counted.append(((key, value), a.own_count if lse_split else a.context.count))
+        out, lse = self.backend.dense(a, q, self._view(key, layer), self._view(value, layer), scaling, value_dims)
+        out = out.to(q.dtype)
+        return self._merge(out, lse) if lse_split else out
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
                         value: str, value_dims: int | None = None) -> torch.Tensor:
-        """Attention over the selected context positions of each token, gathered;
-        under ``lse``, over the selected slots this rank owns only (packed left,
-        so a rank's work is its share of each selection), merged."""
-        self._replan(layer)
+        """Attention over the selected context positions of each token, keys
+        the rows of family ``key`` and values their first ``value_dims``
+        entries (``value`` must be ``key``: one family, as MLA's latent;
+        ``ValueError`` otherwise); under ``lse``, over the selected slots this
+        rank owns only, merged."""
+        if key != value:
+            raise ValueError(f"attend_selected reads keys and values from one family (MLA's latent), got "
+                             f"{key!r} and {value!r}")
+        a, lse_split = self.plan.attn, self.mode == "lse"
         slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
-        lse_split = self.mode == "lse"
-        if self._kernels is not None and key == value and value_dims is not None:
-            if not lse_split:
-                self._fence_if_dirty()
-            only = self.comm.rank if lse_split else None
-            seen = slots >= 0 if only is None else self.layout.owned_slot_mask(slots, owner_rank=only, check=False)
-            self._counted.append(((key,), seen.sum()))
-            view = self.pool.view(key, layer)
-            out, lse = self._kernels.sparse_mla_attention(q.to(view.dtype), view, slots, self.layout, scaling,
-                                                          value_dims, only_rank=only, check=False)
-            out = out.to(q.dtype)
-            return self._merge(out, lse) if lse_split else out
         if lse_split:
-            owned = self.layout.owned_slot_mask(slots, owner_rank=self.comm.rank, check=False)
-            slots = pack_left(owned, slots, slots.shape[1])
-        seen = slots >= 0
-        read = self.layout.translate_read_slots(torch.where(seen, slots, 0), check=False)
-        k, v = self._values(layer, read, seen.sum(), key, value, value_dims, own=lse_split)
-        out, lse = attend(q, k, v, seen, scaling)
+            seen = self.layout.owned_slot_mask(slots, owner_rank=a.own_rank, check=False)
+        else:
+            self._fence_if_dirty()
+            seen = slots >= 0
+        self._counted.append(((key,), seen.sum()))
+        view = self._view(key, layer)
+        dims = value_dims if value_dims is not None else view.shape[-1]
+        out, lse = self.backend.selected(a, q, view, slots, scaling, dims)
+        out = out.to(q.dtype)
         return self._merge(out, lse) if lse_split else out
 
     # -- the log-sum-exp decode split ----------------------------------------------------
-    def _attend_own(self, layer, q, scaling, key, value, value_dims):
-        lp = self.plan.lse
-        k, v = self._values(layer, lp.own_read, lp.own_count, key, value, value_dims, own=True)
-        if not lp.req_identity:  # else a decode batch: one token per request, in order
-            k, v = k[self.req], v[self.req]
-        out, lse = attend(q, k, v, lp.own_seen, scaling)
-        return self._merge(out, lse)
-
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partial ``out [T, H, Dv]`` and ``lse [T, H]`` of the same
         tokens, merged; one all-gather when they share a dtype."""
@@ -316,9 +290,7 @@ class ForwardBatch:
             self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
                                     for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
             outs, lses = torch.stack(outs), torch.stack(lses)
-        if self._kernels is not None:
-            return self._kernels.merge_lse(outs, lses.float())[0]
-        return merge_partials(outs, lses)
+        return self.backend.merge(outs, lses.float())[0]
 
 
 def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -66,8 +66,11 @@ class DistComm(Comm):
 
     ``ranks`` lists the global ranks of ``group`` in group order (default
     ``0 .. world_size - 1``); ``rank`` is this process's index among them.
-    ``device``: a CUDA device makes :meth:`barrier` a fence on the device (an
-    NCCL group; untested on hardware).
+    ``device``: this rank's device. On a CUDA device whose group runs NCCL
+    (one GPU per rank), :meth:`barrier` is a fence on the device; on a gloo
+    group (ranks sharing a GPU, :func:`~cpkv.runtime.device.plan_devices`)
+    it synchronises the rank's stream before the host barrier, and CUDA
+    tensors are all-gathered through the host.
     """
 
     def __init__(self, group=None, ranks: Sequence[int] | None = None, device: torch.device | None = None):
@@ -75,25 +78,39 @@ class DistComm(Comm):
         self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
         self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self._one = torch.zeros(1, device=self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.on_device = cuda and "nccl" in str(dist.get_backend(group)).lower()  # collectives of CUDA tensors
+        self._one = torch.zeros(1, device=self.device) if self.on_device else None
+        self._staged = cuda and not self.on_device
 
     def barrier(self) -> None:
-        """``dist.barrier`` on the group; on a CUDA device, a one-element
-        all-reduce instead: the publish fence after the owners' writes, ordered
-        on the stream (no host wait), as SGLang's shared-KV path does."""
+        """The write fence. ``dist.barrier`` on the group; with NCCL on a CUDA
+        device, a one-element all-reduce instead, ordered on the stream after
+        the owners' writes (no host wait), as SGLang's shared-KV path does;
+        on a CUDA device with a gloo group (ranks sharing a GPU), the rank's
+        stream is synchronised first, so its writes have landed before any
+        peer passes the barrier."""
         if self.size == 1:
             return
         if self._one is not None:
             dist.all_reduce(self._one, group=self.group)
-        else:
-            dist.barrier(group=self.group)
+            return
+        if self._staged:
+            torch.cuda.current_stream(self.device).synchronize()
+        dist.barrier(group=self.group)
 
     def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Pads every rank's ``x`` to the longest first dimension, gathers, trims
-        (one collective with ``sizes``, two without)."""
+        (one collective with ``sizes``, two without). A CUDA tensor on a gloo
+        group goes through the host and comes back on its device."""
         _check_sizes(self, x, sizes)
         if self.size == 1:
             return [x]
+        if self._staged and x.device.type == "cuda":
+            return [o.to(x.device) for o in self._gather(x.cpu(), sizes)]
+        return self._gather(x, sizes)
+
+    def _gather(self, x: torch.Tensor, sizes: Sequence[int] | None) -> list[torch.Tensor]:
         if sizes is None:
             n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
             got = [torch.zeros_like(n) for _ in range(self.size)]

@@ -7,9 +7,11 @@ allocation and its page table, this rank's tokens, the slots it writes (their
 ownership checked once: a slot another rank owns raises
 :class:`~cpkv.contract.errors.ContractViolation` here, before any layer runs,
 [[RFC-0001:C-DIRECT-WRITE]]), the rank-major read index of each context
-([[RFC-0001:C-READ-PATH]]), the query grouping of the torch attention, and
-under the log-sum-exp decode split the owned positions and who selects which
-token. Every tensor lives on the pool's device. Per layer,
+([[RFC-0001:C-READ-PATH]]), the data-plane backend's own plan of the
+queries (:meth:`cpkv.kernels.backend.Backend.plan`: the torch backend's causal
+grouping and mask, the Triton backend's decode list, extend blocks and, under
+the log-sum-exp split, the slots this rank owns), and under that split who
+selects which token. Every tensor lives on the pool's device. Per layer,
 :class:`~cpkv.runtime.batch.ForwardBatch` then only stores, fences and
 attends, with no host synchronisation (``tests/runtime/test_forward_plan.py``
 counts them).
@@ -32,9 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
-from ..contract import plan as owner_plan
 from ..contract.allocation import Allocation
-from ..models.attention import QueryGroups, query_groups
+from ..contract.errors import UnsupportedPagePlan
+from ..kernels import get as get_backend
+from ..kernels.backend import Backend, QueryPlan, WriteIndex
 
 PREFILL_SPLITS = ("page", "interleave", "zigzag")
 DECODE_SPLITS = ("owner", "lse")
@@ -42,55 +45,84 @@ DECODE_SPLITS = ("owner", "lse")
 
 def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
     """Rank that computes each token of the flattened batch, or ``None`` when
-    every rank computes every token (``lse``). Pure: every rank gets the same."""
+    every rank computes every token (``lse``). Pure: every rank gets the same.
+    The page and owner splits take the owners the allocation carries, never
+    recomputed from lengths ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]); the token
+    splits are the three functions below. [[RFC-0001:C-PLANNER-SPLIT]]"""
     if mode in ("page", "owner"):
         return alloc.token_owners
     if mode == "interleave":
-        return owner_plan.interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
+        return interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
     if mode == "zigzag":
-        return owner_plan.zigzag_ranks(alloc.extend_lens, cp_size)
+        return zigzag_ranks(alloc.extend_lens, cp_size)
     if mode == "balanced":  # any batch size, context work balanced: a replicated cache's decode split
-        return owner_plan.balanced_ranks(alloc.positions + 1, cp_size)
+        return balanced_ranks(alloc.positions + 1, cp_size)
     if mode == "lse":
         return None
     raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
 
 
-@dataclass(frozen=True)
-class ContextIndex:
-    """Rank-major read index of some requests' contexts: ``read [b, L]``
-    (int32/int64, padding clamped to 0), ``valid [b, L]`` (real entries),
-    ``inv [T']`` each token's row, ``identity`` (``inv`` is ``0 .. b - 1``,
-    so indexing by it would only copy), ``visible [T', L]`` (positions ``0 ..
-    position``), ``count`` the valid entries (Python int, for the counters)."""
+def interleave_ranks(num_tokens: int, cp_size: int, device=None) -> torch.Tensor:
+    """Rank of every token of a flattened batch of ``num_tokens`` under the
+    interleaved split (SGLang DSA CP): token i goes to rank ``i % N``, int64
+    ``[num_tokens]`` on ``device``. Raises ``UnsupportedPagePlan
+    ("interleave-too-short")`` for fewer than N tokens (some rank would get
+    none). [[RFC-0001:C-PLANNER-SPLIT]]"""
+    if num_tokens < cp_size:
+        raise UnsupportedPagePlan(
+            "interleave-too-short", f"interleave split needs at least {cp_size} tokens, batch has {num_tokens}"
+        )
+    return torch.arange(num_tokens, device=device) % cp_size
 
-    read: torch.Tensor
-    valid: torch.Tensor
-    inv: torch.Tensor
-    identity: bool
-    visible: torch.Tensor
-    count: int
+
+def zigzag_ranks(extend_lens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of every token of the flattened batch under the zigzag split.
+
+    Each request's extend of ``n`` tokens is cut into ``2N`` consecutive blocks,
+    the first ``n % 2N`` of them one token longer; block ``b`` goes to rank
+    ``b`` for ``b < N`` and to rank ``2N - 1 - b`` otherwise, so every rank
+    gets one early (cheap) and one late (costly) block of causal attention.
+    [[RFC-0001:C-PLANNER-SPLIT]]
+    """
+    N2 = 2 * cp_size
+    n = extend_lens.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
+    j = torch.arange(req.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[req]  # index inside the extend
+    base, extra = (n // N2)[req], (n % N2)[req]
+    long_part = extra * (base + 1)
+    block = torch.where(j < long_part, j // (base + 1), extra + (j - long_part) // base.clamp(min=1))
+    return torch.where(block < cp_size, block, N2 - 1 - block)
+
+
+def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Rank of each item ``[n]`` so that every rank's summed ``work [n]`` is
+    near equal and item counts differ by at most one: items sorted by work,
+    largest first (ties: lower index first), dealt out in snake order
+    ``0 .. N-1, N-1 .. 0, 0 .. N-1, ...``. Any two ranks' sums then differ by at
+    most the largest item. Pure: every rank gets the same (the log-sum-exp
+    decode split spreads each query's top-k selection with it)."""
+    n = work.numel()
+    order = torch.sort(work, descending=True, stable=True).indices
+    j = torch.arange(n, device=work.device)
+    snake = torch.where((j // cp_size) % 2 == 0, j % cp_size, cp_size - 1 - j % cp_size)
+    ranks = torch.empty(n, dtype=torch.int64, device=work.device)
+    ranks[order] = snake
+    return ranks
 
 
 @dataclass(frozen=True)
 class LseParts:
-    """Under the log-sum-exp decode split: per batch request, the context
-    positions this rank owns packed left (``own_pos [B, Lown]``, -1 after),
-    their read index, which each token sees (``own_seen [T, Lown]``) and
-    their count; who selects which token (``sel_mine``: this rank's tokens,
-    ``sel_order``: every token in selector order, ``sel_sizes``: every
-    rank's count), this rank's selectors' context index and the selection
-    width bound (the longest context)."""
+    """Under the log-sum-exp decode split, who selects which token (DSA's
+    top-k is made once per token, not on every rank): ``sel_mine`` this
+    rank's tokens, ``sel_order`` every token in selector order, ``sel_sizes``
+    every rank's count, ``sel`` the backend's plan of this rank's selectors
+    over their whole contexts, and ``width`` the selection width bound (the
+    longest context)."""
 
-    own_pos: torch.Tensor
-    own_read: torch.Tensor
-    own_seen: torch.Tensor
-    own_count: int
-    req_identity: bool
     sel_mine: torch.Tensor
     sel_order: torch.Tensor
     sel_sizes: list[int]
-    sel_context: ContextIndex
+    sel: QueryPlan
     width: int
 
 
@@ -107,11 +139,13 @@ class ForwardPlan:
     * ``write_slots [W]``: logical slot of each entry this rank stores, -1
       where it writes none (``W`` = T, or E under a token split);
       ``write_rows [W']``/``write_local [W']``: the entries it writes and
-      their slots in its own segment (int64), ownership checked;
+      their slots in its own segment (int64), ownership checked; ``write``
+      the three as one :class:`~cpkv.kernels.backend.WriteIndex`;
     * ``table [B, Lmax]``: the batch's page-table rows up to the longest
-      sequence; ``context``: this rank's tokens' :class:`ContextIndex`;
-      ``groups``: the torch attention's :class:`QueryGroups`;
-      ``lse``: :class:`LseParts` under the ``lse`` split, else ``None``.
+      sequence; ``backend``: the data plane the batch runs on; ``attn``: its
+      plan of this rank's tokens (under ``lse`` over the slots this rank owns
+      only, with log-sum-exps to merge); ``lse``: :class:`LseParts` under
+      the ``lse`` split, else ``None``.
     """
 
     mode: str
@@ -127,8 +161,8 @@ class ForwardPlan:
     write_rows: torch.Tensor
     write_local: torch.Tensor
     table: torch.Tensor
-    context: ContextIndex
-    groups: QueryGroups
+    backend: Backend
+    attn: QueryPlan
     lse: LseParts | None
 
     @property
@@ -136,21 +170,32 @@ class ForwardPlan:
         """T, the tokens this rank computes."""
         return self.token_indices.numel()
 
+    @property
+    def write(self) -> WriteIndex:
+        """``write_slots``, ``write_local``, ``write_rows`` as the backend's :class:`WriteIndex`."""
+        return WriteIndex(self.write_slots, self.write_local, self.write_rows)
+
     @classmethod
     def build(cls, pool: SharedKVPool, rank: int, alloc: Allocation, table: torch.Tensor, mode: str, *,
-              group_size: int | None = None) -> "ForwardPlan":
+              group_size: int | None = None, rows: torch.Tensor | None = None,
+              backend: Backend | None = None) -> "ForwardPlan":
         """Plan rank ``rank``'s share of ``alloc`` under split ``mode``, in a
         group of ``group_size`` ranks (default the layout's ``cp_size``; a
         replicated copy's layout has one rank while its group has N, and its
-        pool, rank 0 of that layout, owns and writes every slot).
+        pool, rank 0 of that layout, owns and writes every slot), for
+        ``backend`` (default the torch backend).
 
-        ``table [B, width]`` holds the batch's logical slots by position
-        (padding after ``seq_lens``), any device. Synchronises freely (it runs
+        ``table [R, width]`` holds the batch's logical slots by position
+        (padding after ``seq_lens``), any device: request ``i`` in row
+        ``rows[i]`` (int64 ``[B]``; ``None``: the table is the batch's rows,
+        in order). Only ``[rows, :L]`` is read, ``L`` the longest sequence:
+        a page table far wider than the batch is never copied whole. Synchronises freely (it runs
         once per batch). Raises ``ValueError`` for an unknown mode,
         :class:`~cpkv.contract.errors.ContractViolation` if this rank would
         write a slot another rank owns (nothing is marked written then), and
         ``IndexError`` for a slot outside the layout."""
         layout, dev = pool.layout, pool.device
+        backend = backend or get_backend("torch")
         N = layout.cp_size if group_size is None else group_size
         ranks = split_ranks(alloc, mode, N)
         E = alloc.out_cache_loc.numel()
@@ -165,7 +210,6 @@ class ForwardPlan:
         # writes: page/owner write every slot they compute (each must be theirs); a token split writes the
         # gathered entries it owns; lse, the computed ones it owns
         if mode in ("page", "owner"):
-            cand = slots
             write_slots = slots
         else:
             cand = alloc.out_cache_loc if token_split else slots
@@ -173,56 +217,22 @@ class ForwardPlan:
         write_local, write_rows = pool.write_index(write_slots)
         seq = alloc.seq_lens
         L = int(seq.max()) if seq.numel() else 0
-        tab = table[:, :L].to(dev)
-        context = _context_index(pool, tab, seq, req, positions)
-        groups = query_groups(context.inv.to(dev), positions.to(dev), context.read.shape[0], context.read.shape[1])
-        lse = _lse_parts(pool, rank, tab, seq, req, positions, L) if mode == "lse" else None
+        tab = (table[:, :L] if rows is None else table[:, :L][rows.to(table.device)]).to(dev)
         to = lambda x: None if x is None else x.to(dev)  # noqa: E731
+        lse_split = mode == "lse"
+        attn = backend.plan(tab, to(req), to(positions), layout, own_rank=rank if lse_split else None,
+                            with_lse=lse_split)
+        lse = _lse_parts(backend, layout, rank, tab, req, positions) if lse_split else None
         return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes, to(gathered),
-                   to(write_slots), to(write_rows), to(write_local), tab, context, groups, lse)
+                   to(write_slots), to(write_rows), to(write_local), tab, backend, attn, lse)
 
 
-def _context_index(pool: SharedKVPool, tab: torch.Tensor, seq: torch.Tensor, req: torch.Tensor,
-                   positions: torch.Tensor) -> ContextIndex:
-    """:class:`ContextIndex` of the requests of the tokens ``req [T']`` (each row once)."""
-    dev = pool.device
-    rows, inv = torch.unique(req, return_inverse=True)
-    L = int(seq[rows].max()) if rows.numel() else 0
-    read = pool.read_index(tab[rows.to(dev), :L])
-    valid = read >= 0
-    visible = torch.arange(L, device=dev)[None, :] <= positions.to(dev)[:, None]
-    identity = inv.numel() == rows.numel() and torch.equal(inv, torch.arange(inv.numel()))
-    return ContextIndex(read.clamp(min=0), valid, inv.to(dev), identity, visible, int(valid.sum()))
-
-
-def _lse_parts(pool: SharedKVPool, rank: int, tab: torch.Tensor, seq: torch.Tensor, req: torch.Tensor,
-               positions: torch.Tensor, L: int) -> LseParts:
-    layout, dev = pool.layout, pool.device
-    owned = layout.owned_slot_mask(tab, owner_rank=rank)
-    pos = pack_left(owned, torch.arange(L, device=dev).expand_as(tab))
-    slots = torch.where(pos >= 0, tab.gather(1, pos.clamp(min=0)), 0)
-    own_read = pool.read_index(slots)
-    p = pos[req.to(dev)]
-    seen = (p >= 0) & (p <= positions.to(dev)[:, None])
-    B = tab.shape[0]
-    identity = req.numel() == B and torch.equal(req, torch.arange(B))
-    ranks = owner_plan.balanced_ranks(positions + 1, layout.cp_size)
+def _lse_parts(backend: Backend, layout, rank: int, tab: torch.Tensor, req: torch.Tensor,
+               positions: torch.Tensor) -> LseParts:
+    dev = tab.device
+    ranks = balanced_ranks(positions + 1, layout.cp_size)
     mine = torch.nonzero(ranks == rank).flatten()
     width = int(positions.max()) + 1 if positions.numel() else 0
-    return LseParts(pos, own_read, seen, int((pos >= 0).sum()), identity, mine.to(dev),
-                    torch.argsort(ranks, stable=True).to(dev), torch.bincount(ranks, minlength=layout.cp_size).tolist(),
-                    _context_index(pool, tab, seq, req[mine], positions[mine]), width)
-
-
-def pack_left(keep: torch.Tensor, values: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """The entries of ``values [R, L]`` where ``keep [R, L]``, packed left in
-    their order in each row, ``-1`` after: ``[R, width]`` (default: the most
-    kept in a row, which reads the count on the host; give ``width`` >= that
-    to stay on the device: a stable sort, no synchronisation)."""
-    if width is None:
-        width = int(keep.sum(1).max()) if keep.numel() else 0
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    out = torch.where(keep.gather(1, order), values.gather(1, order), -1)
-    if out.shape[1] < width:  # wider than the rows: -1 after
-        out = torch.cat([out, out.new_full((out.shape[0], width - out.shape[1]), -1)], 1)
-    return out
+    sel = backend.plan(tab, req[mine].to(dev), positions[mine].to(dev), layout)
+    return LseParts(mine.to(dev), torch.argsort(ranks, stable=True).to(dev),
+                    torch.bincount(ranks, minlength=layout.cp_size).tolist(), sel, width)

@@ -7,32 +7,54 @@ what rank 0's target returned. A rank that raises or dies stops the whole group,
 and :class:`RankFailure` names the rank that failed first (not the peers that
 failed because it went away).
 
-Nothing outlives the launcher, however it ends:
+Nothing outlives the launcher, however it ends (``kill -9`` included), and
+nothing that makes it so needs a dying rank to run Python code: a rank blocked
+in C++ with the GIL held (the rendezvous, a gloo collective) runs none.
 
-* Each rank talks to the launcher over its own pipe, so a run creates no
-  multiprocessing semaphore (a ``Queue`` would leave three ``/dev/shm/sem.mp-*``
-  behind a killed launcher).
-* A rank dies with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and on every
-  POSIX system a lifeline pipe per rank, of which only the launcher holds the
-  write end: a watchdog thread in the rank takes its end of file as the
-  launcher's death, a byte on it as the launcher's stop. The watchdog also
-  handles ``SIGTERM``. It unlinks the run's segments (and, for an orphaned
-  rank, the run's folder) and ends the rank, even while the rank's main thread
-  is blocked in a collective; from that unlink on, the rank creates no segment
-  (:func:`~cpkv.runtime.shm.stop_creating`), so a creation racing the stop
-  cannot leave a name behind an orphaned rank.
-* Ranks ignore ``SIGINT`` (from the moment they are forked): Ctrl-C reaches
-  the launcher, which stops the group and re-raises :class:`KeyboardInterrupt`.
-* A shared segment's name is unlinked as soon as every rank of its group has
-  mapped it (:meth:`RankContext.shared`); the memory lives while a rank maps it
-  and goes with the last one. The launcher unlinks the run's name prefix again
-  in a ``finally``, once every rank has been reaped.
+* **Which mechanism ends a rank, moment by moment.** A rank is a plain
+  ``python -c`` process (:data:`_BOOT`), not a multiprocessing child.
+
+  - *Spawned, before its first statement:* the boot's first statements set
+    ``PR_SET_PDEATHSIG`` to ``SIGKILL`` (``prctl`` through ctypes, before any
+    other import) and then check that the parent is still the launcher; a
+    launcher that died in between is caught by the check (the rank SIGKILLs
+    itself), one that dies later by the kernel.
+  - *Importing* (the launcher's ``__main__``, the target's module, cpkv,
+    torch), *in the rendezvous* (``dist.init_process_group``), *in a
+    collective*, *in a step:* ``PR_SET_PDEATHSIG``: the kernel sends SIGKILL as
+    the launcher's spawning thread ends (the thread that runs :func:`launch`,
+    which waits for its ranks), whatever the rank is doing. The rendezvous is
+    so bounded by the launcher's life, not only by ``timeout``.
+  - *Stopped by a living launcher* (a failure, the timeout, Ctrl-C): SIGTERM,
+    whose default action the rank keeps (the kernel ends it at once); SIGKILL
+    after 5 s.
+
+  Ranks ignore ``SIGINT`` from the moment they are forked (blocked while the
+  launcher spawns them, ignored by the boot): Ctrl-C reaches the launcher,
+  which stops the group and re-raises :class:`KeyboardInterrupt`.
+* **Which mechanism removes what the run leaves.** A shared segment's name is
+  unlinked as soon as every rank of its group has mapped it
+  (:meth:`RankContext.shared`); the memory goes with the last mapping. The run
+  folder (the rendezvous file) and any name left are removed by the launcher in
+  its ``finally``, once every rank has been reaped. If the launcher dies first,
+  by this process's reaper (:mod:`cpkv.runtime.reaper`): a tiny process holding
+  a pipe whose write end the launcher and every rank hold, so that its end of
+  file comes when the last of them is gone; it then removes the run's name
+  prefix and folder, registered with it before either existed, and exits.
+* **No multiprocessing machinery.** Ranks are started with ``subprocess`` and
+  talk to the launcher over plain pipes: no resource tracker is started, and a
+  run creates no multiprocessing semaphore.
+
+Off Linux there is no ``PR_SET_PDEATHSIG``: the ranks of a dead launcher end
+when their rendezvous or collective times out (``timeout``), and the reaper
+cleans up after them.
 
 Sizing a group before it starts (memory, cores, start time) is
 :mod:`cpkv.runtime.sizing`.
 
-The group runs on the CPU (gloo) or, with ``device="cuda"``, one GPU per rank
-on NCCL (:mod:`cpkv.runtime.device`; untested on hardware).
+The group runs on the CPU (gloo) or, with ``device="cuda"``, on GPUs as
+:func:`cpkv.runtime.device.plan_devices` plans: one GPU per rank on NCCL, or
+several ranks per GPU on gloo.
 """
 
 from __future__ import annotations
@@ -42,23 +64,21 @@ import gc
 import math
 import os
 import pickle
-import select
-import shutil
 import signal
+import subprocess
 import sys
-import tempfile
-import threading
 import time
 import traceback
 import uuid
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from . import reaper as reaper_mod
 from . import shm as shm_mod
 
 # -- one rank's handle ----------------------------------------------------------
@@ -88,6 +108,7 @@ class RankContext:
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self.device = torch.device("cpu") if device is None else device  # this rank's device
         self._segments = []
+        self._at_close: list[Callable[[], None]] = []
 
     @property
     def distributed(self) -> bool:
@@ -130,8 +151,16 @@ class RankContext:
             self.barrier(group)
         return t
 
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at :meth:`close`, before any segment is unmapped (the
+        host tier's ``cudaHostUnregister``); last registered, first run."""
+        self._at_close.append(fn)
+
     def close(self) -> None:
-        """Unmap every segment; the creator also unlinks a name still there."""
+        """Run the :meth:`at_close` calls, then unmap every segment; the creator
+        also unlinks a name still there."""
+        while self._at_close:
+            self._at_close.pop()()
         gc.collect()
         for seg, mine in self._segments:
             shm_mod.close(seg)
@@ -141,11 +170,54 @@ class RankContext:
 
 
 # -- inside a rank ----------------------------------------------------------------
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
+
+#: What a rank process runs first (``python -c``), before it imports anything of the run: it asks the
+#: kernel for SIGKILL at the death of its parent thread (the launcher's thread that spawned it), checks
+#: that this parent is still the launcher (a launcher that died before the ``prctl`` is caught here), takes
+#: its signals (SIGINT ignored, SIGTERM ends it), then reads from the launcher, in order, the preparation
+#: of multiprocessing's spawn (``sys.path``, the working folder, the launcher's ``__main__``), the target
+#: with its arguments, and the rank's own parameters, and runs :func:`_rank_main`. A failure before that
+#: is reported on the rank's outbox as :func:`_rank_main` reports one.
+_BOOT = """\
+import os, sys
+launcher, inbox, outbox, token = (int(a) for a in sys.argv[2:6])
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != launcher:
+    os.kill(os.getpid(), 9)
+import signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+for fd in (inbox, outbox, token):
+    os.set_inheritable(fd, False)
+import pickle
+from multiprocessing.connection import Connection
+inbox = Connection(inbox, writable=False)
+try:
+    import multiprocessing.process, multiprocessing.spawn
+    me = multiprocessing.process.current_process()
+    me._inheriting = True  # as multiprocessing's spawn: a launch while importing __main__ is refused
+    try:
+        multiprocessing.spawn.prepare(pickle.loads(inbox.recv_bytes()))
+        target, args = pickle.loads(inbox.recv_bytes())
+        main, params = pickle.loads(inbox.recv_bytes())
+    finally:
+        del me._inheriting
+    inbox.close()
+except BaseException as e:
+    import traceback
+    Connection(outbox, readable=False).send_bytes(pickle.dumps(
+        ("error", f"it could not start: {type(e).__name__}: {e}", traceback.format_exc())))
+    raise SystemExit(1)
+main(*params, outbox, target, args)
+"""
 
 
 def _set_parent_death_signal(sig: int) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies."""
+    """Ask Linux to send ``sig`` to this process when its parent thread ends (0: never)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -155,78 +227,16 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _die(sig: int = signal.SIGTERM) -> None:
-    """End this process by ``sig`` with its default action (the exit status then
-    names the signal), whatever handler Python installed."""
+def _parent_death_signal() -> int:
+    """The signal this process gets when its parent thread ends (0: none, or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    got = ctypes.c_int(0)
     try:
-        libc = ctypes.CDLL(None)
-        libc.signal(int(sig), ctypes.c_void_p(0))  # SIG_DFL
-        os.kill(os.getpid(), sig)
-        time.sleep(1.0)
-    finally:
-        os._exit(128 + int(sig))
-
-
-def _watch(lifeline, wake_fd: int, prefix: str, run_dir: str) -> None:
-    """Watchdog thread of a rank: wait for the launcher to stop this rank (a byte
-    on the lifeline), to die (end of file on the lifeline) or for SIGTERM, then
-    remove what the run left and end the process.
-
-    A SIGTERM alone does not say who sent it: the launcher (its stop byte is
-    already on the lifeline), the launcher's death (``PR_SET_PDEATHSIG``; the end
-    of file follows within moments, as the dying process's last thread closes
-    its files) or someone else. So it waits up to :data:`_SIGTERM_GRACE_S` for
-    the lifeline to tell. Only an orphaned rank removes the run directory; a
-    living launcher removes it itself."""
-    lf = lifeline.fileno()
-    orphaned, deadline = None, None
-    while orphaned is None:
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            ready, _, _ = select.select([lf, wake_fd], [], [], timeout)
-        except InterruptedError:
-            continue
-        except (OSError, ValueError):
-            orphaned = False
-            break
-        if lf in ready:
-            try:
-                lifeline.recv_bytes()
-                orphaned = False  # the launcher asks this rank to stop
-            except (EOFError, OSError):
-                orphaned = True  # its write end closed: the launcher is gone
-        elif wake_fd in ready:
-            try:
-                woken = os.read(wake_fd, 64)  # one byte per signal Python handled
-            except BlockingIOError:
-                woken = b""
-            if signal.SIGTERM in woken and deadline is None:
-                deadline = time.monotonic() + _SIGTERM_GRACE_S
-        elif deadline is not None and time.monotonic() >= deadline:
-            orphaned = False  # a SIGTERM from someone else
-    shm_mod.stop_creating(prefix)  # no thread of this rank creates a name after this unlink
-    if orphaned:  # nobody else will remove the run directory
-        shutil.rmtree(run_dir, ignore_errors=True)
-    _die(signal.SIGTERM)
-
-
-_SIGTERM_GRACE_S = 2.0
-
-
-def _guard_rank(launcher_pid: int, lifeline, prefix: str, run_dir: str) -> None:
-    """Make this rank ignore Ctrl-C and die with the launcher (see the module docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # blocked since the fork (_SigintDeferred): now simply ignored
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    signal.set_wakeup_fd(w)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # the watchdog acts on the wakeup byte
-    _set_parent_death_signal(signal.SIGTERM)
-    threading.Thread(target=_watch, args=(lifeline, r, prefix, run_dir), daemon=True,
-                     name="cpkv-watchdog").start()
-    if os.getppid() != launcher_pid:  # the launcher died before the guard was up
-        os.kill(os.getpid(), signal.SIGTERM)
+        ok = ctypes.CDLL(None, use_errno=True).prctl(PR_GET_PDEATHSIG, ctypes.byref(got), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return 0
+    return got.value if ok else 0
 
 
 def _send(conn, msg) -> None:
@@ -237,17 +247,17 @@ def _send(conn, msg) -> None:
             _send(conn, ("error", f"rank 0's result cannot be sent to the launcher: {type(e).__name__}: {e}", None))
 
 
-def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, launcher_pid: int,
-               lifeline, out, target: Callable, args: tuple, device: str = "cpu") -> None:
-    from .device import process_group_backend, rank_device
+def _rank_main(rank: int, world_size: int, prefix: str, run_dir: str, timeout: float, plan, outbox: int,
+               target: Callable, args: tuple) -> None:
+    from multiprocessing.connection import Connection
 
-    _guard_rank(launcher_pid, lifeline, prefix, run_dir)
+    out = Connection(outbox, readable=False)
     ctx = RankContext(rank, world_size, prefix)
     try:
         torch.set_num_threads(1)
-        ctx.device = rank_device(device, rank)
+        ctx.device = plan.rank_device(rank)
         if world_size > 1:
-            dist.init_process_group(process_group_backend(device), init_method=f"file://{os.path.join(run_dir, 'pg')}",
+            dist.init_process_group(plan.backend, init_method=f"file://{os.path.join(run_dir, 'pg')}",
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = target(ctx, *args)
         if rank == 0:
@@ -269,16 +279,28 @@ def _is_knock_on(message: str) -> bool:
 
 
 class _Group:
-    """The launcher's view of the running ranks: their processes and pipes."""
+    """The launcher's view of the running ranks: their processes (``subprocess.Popen``, with a pidfd
+    each where the system has them, so a rank's end wakes the launcher at once) and their outboxes."""
 
-    def __init__(self, procs, readers, lifelines):
-        self.procs, self.readers, self.lifelines = procs, dict(zip(readers, range(len(readers)))), lifelines
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+        self.sentinels: list[int | None] = []
+        self.readers: dict = {}  # outbox -> rank
         self.errors: dict[int, tuple[str, str | None]] = {}
         self.result, self.got = None, False
 
+    def add(self, proc: subprocess.Popen, outbox) -> None:
+        try:
+            sentinel = os.pidfd_open(proc.pid)  # before any wait: the pid is still this child's
+        except (AttributeError, OSError):
+            sentinel = None
+        self.readers[outbox] = len(self.procs)
+        self.procs.append(proc)
+        self.sentinels.append(sentinel)
+
     def poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for a message or a rank's exit; take in what came."""
-        running = [p.sentinel for p in self.procs if p.exitcode is None]
+        running = [s for p, s in zip(self.procs, self.sentinels) if s is not None and p.poll() is None]
         ready = wait_ready(list(self.readers) + running, timeout)
         for conn in ready:
             rank = self.readers.get(conn)
@@ -299,11 +321,11 @@ class _Group:
 
     @property
     def broken(self) -> bool:
-        return bool(self.errors) or any(p.exitcode not in (None, 0) for p in self.procs)
+        return bool(self.errors) or any(p.poll() not in (None, 0) for p in self.procs)
 
     @property
     def alive(self) -> bool:
-        return any(p.is_alive() for p in self.procs)
+        return any(p.poll() is None for p in self.procs)
 
     def root_cause(self) -> RankFailure:
         """Name the rank that failed first, not the peers that failed because of it.
@@ -314,37 +336,42 @@ class _Group:
         end = time.monotonic() + 1.0
         while time.monotonic() < end and (self.readers or self.alive):
             self.poll(0.05)
-        for r, p in enumerate(self.procs):
-            if p.exitcode is not None and p.exitcode < 0 and r not in self.errors:
-                return RankFailure(r, f"exited with code {p.exitcode} (killed by {signal.Signals(-p.exitcode).name})")
+        codes = [p.poll() for p in self.procs]
+        for r, code in enumerate(codes):
+            if code is not None and code < 0 and r not in self.errors:
+                return RankFailure(r, f"exited with code {code} (killed by {signal.Signals(-code).name})")
         own = [r for r, (m, d) in self.errors.items() if not _is_knock_on(m + (d or ""))]
         if own or self.errors:
             r = (own or list(self.errors))[0]
             return RankFailure(r, *self.errors[r])
-        r = next(r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0))
-        return RankFailure(r, f"exited with code {self.procs[r].exitcode}")
+        r = next(r for r, code in enumerate(codes) if code not in (None, 0))
+        return RankFailure(r, f"exited with code {codes[r]}")
 
     def stop(self) -> None:
-        """Ask every rank still running to stop (a byte on its lifeline, and
-        SIGTERM), SIGKILL any still there after 5 s, and reap every rank
-        (waiting up to :data:`_REAP_S` more for a killed one), so that the
-        launcher's last unlink of the run's names comes after the last rank
-        that could create one has ended."""
-        started = [p for p in self.procs if p.pid is not None]
-        for p, life in zip(self.procs, self.lifelines):
-            if p.pid is not None and p.is_alive():
-                try:
-                    life.send_bytes(b"stop")
-                except OSError:
-                    pass
+        """Stop every rank still running (SIGTERM, which a rank does not handle: the kernel ends it even
+        while it holds the GIL in C++), SIGKILL any still there after 5 s, and reap every rank (waiting
+        up to :data:`_REAP_S` more for a killed one), so that the launcher's last unlink of the run's
+        names comes after the last rank that could create one has ended."""
+        for p in self.procs:
+            if p.poll() is None:
                 p.terminate()
-        for p in started:
-            p.join(5)
-            if p.is_alive():
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
                 p.kill()
-            end = time.monotonic() + _REAP_S
-            while p.is_alive() and time.monotonic() < end:
-                p.join(1)
+                try:
+                    p.wait(_REAP_S)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def close(self) -> None:
+        for conn in self.readers:
+            conn.close()
+        for s in self.sentinels:
+            if s is not None:
+                os.close(s)
+        self.readers, self.sentinels = {}, []
 
 
 _REAP_S = 60.0  # a SIGKILLed rank is gone within moments; this only bounds a process stuck in the kernel
@@ -355,14 +382,11 @@ class _SigintDeferred:
     cleans up: SIGINT is blocked in this thread, and one that arrives meanwhile
     is delivered (as :class:`KeyboardInterrupt`) when the block ends, not lost.
     Ranks forked meanwhile inherit the block, so a Ctrl-C during their start-up
-    prints nothing; :func:`_guard_rank` then turns it into "ignored"."""
+    prints nothing; :data:`_BOOT` then turns it into "ignored"."""
 
     def __enter__(self):
         self.saved = None
         if hasattr(signal, "pthread_sigmask"):
-            from multiprocessing import resource_tracker
-
-            resource_tracker.ensure_running()  # starting it later would unblock SIGINT in this thread
             self.saved = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         return self
 
@@ -370,6 +394,75 @@ class _SigintDeferred:
         if self.saved is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, self.saved)
         return False
+
+
+def _preparation(rank: int) -> dict:
+    """What multiprocessing's spawn tells a child about its parent (``sys.path``, the working folder,
+    ``__main__``), less the parent's authentication key (a rank does not use it)."""
+    from multiprocessing.spawn import get_preparation_data
+
+    data = get_preparation_data(f"cpkv-rank-{rank}")
+    data.pop("authkey", None)
+    return data
+
+
+class _PassedFd:
+    """A descriptor a rank inherits under the same number (multiprocessing's spawn passes them so)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+class _FdCollector:
+    """Stands for multiprocessing's spawning ``Popen`` while the launcher pickles a rank's work, as
+    ``multiprocessing`` pickles a spawned child's: a shared-memory tensor among the arguments (torch's
+    reduction) travels as its descriptor, which the rank inherits (``pass_fds``)."""
+
+    DupFd = _PassedFd
+
+    def __init__(self):
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+
+def _pickle_work(target: Callable, args: tuple) -> tuple[bytes, list[int]]:
+    """``(target, args)`` pickled as multiprocessing's spawn would (torch's reductions included); the
+    descriptors the ranks must inherit for it."""
+    from multiprocessing import context
+    from multiprocessing.reduction import ForkingPickler
+
+    collector = _FdCollector()
+    context.set_spawning_popen(collector)
+    try:
+        return bytes(ForkingPickler.dumps((target, args))), collector.fds
+    finally:
+        context.set_spawning_popen(None)
+
+
+def _spawn_rank(rank: int, token: int, fds: list[int]) -> tuple[subprocess.Popen, Connection, Connection]:
+    """Start rank ``rank`` (:data:`_BOOT`); its process, the launcher's end of its inbox and of its
+    outbox. ``token`` is the reaper's descriptor the rank holds while it lives, ``fds`` those its
+    work refers to."""
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:  # the interpreter's flags as multiprocessing passes them to its spawned children
+        cmd = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _BOOT, f"cpkv-rank-{rank}",
+               str(os.getpid()), str(in_r), str(out_w), str(token)]
+        proc = subprocess.Popen(cmd, pass_fds=(in_r, out_w, token, *fds))
+    except BaseException:
+        os.close(in_w)
+        os.close(out_r)
+        raise
+    finally:
+        os.close(in_r)
+        os.close(out_w)
+    return proc, Connection(in_w, readable=False), Connection(out_r, writable=False)
 
 
 def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0, device: str = "cpu") -> Any:
@@ -380,33 +473,44 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     failed, or the group (``rank=None``) when it does not finish within
     ``timeout`` seconds, after stopping every other rank. A
     :class:`KeyboardInterrupt` in the launcher stops the group and propagates.
-    Whatever happens, the run leaves no process, shared segment or semaphore.
-    ``device="cuda"``: rank r on ``cuda:r``, NCCL (``RuntimeError`` before
-    any process starts without enough GPUs; untested on hardware).
+    Whatever happens, the run leaves no process, shared segment or folder (see
+    the module docstring for the launcher's own death; on a GPU, a living
+    launcher also removes the CUDA IPC reference counters a killed rank leaves,
+    ``/dev/shm/torch_<rank pid>_*``). It may run in any
+    thread: that thread spawns the ranks and waits for them.
+    ``device="cuda"``: as :func:`~cpkv.runtime.device.plan_devices` plans
+    (rank r on ``cuda:(r % GPUs)``; NCCL with one GPU per rank, gloo when
+    ranks share a GPU), or its ``RuntimeError`` before any process starts.
     """
-    from .device import check_devices
+    from .device import plan_devices
 
-    check_devices(device, world_size)
-    if int(world_size) != world_size or world_size < 1:
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    plan = plan_devices(device, int(world_size))
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    ctx = mp.get_context("spawn")
+    world_size = int(world_size)
+    messages = [pickle.dumps(_preparation(r)) for r in range(world_size)]
+    work, fds = _pickle_work(target, args)  # refused here, before any process starts, when it cannot travel
     prefix = shm_mod.run_prefix(uuid.uuid4().hex[:8])
-    run_dir = tempfile.mkdtemp(prefix="cpkv_pg_")
-    lifelines = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # the launcher holds the write ends
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"cpkv-rank-{r}",
-                         args=(r, world_size, prefix, run_dir, timeout, os.getpid(), lifelines[r][0], pipes[r][1],
-                               target, args, device))
-             for r in range(world_size)]
-    group, failure = _Group(procs, [rd for rd, _ in pipes], [w for _, w in lifelines]), None
+    reaper = reaper_mod.reaper()
+    reaper.watch(prefix=prefix)  # before the first name exists: the reaper removes it if this process dies
+    group, inboxes, run_dir, failure = _Group(), [], None, None
     try:
+        run_dir = reaper.folder("cpkv_pg")
         with _SigintDeferred():
-            for p in procs:
-                p.start()
-        for conn in [wr for _, wr in pipes] + [rd for rd, _ in lifelines]:
-            conn.close()
+            for r in range(world_size):
+                proc, inbox, outbox = _spawn_rank(r, reaper.fd, fds)
+                group.add(proc, outbox)
+                inboxes.append(inbox)
+        for r, inbox in enumerate(inboxes):
+            try:
+                inbox.send_bytes(messages[r])
+                inbox.send_bytes(work)
+                inbox.send_bytes(pickle.dumps((_rank_main, (r, world_size, prefix, run_dir, timeout, plan))))
+            except OSError:
+                pass  # the rank is gone already: its exit code says so
+            inbox.close()
         deadline = time.monotonic() + timeout
         while not group.got or group.alive:
             group.poll(min(0.5, max(deadline - time.monotonic(), 0.0)))
@@ -422,10 +526,14 @@ def launch(target: Callable, world_size: int, *args: Any, timeout: float = 300.0
     finally:
         with _SigintDeferred():
             group.stop()
-            for conn in list(group.readers) + [c for pair in pipes + lifelines for c in pair]:
-                conn.close()
-            shm_mod.unlink_prefix(prefix)
-            shutil.rmtree(run_dir, ignore_errors=True)
+            group.close()
+            for inbox in inboxes:
+                inbox.close()
+            reaper.remove(prefix=prefix)
+            if run_dir is not None:
+                reaper.remove(path=run_dir)
+            if plan.device == "cuda":  # a killed rank's CUDA IPC reference counters
+                shm_mod.unlink_torch_files([p.pid for p in group.procs])
     if failure is not None:
         raise failure
     return group.result

@@ -1,25 +1,30 @@
 """One rank's model forward on the shared cache.
 
-Every rank of a CP group holds the same :class:`CPRunner` state (the page
-table, one :class:`~cpkv.consumers.page_table.PageTable`: the scheduler's
-when one drives the runner) and runs the same calls: allocation is replicated, not
+The runner does the forward only: the batch's requests, their rows, lengths
+and new slots come from whoever planned it (the scheduler, with its one
+:class:`~cpkv.consumers.page_table.PageTable`; or, without a scheduler, a
+:class:`~cpkv.consumers.row_batches.RowBatches`). Every rank of a CP group
+runs the same forwards on the same allocations: allocation is replicated, not
 communicated ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]). For each batch the runner
 builds a :class:`~cpkv.runtime.batch.ForwardBatch` (this rank's tokens under
-the chosen split) and runs the model's layers through it; only the split's own
-collectives (the fences, and the all-gathers of a token split or of the LSE
-decode split) cross ranks.
+the chosen split, planned once from the page table's ``[rows, :L]``) and runs
+the model's layers through it; only the split's own collectives (the fences,
+and the all-gathers of a token split or of the LSE decode split) cross ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..consumers.page_table import PageTable
 from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS, ReplicatedKVPool
-from ..contract.allocator import Allocation, OwnerLaneAllocator
+from ..consumers.row_batches import RowBatches
+from ..contract.allocation import Allocation
+from ..contract.allocator import OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
 from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
@@ -27,27 +32,42 @@ from .comm import Comm, LocalComm
 
 
 class CPRunner:
-    """One rank's view of the CP group: the page table, the pool, the model.
+    """One rank's forward: the pool, the model, the splits.
 
-    ``table`` is the page table the forwards read: ``page_table`` when given
-    (a scheduler's, which writes it once per allocation: the runner then
-    copies nothing), else the runner's own ``max_requests`` x ``max_len``
-    one, which :meth:`allocate` writes for callers without a scheduler
-    (``lens[row]`` then counts each row's positions). ``prefill_split`` and
-    ``decode_split`` choose how batches are divided among ranks
-    (:mod:`cpkv.runtime.batch`); over a
+    ``prefill_split`` and ``decode_split`` choose how batches are divided
+    among ranks (:mod:`cpkv.runtime.batch`); over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
-    copy) only token splits: ``zigzag`` prefill, ``balanced`` decode. ``kernels`` the data plane, ``"torch"`` or
-    ``"triton"`` (default: triton when the pool is on a GPU, else torch).
-    Each forward plans its batch once (:class:`~cpkv.runtime.forward_plan.ForwardPlan`)
-    and then runs the layers. ``check_plans`` compares every allocation
-    across ranks with one collective (debugging only).
+    copy) only token splits: ``zigzag`` prefill, ``balanced`` decode.
+    ``kernels`` the data plane, ``"torch"`` or ``"triton"`` (default: triton
+    when the pool is on a GPU, else torch). ``check_plans`` compares every
+    allocation across ranks with one collective (debugging only). Raises
+    ``ValueError`` for an unknown split or kernels, or a ``comm`` of another
+    rank or size than the pool.
+
+    The form before 0.2, ``CPRunner(adapter, pool, allocator, comm, *,
+    max_requests, max_len, page_table=...)`` with the runner's own rows
+    (``allocate``, ``extend``, ``finish``, ``record``, ``release``,
+    ``last_loc``, ``lens``, ``table``), still works with a
+    ``DeprecationWarning`` (until 0.3) over a
+    :class:`~cpkv.consumers.row_batches.RowBatches`.
     """
 
-    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, allocator: OwnerLaneAllocator | None = None,
-                 comm: Comm | None = None, *, max_requests: int, max_len: int, prefill_split: str = "page",
-                 decode_split: str = "owner", check_plans: bool = False, page_table: PageTable | None = None,
-                 kernels: str | None = None):
+    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, comm: Comm | None = None, *legacy,
+                 prefill_split: str = "page", decode_split: str = "owner", check_plans: bool = False,
+                 kernels: str | None = None, max_requests: int | None = None, max_len: int | None = None,
+                 page_table: PageTable | None = None):
+        self._rows = None
+        if isinstance(comm, OwnerLaneAllocator) or legacy or any(x is not None
+                                                                  for x in (max_requests, max_len, page_table)):
+            warnings.warn("CPRunner(adapter, pool, allocator, comm, max_requests=, max_len=, page_table=) is "
+                          "deprecated and goes in cpkv 0.3: CPRunner(adapter, pool, comm) runs forwards only; "
+                          "rows and lengths come from the scheduler's PageTable or a RowBatches",
+                          DeprecationWarning, stacklevel=2)
+            allocator = comm if isinstance(comm, OwnerLaneAllocator) else None
+            comm = legacy[0] if legacy else (None if allocator is not None else comm)
+            self._rows = RowBatches(allocator, max_requests, max_len, pool.layout.padding_value)
+            if page_table is not None:
+                self._rows.table = page_table
         replicated = isinstance(pool, ReplicatedKVPool)
         prefills, decodes = ((REPLICATED_PREFILL_SPLITS, REPLICATED_DECODE_SPLITS) if replicated
                              else (PREFILL_SPLITS, DECODE_SPLITS))
@@ -55,7 +75,7 @@ class CPRunner:
             raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {prefills}")
         if decode_split not in decodes:
             raise ValueError(f"unknown decode split {decode_split!r}; choose from {decodes}")
-        self.adapter, self.pool, self.allocator = adapter, pool, allocator
+        self.adapter, self.pool = adapter, pool
         self.comm = comm or LocalComm()
         rank, size = (pool.group_rank, pool.group_size) if replicated else (pool.rank, pool.layout.cp_size)
         if self.comm.size != size or self.comm.rank != rank:
@@ -63,39 +83,12 @@ class CPRunner:
         self.rank, self.cp_size = rank, size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
         self.kernels = default_kernels(pool.device) if kernels is None else kernels
-        self.plan_per_layer = False  # benchmarks only: re-plan every layer (cpkv before the forward plan)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-        self.table = page_table or PageTable(max_requests, max_len, pool.layout.padding_value)
-        self.lens = torch.zeros(max_requests, dtype=torch.int64)
         self.tokens_computed = 0
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family
         self.moved_bytes = 0
-
-    # -- the page table ------------------------------------------------------------------
-    @property
-    def req_to_token(self) -> torch.Tensor:
-        """The page table's slots ``[rows, width]`` (SGLang's ``req_to_token``)."""
-        return self.table.req_to_token
-
-    def last_loc(self, rows: torch.Tensor) -> torch.Tensor:
-        """Slot of each row's last position (-1 for an empty row)."""
-        lens = self.lens[rows]
-        return torch.where(lens > 0, self.req_to_token[rows, (lens - 1).clamp(min=0)], -1)
-
-    def record(self, rows: torch.Tensor, alloc: Allocation) -> None:
-        """Enter an allocation this runner made (:meth:`allocate`) into its own page table."""
-        self.pool.check(alloc)
-        self.table.write_allocation(rows, alloc)
-        self.lens[rows] = alloc.seq_lens
-
-    def release(self, row: int) -> torch.Tensor:
-        """Empty ``row``; returns the slots it held (the caller frees them)."""
-        slots = self.req_to_token[row, : int(self.lens[row])].clone()
-        self.req_to_token[row] = self.pool.layout.padding_value
-        self.lens[row] = 0
-        return slots
 
     def _agree(self, alloc: Allocation) -> None:
         h = hashlib.sha256()
@@ -105,36 +98,28 @@ class CPRunner:
         if len(set(digests)) != 1:
             raise ContractViolation(f"ranks planned differently: {digests}")
 
-    # -- allocation, for callers without a scheduler of their own --------------------------
-    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> Allocation:
-        """Allocate a batch on this rank's allocator replica (identical on every rank) and record it."""
-        r = torch.tensor(rows, dtype=torch.int64)
-        prefix = self.lens[r]
-        seq = prefix + torch.tensor(new_lens, dtype=torch.int64)
-        last = self.last_loc(r)
-        alloc = (self.allocator.allocate_decode(seq, last) if decode
-                 else self.allocator.allocate_extend(prefix, seq, last))
-        if alloc is None:
-            raise MemoryError(f"KV cache full: pages missing per lane {self.allocator.last_deficit.tolist()}")
-        self.record(r, alloc)
-        return alloc
-
     # -- the forward ------------------------------------------------------------------------
     def forward(self, rows: list[int] | torch.Tensor, alloc: Allocation, ids: torch.Tensor,
                 decode: bool = False, table: PageTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute this rank's tokens of an allocated batch whose slots are in
-        the page table (``table``, default the runner's own), rows ``rows``.
+        """Compute this rank's tokens of an allocated batch: request ``i`` of
+        ``alloc`` in row ``rows[i]`` of ``table`` (its slots at positions
+        ``0 .. seq_len - 1``, the new ones included). The plan reads
+        ``table[rows, :L]`` only, ``L`` the batch's longest sequence.
 
-        ``ids [E]`` are the batch's new token ids in flattened order. Returns
+        ``ids [E]`` are the batch's new token ids in flattened order;
+        ``decode`` chooses the decode split (else the prefill split). Returns
         ``(token_indices, logits [t, vocab])``: which entries of the flattened
-        batch this rank computed, and their logits.
-        """
+        batch this rank computed, and their logits. Raises ``TypeError``
+        without a ``table`` (a runner of the deprecated form reads its own)."""
+        if table is None:
+            if self._rows is None:
+                raise TypeError("forward needs the page table holding the batch's rows (table=)")
+            table = self._rows.table
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
         if self.check_plans:
             self._agree(alloc)
-        fb = ForwardBatch(self.pool, self.comm, alloc, (table or self.table).rows(rows), mode, self.kernels,
-                          self.plan_per_layer)
+        fb = ForwardBatch(self.pool, self.comm, alloc, table.req_to_token, mode, self.kernels, rows=rows)
         ad = self.adapter
         with torch.no_grad():
             h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])
@@ -159,14 +144,57 @@ class CPRunner:
             out[i] = v
         return out
 
+    # -- the deprecated form: the runner's own rows (DeprecationWarning at construction; removed in 0.3) --------
+    @property
+    def table(self) -> PageTable:
+        """Deprecated: the rows of a runner of the deprecated form (a :class:`RowBatches`' table)."""
+        return self._legacy().table
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """Deprecated: ``table.req_to_token``."""
+        return self._legacy().table.req_to_token
+
+    @property
+    def lens(self) -> torch.Tensor:
+        """Deprecated: each row's length (a :class:`RowBatches`' ``lens``)."""
+        return self._legacy().lens
+
+    def last_loc(self, rows: torch.Tensor) -> torch.Tensor:
+        """Deprecated: :meth:`RowBatches.last_loc`."""
+        return self._legacy().last_loc(rows)
+
+    def record(self, rows: torch.Tensor, alloc: Allocation) -> None:
+        """Deprecated: enter an allocation into the runner's own rows."""
+        b = self._legacy()
+        self.pool.check(alloc)
+        b.table.write_allocation(rows, alloc)
+        b.lens[rows] = alloc.seq_lens
+
+    def release(self, row: int) -> torch.Tensor:
+        """Deprecated: empty ``row``; returns the slots it held (the caller frees them)."""
+        b = self._legacy()
+        slots = b.table.req_to_token[row, : int(b.lens[row])].clone()
+        b.table.req_to_token[row] = b.table.padding
+        b.lens[row] = 0
+        return slots
+
+    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> Allocation:
+        """Deprecated: :meth:`RowBatches.allocate`."""
+        return self._legacy().allocate(rows, new_lens, decode)
+
     def extend(self, rows: list[int], new_ids: list[torch.Tensor], decode: bool = False):
-        """Allocate and compute one batch. Returns ``(alloc, token_indices, logits)``."""
+        """Deprecated: allocate (:meth:`RowBatches.allocate`) and :meth:`forward` one batch."""
         alloc = self.allocate(rows, [t.numel() for t in new_ids], decode)
         idx, logits = self.forward(rows, alloc, torch.cat(new_ids), decode)
         return alloc, idx, logits
 
     def finish(self, row: int) -> None:
-        """Free a request's pages (through this runner's allocator)."""
-        slots = self.release(row)
-        self.allocator.free(slots)
-        self.pool.release(slots)
+        """Deprecated: :meth:`RowBatches.free`, then ``pool.release``."""
+        self.pool.release(self._legacy().free(row))
+
+    def _legacy(self) -> RowBatches:
+        if self._rows is None:
+            raise AttributeError("this runner has no rows of its own: CPRunner(adapter, pool, comm) runs forwards "
+                                 "only (rows from the scheduler's PageTable or a RowBatches)")
+        return self._rows

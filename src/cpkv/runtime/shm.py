@@ -1,16 +1,14 @@
 """POSIX shared-memory segments of a CP group: create, attach, unlink.
 
 Every segment of one run is named ``cpkv_<launcher pid>_<run id>_<tag>``, so the
-launcher (or a rank outliving it for a moment) can remove everything a run made,
-whatever happened to its ranks. A name is needed only while the group's ranks
-attach; :meth:`~cpkv.runtime.group.RankContext.shared` unlinks it right after.
-cpkv owns these lifetimes; Python's resource tracker is kept out of them (it
-would unlink a segment when the first process that touched it exits).
-
-A process that ends its run (a rank's watchdog, before it kills the rank)
-calls :func:`stop_creating`: under the same lock as :func:`create`, it waits
-for a creation in progress, refuses every later one and unlinks the run's
-names, so no thread of the process can leave a name behind the last unlink.
+launcher, or the reaper once the launcher and its ranks are gone
+(:mod:`cpkv.runtime.reaper`), can remove everything a run made by its prefix,
+whatever happened to its ranks; both do so only after the last process that
+could create a name has ended, so no creation races the last unlink. A name is
+needed only while the group's ranks attach;
+:meth:`~cpkv.runtime.group.RankContext.shared` unlinks it right after. cpkv owns
+these lifetimes; Python's resource tracker is kept out of them (it would unlink
+a segment when the first process that touched it exits).
 """
 
 from __future__ import annotations
@@ -18,16 +16,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
 SHM_PREFIX = "cpkv_"
 SHM_DIR = "/dev/shm"
-
-_create_lock = threading.Lock()  # held by create() and stop_creating(): no creation straddles the stop
-_stopped: list[str] = []  # prefixes this process may no longer create names under
 
 
 @contextlib.contextmanager
@@ -51,31 +45,9 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def create(name: str, size: int) -> shared_memory.SharedMemory:
-    """Create a segment of ``size`` bytes (``size >= 1``).
-
-    Raises ``RuntimeError`` naming the segment once :func:`stop_creating` has
-    covered ``name`` in this process (the run is stopping: nothing is created)."""
-    with _create_lock:
-        if any(name.startswith(p) for p in _stopped):
-            raise RuntimeError(f"shared segment {name!r} refused: its run is stopping")
-        with _untracked():
-            return shared_memory.SharedMemory(name=name, create=True, size=max(int(size), 1))
-
-
-def stop_creating(prefix: str, wait_s: float = 5.0) -> list[str]:
-    """Refuse, in this process, every later :func:`create` of a name starting
-    with ``prefix``, then unlink the names with that prefix; returns them.
-
-    Waits up to ``wait_s`` seconds for a creation in progress in another
-    thread, so a name it makes is unlinked here too (past that wait it unlinks
-    anyway: a thread stuck inside a creation for that long is not expected)."""
-    got = _create_lock.acquire(timeout=wait_s)
-    try:
-        _stopped.append(prefix)
-        return unlink_prefix(prefix)
-    finally:
-        if got:
-            _create_lock.release()
+    """Create a segment of ``size`` bytes (``size >= 1``)."""
+    with _untracked():
+        return shared_memory.SharedMemory(name=name, create=True, size=max(int(size), 1))
 
 
 def attach(name: str) -> shared_memory.SharedMemory:
@@ -110,6 +82,17 @@ def unlink(name: str) -> bool:
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlink every segment whose name starts with ``prefix``; returns their names."""
     return [name for name in sorted(shm_names(prefix)) if unlink(name)]
+
+
+#: PyTorch names its shared files (a CUDA IPC producer's reference counters among them) ``torch_<pid>_...``.
+TORCH_PREFIX = "torch_"
+
+
+def unlink_torch_files(pids) -> list[str]:
+    """Unlink the ``/dev/shm/torch_<pid>_*`` files of processes ``pids`` (ended
+    ranks: a CUDA IPC producer's reference counters stay when it is killed);
+    returns their names."""
+    return [n for pid in pids for n in unlink_prefix(f"{TORCH_PREFIX}{int(pid)}_")]
 
 
 def shm_names(prefix: str = SHM_PREFIX) -> set[str]:

@@ -22,37 +22,51 @@ interface of :class:`~cpkv.runtime.group.RankContext` (``rank``,
   and orders nodes as it pleases, so a node's job is told by its role, never
   by its node or global rank.
 
-Nothing is left behind, however the run ends:
+Nothing is left behind, however the run ends, and nothing that makes it so
+needs a dying rank to run Python code (a rank blocked in C++ with the GIL held,
+in the rendezvous or a collective, runs none). From the moment :func:`join`
+starts, for as long as it runs:
 
-* Segment names are unlinked as soon as every rank of the node has mapped
-  them (:meth:`~cpkv.runtime.group.RankContext.shared`); every rank unlinks
-  its node's name prefix again when the target raises, at exit, and on
-  ``SIGTERM``, ``SIGINT`` or ``SIGHUP``: a watchdog thread woken through
-  :func:`signal.set_wakeup_fd` unlinks and ends the rank even while its main
-  thread is blocked in a collective.
-* A rank dies with its torchrun agent (``PR_SET_PDEATHSIG``: the agent's death
-  is a ``SIGTERM``, handled as above).
-* A SIGKILLed rank's peers see their collective fail (gloo closes the
-  connection; a silent peer is bounded by the process group's ``timeout``) and
-  exit, and torchrun's agent stops the node's other ranks with ``SIGTERM``.
-* Ctrl-C reaches the agent and the ranks (one process group): each rank
-  unlinks and ends; the agent forwards the signal and exits.
+* **What ends a rank.** ``PR_SET_PDEATHSIG`` = SIGKILL: the kernel ends the
+  rank as its parent, torchrun's agent, ends (``kill -9`` included), in the
+  rendezvous, in a collective, in a step. (The signal follows the parent
+  *thread* that started the rank: torchrun's agent starts its ranks from its
+  main thread. A launcher of its own that starts ranks from a thread that
+  ends before them would end them with it.) ``SIGTERM``, ``SIGINT`` and
+  ``SIGHUP`` keep their default action: the kernel ends the rank on them at
+  once. torchrun starts each rank in a session of its own and stops them with
+  ``SIGTERM`` to that session (after a rank failed, on Ctrl-C, or when its
+  agent is told to stop); a SIGKILLed rank's peers see their collective fail
+  (gloo closes the connection; a silent peer is bounded by the process group's
+  ``timeout``) and exit.
+* **What removes the node's names.** A name is unlinked as soon as every rank
+  of the node has mapped it (:meth:`~cpkv.runtime.group.RankContext.shared`);
+  a rank unlinks its node's prefix again when :func:`join` ends, raising or
+  not. A rank that ends by a signal runs none of that: its reaper
+  (:mod:`~cpkv.runtime.reaper`, a tiny process in a session of its own, so the
+  agent's ``killpg`` spares it), which watches the node's prefix from before
+  the rank can create a name under it, removes the names once the rank has
+  ended. The rank that dies last so removes the last name, on a node of one
+  rank too.
 
-A rank SIGKILLed while it alone held a name that was not yet unlinked (the
-creator between creating and the node's second barrier) on a node of one rank
-leaves that name: no process of the node is left to remove it. cpkv's own
-launcher has no such window (it unlinks the run's prefix itself).
+Before :func:`join` starts (while the rank's script imports), the rank is the
+script's alone: it does not know its agent's pid, so it cannot tell later
+whether its parent is still the agent. A rank whose agent died before it called
+:func:`join` ends when its rendezvous gives up (the agent's store is gone:
+``timeout`` seconds for each of torch's connection attempts). cpkv's own
+launcher has no such window (:data:`cpkv.runtime.group._BOOT` sets the signal
+before any import).
 
-Backends: gloo on the CPU; ``device="cuda"`` runs ``cpu:gloo,cuda:nccl`` (CPU
-tensors on gloo, CUDA tensors on NCCL, one GPU per local rank); the CUDA path is
-not exercised by this project's tests.
+Backends: gloo on the CPU; ``device="cuda"`` as
+:func:`~cpkv.runtime.device.plan_devices` plans for the node's ranks:
+``cpu:gloo,cuda:nccl`` (CPU tensors on gloo, CUDA tensors on NCCL) with one GPU
+per local rank, gloo when local ranks share a GPU; rank ``LOCAL_RANK`` runs on
+``cuda:(LOCAL_RANK % GPUs)``, and ``ctx.comm`` fences on its device.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import select
 import signal
 import socket
 import threading
@@ -66,7 +80,8 @@ import torch.distributed as dist
 
 from . import shm as shm_mod
 from .comm import DistComm
-from .group import RankContext, _die, _set_parent_death_signal
+from . import reaper as reaper_mod
+from .group import RankContext, _parent_death_signal, _set_parent_death_signal
 
 #: The variables torchrun (and any launcher speaking ``env://``) sets in every rank.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -193,12 +208,14 @@ class JoinedContext(RankContext):
     * ``role`` and ``world`` (:class:`WorldMap`); :meth:`role_group` gives any
       role's process group, :meth:`role_ranks` its ranks;
     * ``comm``: a :class:`~cpkv.runtime.comm.DistComm` on the node's group (the
-      CP group this rank belongs to), ``world_comm`` on the whole world.
+      CP group this rank belongs to) with this rank's ``device``, ``world_comm``
+      on the whole world (the CPU).
 
     Process groups equal to the whole world are the world's group (``None``)."""
 
-    def __init__(self, env: TorchrunEnv, world: WorldMap, prefix: str, groups: dict):
-        super().__init__(env.rank, env.world_size, prefix)
+    def __init__(self, env: TorchrunEnv, world: WorldMap, prefix: str, groups: dict,
+                 device: torch.device | None = None):
+        super().__init__(env.rank, env.world_size, prefix, device)
         self.local_rank, self.local_world_size = env.local_rank, env.local_world_size
         self.world = world
         self.node = world.node_of(env.rank)
@@ -206,7 +223,7 @@ class JoinedContext(RankContext):
         self.role = world.role_of(env.rank)
         self._groups = groups
         self.node_group = groups[("node", self.node)]
-        self.comm = DistComm(self.node_group, self.node_ranks)
+        self.comm = DistComm(self.node_group, self.node_ranks, device=self.device)
         self.world_comm = DistComm()
 
     def role_ranks(self, role: str) -> tuple[int, ...]:
@@ -239,58 +256,34 @@ class JoinedContext(RankContext):
 
 
 class _StopGuard:
-    """Signals that stop a joined rank: the handlers only wake a watchdog thread
-    (through :func:`signal.set_wakeup_fd`), which unlinks ``prefix`` and ends
-    the process by the signal it got, even while the main thread is blocked in
-    a collective. ``uninstall`` restores the previous handlers."""
+    """What ends a joined rank, and what cleans up after it, for the time of :func:`join`.
+
+    ``PR_SET_PDEATHSIG`` = SIGKILL (the kernel ends the rank with its agent), :data:`STOP_SIGNALS` at
+    their default action (the kernel ends the rank on them, even while its main thread holds the GIL in
+    a collective), and this process's reaper (:mod:`~cpkv.runtime.reaper`, out of the agent's process
+    group) watching the node's name prefix once it is known (:meth:`watch`), so that the names this
+    rank may hold are removed once it has ended, however. ``uninstall`` restores the previous
+    handlers and parent-death signal and forgets the prefix (the rank removed it)."""
 
     def __init__(self):
         self.prefix: str | None = None
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._w, False)
+        self._reaper = reaper_mod.reaper()
         self._saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        self._saved_fd = signal.set_wakeup_fd(self._w)
+        self._saved_death = _parent_death_signal()
+        _set_parent_death_signal(signal.SIGKILL)
         for s in STOP_SIGNALS:
-            signal.signal(s, lambda *_: None)
-        _set_parent_death_signal(signal.SIGTERM)
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="cpkv-torchrun-watchdog")
-        self._thread.start()
+            signal.signal(s, signal.SIG_DFL)
 
-    def _watch(self) -> None:
-        while True:
-            try:
-                select.select([self._r], [], [])
-                got = os.read(self._r, 64)
-            except InterruptedError:
-                continue
-            except OSError:
-                return
-            if 0 in got:  # uninstall
-                return
-            sig = next((s for s in got if s in STOP_SIGNALS), None)
-            if sig is not None:
-                if self.prefix:
-                    shm_mod.stop_creating(self.prefix)
-                _die(signal.Signals(sig))
+    def watch(self, prefix: str) -> None:
+        self._reaper.watch(prefix=prefix)
+        self.prefix = prefix
 
     def uninstall(self) -> None:
         for s, h in self._saved.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
-        signal.set_wakeup_fd(self._saved_fd)
-        os.write(self._w, b"\0")
-        self._thread.join(5)
-        os.close(self._r)
-        os.close(self._w)
-
-
-def _backend(device: str) -> str:
-    if device == "cpu":
-        return "gloo"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available here; use device='cpu'")
-        return "cpu:gloo,cuda:nccl"
-    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        _set_parent_death_signal(self._saved_death)
+        if self.prefix:
+            self._reaper.remove(prefix=self.prefix)
 
 
 def _make_groups(world: WorldMap, world_size: int) -> dict:
@@ -312,8 +305,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     torchrun may have numbered otherwise).
 
     Collective: every rank of the world calls it, from its main thread.
-    Initialises ``torch.distributed`` from ``env://`` (gloo; ``device="cuda"``
-    adds NCCL for CUDA tensors and sets this rank's GPU to its local rank) with
+    Initialises ``torch.distributed`` from ``env://`` (gloo; ``device="cuda"``:
+    the backend and this rank's GPU that
+    :func:`~cpkv.runtime.device.plan_devices` plans for the node's local ranks) with
     ``timeout`` seconds for any collective, agrees on a run id (global rank 0's)
     and on the node and role of every rank, makes every node's and role's group,
     runs the target, waits at a barrier for every rank to finish it, and tears
@@ -322,7 +316,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     for this rank's place; ``env://`` itself always reads ``os.environ``.
 
     Raises ``RuntimeError`` when this process was not started by torchrun (see
-    :func:`torchrun_env`) or not from the main thread, ``ValueError`` on a bad
+    :func:`torchrun_env`) or not from the main thread, or a ``device="cuda"``
+    that :func:`~cpkv.runtime.device.plan_devices` refuses (the reason, as
+    ``cpkv run`` gives it), ``ValueError`` on a bad
     environment, ``timeout`` or ``device``; whatever ``target`` raises
     propagates after this rank unlinked its node's segments (so the process
     exits non-zero and torchrun stops the others). Implements the run-time side
@@ -336,7 +332,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
         raise RuntimeError("join() must run in the main thread (it installs signal handlers)")
     if not (timeout > 0 and timeout < float("inf")):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    backend = _backend(device)
+    from .device import plan_devices
+
+    plan = plan_devices(device, env.local_world_size)
     if role is not None and (not isinstance(role, str) or not role):
         raise ValueError(f"role must be a non-empty string, got {role!r}")
     if role is not None:
@@ -345,9 +343,8 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     ctx, ok = None, False
     try:
         torch.set_num_threads(1)
-        if device == "cuda":
-            torch.cuda.set_device(env.local_rank)
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        rank_device = plan.rank_device(env.local_rank)
+        dist.init_process_group(plan.backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout))
         mine = (env.node, env.local_rank, env.local_world_size, env.role, os.getpid(), uuid.uuid4().hex[:8])
         everyone = [None] * env.world_size
@@ -355,9 +352,9 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
         world = world_map([e[:4] for e in everyone])
         node = world.node_of(env.rank)
         creator_pid, run_id = everyone[world.nodes[node][0]][4], everyone[0][5]
-        guard.prefix = prefix = shm_mod.run_prefix(f"{run_id}_n{node}", pid=creator_pid)
-        atexit.register(shm_mod.unlink_prefix, prefix)
-        ctx = JoinedContext(env, world, prefix, _make_groups(world, env.world_size))
+        prefix = shm_mod.run_prefix(f"{run_id}_n{node}", pid=creator_pid)
+        guard.watch(prefix)  # before this rank can create a name under it
+        ctx = JoinedContext(env, world, prefix, _make_groups(world, env.world_size), rank_device)
         result = target(ctx, *args)
         dist.barrier()  # every rank is done with every segment before any prefix is unlinked
         ok = True
@@ -365,8 +362,6 @@ def join(target: Callable, *args: Any, timeout: float = 300.0, device: str = "cp
     finally:
         if ctx is not None:
             ctx.close()
-        if guard.prefix:
-            shm_mod.unlink_prefix(guard.prefix)
         if dist.is_initialized():
             if ok:
                 dist.destroy_process_group()

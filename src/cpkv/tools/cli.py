@@ -21,9 +21,9 @@ import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
-from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_mooncake_flags, comma_choices,
-                    disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file, positive, positive_list,
-                    simulate_workload_arg, size_arg, size_list, workload_arg, zmq_endpoint)
+from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv_events_flags, add_mooncake_flags,
+                    comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file,
+                    positive, positive_list, simulate_workload_arg, size_arg, size_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -54,6 +54,8 @@ def _add_simulate(sub) -> None:
                    help="built-in traces: lane occupancy over time per policy; Mooncake traces: one file per "
                         "figure beside FILE (resident tokens against capacity, hit rate over time, TTFT and TPOT "
                         "CDFs), their paths printed")
+    s.add_argument("--host-pages", type=non_negative, default=0, help="host-tier pages, 0 for none (default 0)")
+    add_kv_events_flags(s, "the simulated caches' (one --workload, one of --policies)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_replay_flags(s)
@@ -91,10 +93,13 @@ def _add_replay_flags(s) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", allow_abbrev=False, help="benchmarks: ratios against baselines measured in the same run")
-    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler", "all"],
+    b.add_argument("what", choices=["alloc", "kv", "engine", "splits", "kvdtype", "capacity", "plan", "scheduler",
+                                    "kernels", "all"],
                    help="which benchmark (all: alloc, kv and engine; splits runs a process group for minutes, "
                         "by name only; plan: host synchronisations per layer and step time before and after "
-                        "the forward plan; scheduler: the scheduler alone, by name only)")
+                        "the forward plan; scheduler: the scheduler alone, by name only; kernels: the Triton "
+                        "kernels against a device copy and torch SDPA on a GPU, their sm_90 compile report "
+                        "(registers, spills, shared memory, grids) anywhere)")
     b.add_argument("--repeats", type=positive, default=None,
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5; scheduler: rounds of every case, 3; capacity: trace "
@@ -115,7 +120,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--contexts", type=positive_list, default=None, metavar="T,..",
                    help="scheduler: context tokens per case (default 4096,32768,131072)")
     b.add_argument("--steps", type=positive, default=None, help="scheduler: decode steps per case (default 64)")
-    b.add_argument("--json", action="store_true", help="splits: print the rows and every rank's counters as JSON")
+    b.add_argument("--json", action="store_true",
+                   help="print the rows as JSON (splits: and every rank's counters; kernels: the sections; "
+                        "all: one object by benchmark)")
+    b.add_argument("--compile", action="store_true",
+                   help="kernels: the sm_90 compile report too on a GPU (without a GPU it is all that runs)")
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")
@@ -129,7 +138,13 @@ def _add_bench(sub) -> None:
     b.add_argument("--requests", type=positive, default=200,
                    help="capacity with a Mooncake --workload: its first K requests (default 200)")
     add_mooncake_flags(b, block=16)
-    b.set_defaults(func=cmd_bench, validate=validate_bench)
+    # a flag not given stays unset, so validate_bench tells which were given, refuses those the benchmark does
+    # not take (BENCH_FLAGS) and then fills in the defaults recorded here
+    b.set_defaults(func=cmd_bench, validate=validate_bench, bench_defaults={
+        a.dest: a.default for a in b._actions if a.option_strings and a.dest != "help"})
+    for a in b._actions:
+        if a.option_strings and a.dest != "help":
+            a.default = argparse.SUPPRESS
 
 
 def _add_bytes(sub) -> None:
@@ -153,7 +168,7 @@ def _add_run(sub) -> None:
 
     from ..engine.config import EngineConfig, field_defaults
     from ..engine.scheduler import ADMISSION
-    from ..engine.trace import TRACE_LIMITS, WORKLOADS
+    from ..engine.trace import MAX_SCALE, TRACE_LIMITS, WORKLOADS
     from ..models import MODELS
     from ..runtime.sizing import KV_MEMORY_CAP, KV_MEMORY_FRACTION, format_size
     from ..runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
@@ -187,8 +202,8 @@ def _add_run(sub) -> None:
     r.add_argument("--requests", type=positive, default=D.requests,
                    help=f"built-in traces: sessions, questions or documents; a Mooncake trace: its first K requests "
                         f"(default {D.requests})")
-    r.add_argument("--scale", type=finite_float(0, inclusive=False), default=D.scale,
-                   help=f"built-in traces: lengths times this (default {D.scale:g})")
+    r.add_argument("--scale", type=finite_float(0, inclusive=False, hi=MAX_SCALE), default=D.scale,
+                   help=f"built-in traces: lengths times this, at most {MAX_SCALE:g} (default {D.scale:g})")
     r.add_argument("--chunk", type=positive, default=D.chunk,
                    help=f"prefill tokens per step, all requests together (default {D.chunk})")
     cache = r.add_mutually_exclusive_group()
@@ -234,12 +249,13 @@ def _add_run(sub) -> None:
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
-    r.add_argument("--kv-events", type=zmq_endpoint, default=None, metavar="tcp://HOST:PORT",
-                   help="publish the prefix cache's KV events (vLLM's format: device pages as GPU, host tier as "
-                        "CPU) on a ZMQ PUB socket that rank 0 binds there; routers subscribe")
+    add_kv_events_flags(r, "the group's caches' (rank 0 binds)")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
-    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--json", action="store_true",
+                   help="print the report as JSON (outputs: every request's id, prompt length and generated tokens)")
+    r.add_argument("--print-tokens", action="store_true",
+                   help="after the text report, every request's generated token ids, one line a request")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_flags(r)
     add_mooncake_flags(r, block=D.block_tokens)
@@ -250,10 +266,20 @@ def _add_run(sub) -> None:
 SUBCOMMANDS = (_add_simulate, _add_run, _add_bench, _add_bytes)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line on stderr (the program, the
+    flag and why, then where the usage is) and exit 2, instead of the usage block
+    then the message."""
+
+    def error(self, message: str):
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpkv`` argument parser, every subcommand registered (parsing runs
     the per-flag checks; the cross-flag ``validate`` runs in :func:`main`)."""
-    p = argparse.ArgumentParser(prog="cpkv", allow_abbrev=False,
+    p = OneLineParser(prog="cpkv", allow_abbrev=False,
                                 description="Owner-lane shared KV cache for context-parallel inference.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(
         f.__name__.removeprefix("_add_") for f in SUBCOMMANDS) + "}")

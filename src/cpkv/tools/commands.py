@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import refuse_cuda_unless_available, refuse_unless_fits
+from .flags import (refuse_cuda_unless_available, refuse_other_bench_flags, refuse_unless_fits,
+                    refuse_unless_kv_events_bind, refuse_without)
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -25,18 +26,20 @@ def cmd_simulate(args) -> int:
 
     names = list(WORKLOADS) if "all" in args.workload else list(dict.fromkeys(args.workload))
     results, tables = [], []
-    for name in names:
-        w = WORKLOADS[name](seed=args.seed)
-        runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
-                       lane_pages=args.lane_pages, admission=args.admission,
-                       progress=not args.no_progress and not args.json)
-        results += runs
-        rows = [r.summary() for r in runs]
+    with simulate_publisher(args) as pub:
+        for name in names:
+            w = WORKLOADS[name](seed=args.seed)
+            runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
+                           lane_pages=args.lane_pages, admission=args.admission, host_pages=args.host_pages,
+                           progress=not args.no_progress and not args.json, events=pub)
+            results += runs
+            rows = [r.summary() for r in runs]
+            tables.append((name, w, rows))
+    for _, _, rows in tables:
         ref = next((r for r in rows if r["policy"] == "oblivious"), None)
         for r in rows:
             if ref is not None:
                 r["admitted vs oblivious"] = round(r["tokens before 1st refusal"] / max(ref["tokens before 1st refusal"], 1), 3)
-        tables.append((name, w, rows))
     if args.plot:
         plot(results, args.plot)
     if args.json:
@@ -52,26 +55,39 @@ def cmd_simulate(args) -> int:
 
 
 #: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
-BUILTIN_ONLY = ("policies", "lane_pages")
+BUILTIN_ONLY = ("policies", "lane_pages", "host_pages", "kv_events", "kv_events_replay")
 MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests", "rate",
                  "gpu_results", "markdown", "window", "max_output")
 
 
+def simulate_publisher(args):
+    """``cpkv simulate --kv-events``: the publisher, bound before the first
+    step (a context manager; a null one without the flag)."""
+    from contextlib import nullcontext
+
+    if args.kv_events is None:
+        return nullcontext()
+    from ..consumers.kv_events_zmq import KVEventPublisher
+
+    return KVEventPublisher(args.kv_events, args.kv_events_replay, buffer_steps=args.kv_events_buffer)
+
+
 def validate_simulate(args, parser) -> None:
     """``--plot`` needs matplotlib; built-in and Mooncake workloads are not mixed, and each takes only its own
-    flags; sets ``args.mooncake`` and ``args.page`` (16, or 64 for Mooncake traces)."""
+    flags; sets ``args.mooncake`` and ``args.page`` (16, or 64 for Mooncake traces). Built-in traces: their
+    lanes checked against this machine and their requests against the cache, ``--kv-events`` one trace under one
+    policy and endpoints this machine can bind; Mooncake traces: a request the cache could never hold refused
+    (:func:`~cpkv.tools.refusals.refuse_mooncake_sizes`)."""
     if args.plot:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            parser.error("--plot needs matplotlib: pip install 'cpkv[plot]'")
-    from .simulate import SIM_WORKLOADS
+        refuse_without(parser, "matplotlib", "--plot")
+    from .refusals import refuse_mooncake_sizes, refuse_simulate_sizes
+    from .simulate import POLICIES, SIM_WORKLOADS
 
     builtin = [w for w in args.workload if w in SIM_WORKLOADS or w == "all"]
     if builtin and len(builtin) != len(args.workload):
         parser.error("--workload: built-in traces and Mooncake traces are simulated apart; give one kind")
     args.mooncake = not builtin
-    wrong = [f for f in (BUILTIN_ONLY if args.mooncake else MOONCAKE_ONLY) if getattr(args, f) not in (None, False)]
+    wrong = [f for f in (BUILTIN_ONLY if args.mooncake else MOONCAKE_ONLY) if getattr(args, f) not in (None, False, 0)]
     if not args.mooncake and args.block_tokens != 512:
         wrong.append("block_tokens")
     if wrong:
@@ -79,6 +95,15 @@ def validate_simulate(args, parser) -> None:
         parser.error(f"{', '.join('--' + f.replace('_', '-') for f in wrong)} do not apply to {kind}")
     if args.page is None:
         args.page = 64 if args.mooncake else 16
+    if args.mooncake:
+        refuse_mooncake_sizes(parser, args)
+        return
+    args.policies = args.policies or list(POLICIES)
+    refuse_simulate_sizes(parser, args)
+    if args.kv_events is not None and ("all" in args.workload or len(args.workload) != 1 or len(args.policies) != 1):
+        parser.error("--kv-events publishes one cache: name one --workload and one of --policies "
+                     f"(got --workload {' '.join(args.workload)}, --policies {','.join(args.policies)})")
+    refuse_unless_kv_events_bind(parser, args)
 
 
 def cmd_bench(args) -> int:
@@ -88,8 +113,9 @@ def cmd_bench(args) -> int:
 
     tables = {
         "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
-                  "rounds; per-block = a deque of page ids per lane in plain Python; floor = torch.arange of the "
-                  "same length"),
+                  "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
+                  "out_cache_loc; arange = writing that out_cache_loc from the same pages; goal = the most "
+                  "cp8/deque may be (extend also cp8/arange <= 2)"),
         "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
         "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
@@ -102,6 +128,10 @@ def cmd_bench(args) -> int:
         return cmd_bench_kvdtype(args)
     if args.what == "capacity":
         return cmd_bench_capacity(args)
+    if args.what == "kernels":
+        from .bench.kernels import run_kernels_command
+
+        return run_kernels_command(args)
     if args.what == "plan":
         from .bench import bench_plan
 
@@ -111,6 +141,7 @@ def cmd_bench(args) -> int:
             rows, f"plan: a Llama of 4 layers on one rank, torch path, CPU; prefill 4 x 256 tokens, decode 32 at "
                   f"512; median of {n} interleaved rounds; syncs = host synchronisations counted in each layer"))
         return EXIT_OK
+    out = {}
     for what, (bench, repeats, title) in tables.items():
         if args.what in (what, "all"):
             n = args.repeats or repeats
@@ -119,13 +150,14 @@ def cmd_bench(args) -> int:
                 title = title.replace("64K tokens", f"{kw.get('tokens', 65536)} tokens") + \
                     f"; device {args.device}, kernels {args.kernels}"
                 rows = bench(repeats=n, **kw)
-                if args.json:
-                    print(json.dumps(rows, indent=2))
-                    continue
             else:
                 rows = bench(repeats=n)
-            print(format_rows(rows, title.format(n=n)))
-            print()
+            out[what] = rows
+            if not args.json:
+                print(format_rows(rows, title.format(n=n)))
+                print()
+    if args.json:
+        print(json.dumps(out if args.what == "all" else out[args.what], indent=2))
     return EXIT_OK
 
 
@@ -154,6 +186,9 @@ def cmd_bench_capacity(args) -> int:
         return EXIT_CHECK_FAILED
     trace = (f"{args.workload}, its first {args.requests} requests at {args.block_tokens} tokens a block" if args.workload
              else "longdoc trace")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
                             f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
                             f"run to the end; {trace}; every run checked against transformers"))
@@ -161,9 +196,15 @@ def cmd_bench_capacity(args) -> int:
 
 
 def validate_bench(args, parser) -> None:
-    """``cpkv bench``: ``--device cuda`` needs CUDA; ``--device``/``--kernels`` apply to kv, splits and plan;
-    sets ``args.kernels`` to its default when not given, and ``--cp``/``--page`` to 4/16 for every bench but
-    scheduler (whose defaults are 8/64)."""
+    """``cpkv bench``: a flag the benchmark does not take is refused, naming the benchmarks that take it
+    (:data:`~cpkv.tools.flags.BENCH_FLAGS`), then the defaults of the others are set; ``--device cuda`` needs CUDA;
+    ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
+    given, and ``--cp``/``--page`` to 4/16 for every bench but scheduler (whose defaults are 8/64)."""
+    refuse_other_bench_flags(parser, args)
+    if args.what in ("engine", "splits", "kvdtype", "capacity", "plan", "all"):
+        refuse_without(parser, "transformers", f"bench {args.what} (its models are transformers' own)")
+    if args.kernels == "triton":
+        refuse_without(parser, "triton", "--kernels triton")
     if args.what != "scheduler":
         args.cp, args.page = args.cp or 4, args.page or 16
     refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
@@ -178,8 +219,6 @@ def validate_bench(args, parser) -> None:
         parser.error("bench plan measures the torch path on the CPU; it does not take --device cuda")
     if args.what == "capacity":
         refuse_capacity_unless_fits(args, parser)
-    elif args.workload:
-        parser.error("--workload (a Mooncake trace) applies to bench capacity only")
 
 
 def refuse_capacity_unless_fits(args, parser) -> None:
@@ -252,6 +291,9 @@ def cmd_bench_scheduler(args) -> int:
     except (ValueError, RuntimeError) as e:  # e.g. a context too short for the whole batch to decode together
         print(f"cpkv bench scheduler: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
     print(format_rows(rows, scheduler_title(**sizes)))
     return EXIT_OK
 
@@ -296,9 +338,10 @@ def run_config(args):
         prefill_split=args.prefill_split, decode_split=args.decode_split, workload=args.workload,
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
-        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events, device=args.device,
-        kernels=args.kernels, block_tokens=args.block_tokens, window_ms=args.window, max_output=args.max_output,
-        step_ms=args.step_ms,
+        progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay, kv_events_buffer=args.kv_events_buffer, device=args.device,
+        kernels=args.kernels, block_tokens=args.block_tokens,
+        window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
     )
 
 
@@ -316,6 +359,9 @@ def validate_disagg(args, parser, cfg) -> None:
     d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
     if args.device_pages is None:  # sized from memory for this world of M + N ranks
         d = dataclasses.replace(d, device_pages=None)
+    from .refusals import refuse_sizes
+
+    refuse_sizes(parser, dataclasses.replace(cfg, cp_size=M), d.trace(), trace=False)  # before DisaggControl allocates
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
     except CacheTooSmall as e:
@@ -325,27 +371,44 @@ def validate_disagg(args, parser, cfg) -> None:
     prefill = dataclasses.replace(cfg, cp_size=M)
     decode = dataclasses.replace(cfg, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
     refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
-    say_how_long(d, d.trace(), d.world_size)
+    from .refusals import refuse_if_past_timeout
+
+    refuse_if_past_timeout(parser, d, d.trace(), d.world_size)
     args.config = d
 
 
 def validate_run(args, parser) -> None:
-    """``cpkv run``: cross-flag rules, then the trace and the group(s) refused before any process starts;
-    sets ``args.config`` (an engine or a disaggregated configuration)."""
+    """``cpkv run``: cross-flag rules, then every size checked against this machine and the trace against
+    the cache, before anything is allocated or any process starts (:mod:`cpkv.tools.refusals`); sets
+    ``args.config`` (an engine or a disaggregated configuration)."""
     from ..engine.config import engine_footprint
-    from ..engine.trace import CacheTooSmall, TraceError
+    from ..engine.trace import TraceError
+    from .refusals import refuse_group_size, refuse_if_past_timeout, refuse_sizes, refuse_torchrun_mismatch
 
+    refuse_without(parser, "transformers", "cpkv run (its models are transformers' own)")
+    if args.plot:
+        refuse_without(parser, "matplotlib", "--plot")
+    if args.kernels == "triton":
+        refuse_without(parser, "triton", "--kernels triton")
     if args.disagg is not None and args.cp is not None:
         parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
                      f"decode ranks); it does not take --cp {args.cp}")
+    refuse_torchrun_mismatch(parser, args.cp)
+    if args.disagg:
+        refuse_group_size(parser, sum(args.disagg), "--disagg")
+    elif args.cp is not None:
+        refuse_group_size(parser, args.cp)
     refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
                                  else args.cp or default_cp_size())
     if args.device == "cuda" and args.disagg:
-        parser.error("--device cuda runs one CP group; --disagg on GPUs is not built")
+        from ..engine.joined import DISAGG_ON_GPU
+
+        parser.error(DISAGG_ON_GPU)
     if args.decode_page is not None and args.disagg is None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     if args.kv_events is not None and args.disagg is not None:
         parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
+    refuse_unless_kv_events_bind(parser, args)
     try:
         cfg = run_config(args)
     except ValueError as e:  # a --kv-memory that holds no page
@@ -359,50 +422,13 @@ def validate_run(args, parser) -> None:
     if args.disagg:
         return validate_disagg(args, parser, cfg)
     try:
-        from ..engine.engine import build_scheduler
-
-        build_scheduler(cfg, cfg.trace())  # a trace that cannot run is refused before any process starts
-    except CacheTooSmall as e:
-        parser.error(f"--workload: {e}; {raise_the_cache(e, cfg)}")
+        specs = cfg.trace()
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
-    refuse_unless_fits(parser, engine_footprint(cfg), timeout=args.timeout)
-    say_how_long(cfg, cfg.trace(), cfg.cp_size)
+    refuse_sizes(parser, cfg, specs)
+    refuse_unless_fits(parser, engine_footprint(cfg, specs), timeout=args.timeout)
+    refuse_if_past_timeout(parser, cfg, specs, cfg.cp_size)
     args.config = cfg
-
-
-def raise_the_cache(e, cfg) -> str:
-    """The flag to raise, and by how much, for the trace ``e``
-    (:class:`~cpkv.engine.trace.CacheTooSmall`) refused by ``cfg``'s device cache."""
-    from ..runtime.sizing import format_size
-
-    need = e.pages_per_rank_needed
-    now = (f"now {cfg.device_pages} pages per rank" + (f" from --kv-memory {format_size(cfg.kv_memory)}"
-                                                        if cfg.kv_memory else ""))
-    return (f"give --kv-memory {format_size(need * cfg.page_bytes())} or more, or --device-pages {need} or more "
-            f"({now}, {format_size(cfg.page_bytes())} a page)")
-
-
-#: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.
-SAY_HOW_LONG_S = 60.0
-
-
-def say_how_long(cfg, specs, world_size: int) -> float:
-    """Print on stderr how long a run expects to take, when that is over
-    :data:`SAY_HOW_LONG_S` (steps from :func:`~cpkv.engine.trace.expected_steps`,
-    seconds from :func:`~cpkv.runtime.sizing.expected_run_seconds`); returns
-    the estimate."""
-    from ..engine.trace import expected_steps
-    from ..runtime.sizing import expected_run_seconds, machine_capacity
-
-    steps = expected_steps(specs, cfg.chunk, cfg.max_running)
-    cores = machine_capacity().cores
-    secs = expected_run_seconds(world_size, steps, cores)
-    if secs > SAY_HOW_LONG_S:
-        over = f"; that is past --timeout {cfg.timeout:g} s: raise it" if secs > cfg.timeout else ""
-        print(f"cpkv run: expect about {secs / 60:.0f} min: about {steps} steps on {world_size} ranks and "
-              f"{cores} cores{over}", file=sys.stderr)
-    return secs
 
 
 def cmd_run(args) -> int:
@@ -414,6 +440,7 @@ def cmd_run(args) -> int:
     the others print nothing and exit 0."""
     from ..engine import engine
     from ..runtime.torchrun import torchrun_env
+    from .report import format_outputs
 
     joined = torchrun_env() is not None
     if args.disagg:
@@ -433,6 +460,8 @@ def cmd_run(args) -> int:
             r = {**r, "config": {k: v for k, v in r["config"].items() if k not in FAULT_HOOKS}}
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
+        if args.print_tokens and not args.json:
+            print(format_outputs(r["outputs"]))
         return check_exit(r, args)
     if joined:
         from ..engine.joined import run_engine_joined
@@ -455,6 +484,8 @@ def cmd_run(args) -> int:
         print(format_engine(r))
         if args.plot:
             print(f"occupancy plot: {args.plot}")
+    if args.print_tokens and not args.json:
+        print(format_outputs(r["outputs"]))
     return check_exit(r, args)
 
 

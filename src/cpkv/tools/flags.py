@@ -3,7 +3,8 @@
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
   :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`) are ``type=``
   callables: a bad value is refused while parsing, by argparse itself, naming the flag;
-* :func:`add_kv_dtype_flag` adds ``--kv-dtype``;
+* :func:`add_kv_dtype_flag` adds ``--kv-dtype``; :func:`add_kv_events_flags` the KV event flags, and
+  :func:`refuse_unless_kv_events_bind` refuses, before anything starts, an endpoint that cannot be bound;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
   (``--cp``/``--ranks``, ``--timeout``), and :func:`refuse_unless_fits` refuses,
   with the reason, groups this machine cannot hold
@@ -33,20 +34,21 @@ def int_at_least(lo: int):
     return parse
 
 
-def finite_float(lo: float, *, inclusive: bool = True):
-    """A ``type=`` for finite floats ``>= lo`` (``> lo`` unless ``inclusive``)."""
+def finite_float(lo: float, *, inclusive: bool = True, hi: float | None = None):
+    """A ``type=`` for finite floats ``>= lo`` (``> lo`` unless ``inclusive``) and, with ``hi``, ``<= hi``."""
     rel = ">=" if inclusive else ">"
+    upto = f" and <= {hi:g}" if hi is not None else ""
 
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number {rel} {lo:g}, got {text!r}") from None
-        if not math.isfinite(v) or v < lo or (v == lo and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be a finite number {rel} {lo:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a number {rel} {lo:g}{upto}, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (v == lo and not inclusive) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be a finite number {rel} {lo:g}{upto}, got {text}")
         return v
 
-    parse.__name__ = f"number {rel} {lo:g}"
+    parse.__name__ = f"number {rel} {lo:g}{upto}"
     return parse
 
 
@@ -177,10 +179,87 @@ size_arg.__name__ = "size"
 
 
 def zmq_endpoint(text: str) -> str:
-    """A ``type=`` for ``--kv-events``: a ZMQ endpoint to bind, ``tcp://HOST:PORT`` (or ``ipc://PATH``)."""
-    if not (text.startswith("tcp://") and ":" in text[6:] or text.startswith("ipc://") and len(text) > 6):
-        raise argparse.ArgumentTypeError(f"must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {text!r}")
+    """A ``type=`` for ``--kv-events``/``--kv-events-replay``: a ZMQ endpoint to
+    bind, ``tcp://HOST:PORT`` with a port 1-65535 (HOST ``*`` for every
+    interface) or ``ipc://PATH``. A router must know where to connect, so a port
+    the system would pick (``*``) is refused, and so is one out of range (ZMQ
+    would bind another port and never say which)."""
+    if text.startswith("ipc://") and len(text) > 6:
+        return text
+    host, _, port = text[6:].rpartition(":") if text.startswith("tcp://") else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a ZMQ endpoint tcp://HOST:PORT with a port 1-65535 (or "
+                                         f"ipc://PATH), such as tcp://127.0.0.1:5557; got {text!r}")
     return text
+
+
+def add_kv_events_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """``--kv-events``, ``--kv-events-replay`` and ``--kv-events-buffer``: the
+    prefix cache's KV events in vLLM's format, for routers ([[RFC-0001:C-KV-EVENTS]])."""
+    p.add_argument("--kv-events", type=zmq_endpoint, default=None, metavar="tcp://HOST:PORT",
+                   help=f"publish {what} KV events (vLLM 0.33's wire: device pages as GPU, host tier as CPU, "
+                        "block_size the page size) on a ZMQ PUB socket bound there before the first step; routers "
+                        "subscribe (needs the events extra)")
+    p.add_argument("--kv-events-replay", type=zmq_endpoint, default=None, metavar="tcp://HOST:PORT",
+                   help="with --kv-events: bind vLLM's replay socket there (a ROUTER answering a start sequence "
+                        "number with every buffered batch from it), so a router that connects late, or misses a "
+                        "batch, asks for what it missed, from seq 0 on")
+    p.add_argument("--kv-events-buffer", type=positive, default=10_000, metavar="BATCHES",
+                   help="with --kv-events-replay: batches kept for replay (default 10000, vLLM's buffer_steps)")
+
+
+def missing(module: str) -> bool:
+    """Whether ``module`` cannot be imported here (not installed, or hidden as
+    ``sys.modules[module] = None``), found without importing it."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is None
+    return importlib.util.find_spec(module) is None
+
+
+#: The optional packages by extra: ``pip install 'cpkv[EXTRA]'`` installs them.
+EXTRAS = {"transformers": "model", "matplotlib": "plot", "triton": "kernels", "zmq": "events", "msgspec": "events"}
+
+
+def refuse_without(parser: argparse.ArgumentParser, module: str, what: str) -> None:
+    """``parser.error`` (one line, exit 2) when ``what`` needs ``module`` and it
+    is not installed, naming the extra that installs it."""
+    if missing(module):
+        parser.error(f"{what} needs {module}: pip install 'cpkv[{EXTRAS[module]}]'")
+
+
+def refuse_unless_kv_events_bind(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` (exit 2, before anything starts) naming the flag when
+    ``--kv-events``/``--kv-events-replay`` is given wrongly or cannot be
+    bound here now (a busy port, an address this machine does not have). Each
+    endpoint is bound once and closed again; the run binds it for good."""
+    if args.kv_events is None:
+        if args.kv_events_replay is not None:
+            parser.error("--kv-events-replay serves the batches of --kv-events; give --kv-events too")
+        return
+    if args.kv_events_replay == args.kv_events:
+        parser.error(f"--kv-events-replay must differ from --kv-events (both {args.kv_events})")
+    refuse_without(parser, "zmq", "--kv-events")
+    refuse_without(parser, "msgspec", "--kv-events")
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for flag, ep in (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay)):
+            if ep is None:
+                continue
+            s = ctx.socket(zmq.PUB)
+            s.setsockopt(zmq.LINGER, 0)
+            try:
+                s.bind(ep)
+            except zmq.ZMQError as e:
+                parser.error(f"{flag} {ep}: cannot bind it here: {e}")
+            finally:
+                s.close(0)
+    finally:
+        ctx.term()
 
 
 def disagg_arg(text: str) -> tuple[int, int]:
@@ -218,18 +297,20 @@ def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None
                         "default triton on a GPU, torch on the CPU")
     if device:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="where the model and the KV cache live (default cpu); cuda: one GPU per rank, NCCL, "
-                            "buffers mapped across the ranks (untested on hardware)")
+                       help="where the model and the KV cache live (default cpu); cuda: each rank's KV segment on "
+                            "its own GPU, read by the others over CUDA IPC; one GPU per rank (NCCL) or several "
+                            "ranks per GPU (gloo)")
 
 
 def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, ranks: int = 1) -> None:
-    """``parser.error`` (exit 2, before any process starts) for ``--device
-    cuda`` on a machine where torch sees no CUDA device, or fewer GPUs than
-    ``ranks`` (:func:`cpkv.runtime.device.check_devices`)."""
-    from ..runtime.device import check_devices
+    """``parser.error`` (exit 2, before any process starts) for a ``--device
+    cuda`` group of ``ranks`` that :func:`cpkv.runtime.device.plan_devices`
+    refuses (no CUDA device, ``expandable_segments`` on, GPUs without peer
+    access), with its reason."""
+    from ..runtime.device import plan_devices
 
     try:
-        check_devices(device, ranks)
+        plan_devices(device, ranks)
     except RuntimeError as e:
         parser.error(f"refused before starting: {e}")
 
@@ -288,3 +369,34 @@ def size_list(text: str) -> list[int]:
 
 
 size_list.__name__ = "comma list of sizes"
+
+
+#: The flags each benchmark takes (``all``: those of alloc, kv and engine); any other given is refused.
+BENCH_FLAGS = {
+    "alloc": {"repeats", "json"},
+    "engine": {"repeats", "json"},
+    "kv": {"repeats", "json", "tokens", "device", "kernels"},
+    "splits": {"repeats", "json", "model", "cp", "tokens", "bs", "decode_bs", "context", "page", "device", "kernels"},
+    "kvdtype": {"json", "cp", "kv_dtype"},
+    "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as", "workload", "requests", "block_tokens",
+                 "window", "max_output", "step_ms"},
+    "plan": {"repeats", "json", "device", "kernels"},
+    "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
+}
+BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
+
+
+def refuse_other_bench_flags(parser: argparse.ArgumentParser, args) -> None:
+    """``cpkv bench``: ``parser.error`` for a flag given that the benchmark does
+    not take, naming the benchmarks it sets (:data:`BENCH_FLAGS`); then every
+    flag not given takes its default (``args.bench_defaults``: the parser leaves
+    a flag not given unset, so that one given is told apart)."""
+    defaults = args.bench_defaults
+    for dest in defaults:
+        if hasattr(args, dest) and dest not in BENCH_FLAGS[args.what]:
+            takes = [w for w, f in BENCH_FLAGS.items() if dest in f and w != "all"]
+            flag = "--" + dest.replace("_", "-")
+            parser.error(f"{flag} is not a flag of bench {args.what}; it sets bench {', '.join(takes)}")
+    for dest, value in defaults.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, value)

@@ -202,7 +202,7 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
     decode_batch = []
     now, i, max_waiting, max_wait = 0.0, 0, 0, 0.0
     S, st = cfg.page_size, sched.stats
-    total_pages = int(sched.cache.lane_pages.sum())
+    total_pages = int(sched.cache.alloc.lane_pages.sum())
     bar = progress_bar(total=n, desc=f"{name} / {kv} / {cfg.kv_dtype}", disable=not progress, leave=False)
     while True:
         if clock == "ms":
@@ -224,21 +224,17 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
                 break
             sched.skip_idle()
         plan = sched.plan()
-        starts, ends = [], []
-        for b in (plan.decode, plan.prefill):
-            if b is not None:
-                starts.append(b.alloc.to_host("prefix_lens"))
-                ends.append(b.alloc.to_host("seq_lens"))
-        if plan.decode is not None:
-            decode_batch.append(len(plan.decode.requests))
-        cost = model.step(np.concatenate(starts) if starts else np.zeros(0),
-                          np.concatenate(ends) if ends else np.zeros(0),
-                          decode_only=plan.prefill is None,
+        f = plan.forward
+        if f is not None and f.decodes:
+            decode_batch.append(f.decodes)
+        cost = model.step(f.alloc.to_host("prefix_lens") if f is not None else np.zeros(0),
+                          f.alloc.to_host("seq_lens") if f is not None else np.zeros(0),
+                          decode_only=f is None or f.decode,
                           load_tokens=sum(x.device.numel() for x in plan.loads),
                           backup_tokens=sum(x.device.numel() for x in plan.backups))
         now += cost.total * 1e3
-        if plan.prefill is not None:
-            for r, sampled in zip(plan.prefill.requests, plan.prefill.sample):
+        if f is not None and not f.decode:
+            for r, sampled in zip(f.requests[f.decodes :], f.sample[f.decodes :]):
                 if sampled and np.isnan(first[accepted[r.index]]):
                     first[accepted[r.index]] = now if clock == "ms" else plan.step
         done = sched.complete(plan, null_execute(plan))
@@ -249,7 +245,7 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
             max_waiting = max(max_waiting, len(sched.waiting))
             max_wait = max(max_wait, now - arrival[accepted[sched.waiting[0].index]])
         series["time_ms"].append(now)
-        series["resident_tokens"].append((total_pages - int(np.sum(sched.cache.lane_free_pages()))) * S)
+        series["resident_tokens"].append((total_pages - int(np.sum(sched.cache.alloc.lane_free_pages()))) * S)
         series["hit_tokens"].append(st.hit_tokens)
         series["host_hit_tokens"].append(st.host_hit_tokens)
         series["prompt_tokens"].append(st.prompt_tokens)
@@ -262,7 +258,7 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
     per_request = [(r.spec.id, float(first[j]), float(finish[j])) for r, j in zip(reqs, accepted)]
     res = ReplayResult(
         trace=name, kv=kv, config=cfg,
-        capacity_tokens=total_pages * S, longest_tokens=int(sched.cache.lane_pages.min()) * sched.N * S,
+        capacity_tokens=total_pages * S, longest_tokens=int(sched.cache.alloc.lane_pages.min()) * sched.N * S,
         host_tokens=(sched.host.alloc.size if sched.host is not None else 0), requests=n, refused=refused,
         finished=st.finished, prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens,
         host_hit_tokens=st.host_hit_tokens, generated_tokens=st.generated_tokens, evicted_pages=st.evicted_pages,

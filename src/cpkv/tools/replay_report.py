@@ -186,24 +186,37 @@ def plot_replays(results: list[ReplayResult], path: str) -> list[str]:
     return out
 
 
+def replay_base(args):
+    """``cpkv simulate``'s ``(Hardware, ReplayConfig)`` for Mooncake traces from its flags (every mode, dtype and
+    host tier varies from this one); ``ValueError`` for a configuration :class:`ReplayConfig` refuses."""
+    from .cost_model import H200
+
+    hw = H200.with_results(args.gpu_results) if args.gpu_results else H200
+    return hw, ReplayConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, hw=hw,
+                            chunk=args.chunk or 8192, max_running=args.max_running or 256, admission=args.admission,
+                            rate=args.rate or 1.0)
+
+
+def load_traces(args) -> list:
+    """``[(name, MooncakeTrace)]``: every ``--workload`` of ``cpkv simulate`` read, sliced and scaled by its flags
+    (lazy prompts); :class:`~cpkv.engine.trace.TraceError` for a malformed line."""
+    from ..engine.mooncake import load_mooncake
+
+    return [(Path(w.removeprefix("mooncake:")).stem,
+             load_mooncake(w, block=args.block_tokens, requests=args.requests, window_ms=args.window,
+                           max_output=args.max_output, lazy=True)) for w in args.workload]
+
+
 def cmd_replay(args) -> int:
     """``cpkv simulate`` with Mooncake traces: every trace in every mode asked for, the table (or
     ``--markdown``, ``--json``), the goals, the cost model's decode step at equal batch, the plots."""
     import dataclasses
 
-    from ..engine.mooncake import load_mooncake
-    from .cost_model import H200, kv_memory_per_rank
+    from .cost_model import kv_memory_per_rank
     from .table import format_rows
 
-    hw = H200.with_results(args.gpu_results) if args.gpu_results else H200
-    base = ReplayConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, hw=hw,
-                        chunk=args.chunk or 8192, max_running=args.max_running or 256, admission=args.admission,
-                        rate=args.rate or 1.0)
-    traces = []
-    for w in args.workload:
-        t = load_mooncake(w, block=args.block_tokens, requests=args.requests, window_ms=args.window,
-                          max_output=args.max_output, lazy=True)
-        traces.append((Path(w.removeprefix("mooncake:")).stem, t))
+    hw, base = replay_base(args)
+    traces = args.mooncake_traces if getattr(args, "mooncake_traces", None) else load_traces(args)
     hosts = args.host_memory if args.host_memory is not None else [0, HOST_MEMORY]
     results = run_replays(traces, kvs=args.kv or ("shared", "replicated"), dtypes=args.kv_dtype or ("bfloat16", "fp8"),
                           hosts=hosts, splits=args.decode_split or ("owner",), base=base,

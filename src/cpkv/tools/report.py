@@ -5,6 +5,12 @@ from __future__ import annotations
 from .table import format_rows
 
 
+def format_outputs(outputs: list[dict]) -> str:
+    """``--print-tokens``: one line a request, its id, prompt length and generated token ids."""
+    lines = ["", "generated tokens (id, prompt tokens: ids):"]
+    return "\n".join(lines + [f"{o['id']} {o['prompt_tokens']}: {' '.join(map(str, o['generated']))}" for o in outputs])
+
+
 def format_engine(r: dict) -> str:
     """The human-readable report of one ``cpkv run`` (the engine)."""
     c = r["config"]
@@ -34,6 +40,8 @@ def format_engine(r: dict) -> str:
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
     rows += latency_rows(r.get("latency"))
+    if r.get("kernels_fallback"):
+        rows += [("kernels fallback", r["kernels_fallback"])]
     if ck is not None:
         ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
         rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),

@@ -69,7 +69,7 @@ def pseudo_token(r, vocab: int = 50_000) -> int:
 
 def null_execute(plan: StepPlan) -> list[list[int]]:
     """Carry out a plan without a model: every batch yields pseudo tokens."""
-    return [[pseudo_token(r) for r in b.requests] for b in plan.batches()]
+    return [[pseudo_token(r) for r in b.requests] for b in plan.forwards()]
 
 
 @dataclass
@@ -118,14 +118,17 @@ class RunResult:
 
 def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_size: int = 16,
         lane_pages: int | None = None, admission: str = "lanes", headroom: float = 0.02, host_pages: int = 0,
-        progress: bool = True) -> RunResult:
+        progress: bool = True, events=None) -> RunResult:
     """Run ``workload`` under one placement ``policy`` through the engine's scheduler.
 
     ``admission="lanes"`` admits a request only while every lane can hold what
     the running requests and it still need (free plus evictable pages, less
     ``headroom`` of a lane); ``"none"`` admits every due request up to the
     running limit, a stress mode in which allocations are refused and requests
-    preempted once a lane runs dry.
+    preempted once a lane runs dry. ``events`` (a
+    :class:`~cpkv.consumers.kv_events_zmq.KVEventPublisher`, or ``None``)
+    hears the caches' KV events, one batch a step, as the engine publishes
+    them (:func:`cpkv.engine.engine.connect_kv_events`).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
@@ -140,14 +143,23 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     sched = Scheduler(list(workload.requests), PrefixCache(alloc), chunk=workload.chunk,
                       max_running=workload.max_running, admission=admission, headroom=headroom, host=host,
                       report_lanes=N)
+    sink = None
+    if events is not None:
+        from ..engine.engine import connect_kv_events
+
+        sink = connect_kv_events(sched, events)
     bar = progress_bar(total=len(workload.requests), desc=f"{workload.name} / {policy}", disable=not progress, leave=False)
     while not sched.done:
         plan = sched.plan()
         bar.update(len(sched.complete(plan, null_execute(plan))))
+        if sink is not None:
+            sink.flush()
     bar.close()
     res = RunResult(workload.name, policy, N, lane_pages, sched.stats, sched.stats.evicted_nodes,
                     sched.stats.evicted_pages, len(workload.requests), host_pages)
     sched.drain()
+    if sink is not None:
+        sink.flush()
     sched.check_drained()
     return res
 

@@ -79,10 +79,9 @@ class DisaggControl:
         pp, dp = self.prefill.plan(), self.decode.plan()
         tp = None
         if dp.arrivals:
-            src = [self.prefill.held[self.inflight[r.index]].slots[start : start + slots.numel()]
-                   for r, start, slots in dp.arrivals]
-            tp = plan_transfer(self.prefill.alloc.layout, self.decode.alloc.layout, src,
-                               [slots for _, _, slots in dp.arrivals])
+            src = [self.prefill.held[self.inflight[a.request.index]].slots[a.start : a.start + a.slots.numel()]
+                   for a in dp.arrivals]
+            tp = plan_transfer(self.prefill.layout, self.decode.layout, src, [a.slots for a in dp.arrivals])
         return DisaggStep(pp, dp, tp, self.transfers)
 
     def complete(self, st: DisaggStep, prefill_tokens: list, decode_tokens: list) -> None:
@@ -96,8 +95,8 @@ class DisaggControl:
             self.pair_messages += (st.transfer.pair_slots > 0).numpy()
             self.units.add(st.transfer.unit)
             self._digest.update(st.transfer.digest().encode())
-            for r, _, _ in st.decode.arrivals:
-                self.prefill.release_finished(self.inflight.pop(r.index))
+            for a in st.decode.arrivals:
+                self.prefill.release_finished(self.inflight.pop(a.request.index))
         for pr in finished:
             d = self.origin[pr.index]
             if self.decode.arrive(d, pr.generated[-1]):  # that token finished it: no KV needs to move
@@ -107,15 +106,16 @@ class DisaggControl:
         """A transfer failed: free its pages on ``side`` (the prefill side's
         held requests; the decode side's receiving requests). Returns what was freed."""
         sched = self.prefill if side == "prefill" else self.decode
-        before = sum(sched.alloc.lane_free_pages())
-        reqs = [r for r, _, _ in st.decode.arrivals]
+        alloc = sched.cache.alloc
+        before = sum(alloc.lane_free_pages())
+        reqs = [a.request for a in st.decode.arrivals]
         for r in reqs:
             if side == "prefill":
                 self.prefill.release_finished(self.inflight.pop(r.index), cache=False)
             else:
                 self.decode.cancel(r.index)
-        after = sum(sched.alloc.lane_free_pages())
+        after = sum(alloc.lane_free_pages())
         return {"requests": [r.spec.id for r in reqs], "freed_pages": int(after - before),
-                "used_pages_after": int(sched.alloc.num_pages - after)}
+                "used_pages_after": int(alloc.num_pages - after)}
 
 

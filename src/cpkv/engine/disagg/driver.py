@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from types import SimpleNamespace
 
 from ...consumers.transfer import check_formats
 from ...models import build_adapter
 from ...runtime.comm import Comm, DistComm, run_threads, thread_group
+from ...runtime import reaper as reaper_mod
 from ...runtime.group import RankContext, RankFailure, launch
 from ...runtime.p2p import DistP2P, thread_p2p
 from ...runtime.progress import progress_bar
@@ -59,8 +58,7 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     agree(world, side, fams, cfg.prefill_size)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
-    parts = build_rank(cfg, adapter, mine.layout, group, shared, ctl.max_len + 1,
-                       cfg.host_pages if side == "prefill" else 0, page_table=mine.table)
+    parts = build_rank(cfg, adapter, mine.layout, group, shared, cfg.host_pages if side == "prefill" else 0)
     runner = parts.runner
     link = TransferLink(cfg, world.rank, side, parts.pool, transport)
     ex = RankExecutor(runner, parts.host, check=cfg.check, receive=link.receive if side == "decode" else None)
@@ -172,21 +170,28 @@ def run_disagg_sweep(cfgs: list[DisaggConfig]) -> list[dict]:
     """Run several configurations one after the other in ONE launched world of
     ``max(M + N)`` processes (each on its first ``M + N`` ranks, with its own
     groups and segments), paying the processes' start once; their reports in
-    order. Raises as :func:`run_disagg` does."""
+    order. Raises as :func:`run_disagg` does.
+
+    Nothing outlives this process, however it ends (``kill -9`` included): the
+    two groups are one launched world, whose every rank dies with this process
+    at any moment (:mod:`cpkv.runtime.group`), and the folder of the abort
+    reports is registered with this process's reaper before it exists
+    (:mod:`cpkv.runtime.reaper`), which removes it once the ranks are gone."""
     if not cfgs:
         raise ValueError("no configuration to run")
     for cfg in cfgs:
         cfg.validate()
         cfg.model.config()
         DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before starting any process
-    folder = tempfile.mkdtemp(prefix="cpkv_disagg_")
+    reaper = reaper_mod.reaper()
+    folder = reaper.folder("cpkv_disagg")  # the abort reports; the reaper's if this process dies
     try:
         return launch(_disagg_ranks, max(c.world_size for c in cfgs), list(cfgs), folder,
                       timeout=sum(c.timeout for c in cfgs))
     except RankFailure as e:
         raise DisaggFailure(e, _read_reports(folder)) from e
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        reaper.remove(path=folder)
 
 
 def run_disagg_threads(cfg: DisaggConfig, adapter=None) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import DisaggConfig
+from ..records import outputs
 from .control import DisaggControl
 
 
@@ -62,6 +63,7 @@ def disagg_report(cfg: DisaggConfig, ctl: DisaggControl, ranks: list[dict], seco
         "seconds": seconds,
         "tokens_per_second": D.generated_tokens / max(seconds, 1e-9),
         "check": checked,
+        "outputs": outputs(ctl.decode.requests),
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in ctl.decode.requests],
     }
 

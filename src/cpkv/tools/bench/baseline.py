@@ -1,4 +1,5 @@
-"""The per-block allocator engines already run, in plain Python: the allocator benchmark's baseline."""
+"""The allocator benchmark's baselines: a bare per-lane free list in plain
+Python, and the cost of writing ``out_cache_loc`` itself."""
 
 from __future__ import annotations
 
@@ -7,92 +8,72 @@ from collections import deque
 import numpy as np
 import torch
 
+from ...contract.plan import sequential_lane_bases
 
-class BlockListBaseline:
-    """The allocator engines already run, in plain Python: per block, what
-    nano-vllm's ``BlockManager`` does (a deque of free block ids, here one per
-    owner lane, popped and pushed one block at a time; the set of blocks in
-    use; a reference count per block, reset on allocation and dropped on free,
-    the block returning to the free list at zero), as vLLM v1's ``BlockPool``
-    keeps a free queue and per-block reference counts. It follows the same
-    owner-lane rule (lane bases least-full, round groups from the rotating
-    cursor, :func:`~cpkv.contract.plan.choose_lane_bases`, request by request),
-    so it returns the same ``out_cache_loc`` as :class:`OwnerLaneAllocator`."""
+
+def slots_of_pages(pages: np.ndarray, used: np.ndarray | None, page_size: int) -> torch.Tensor:
+    """``out_cache_loc`` of fresh chains from their pages: page i's first
+    ``used[i]`` slots (all ``S`` when ``used`` is None), page after page, with
+    ``torch.arange`` and one broadcast add (a repeat and an add when some
+    pages are partial). The floor of any allocator that returns these slots."""
+    S = page_size
+    if used is None:
+        return (torch.from_numpy(pages * S)[:, None] + torch.arange(S)).view(-1)
+    ends = used.cumsum()
+    return torch.from_numpy(np.repeat(pages * S - (ends - used), used)) + torch.arange(int(ends[-1]))
+
+
+class DequeBaseline:
+    """The bare free list, in plain Python: one ``collections.deque`` of free
+    pages per owner lane, one pop per page handed out and one push per page
+    returned (the last page returned is handed out next, as
+    :class:`~cpkv.contract.allocator.OwnerLaneAllocator` does). Lane bases
+    come from the rule itself (:func:`~cpkv.contract.plan.sequential_lane_bases`),
+    so ``out_cache_loc`` is the allocator's; ``out_cache_loc`` is written by
+    :func:`slots_of_pages`. Nothing else: no input check, no fill mark, no
+    owner plan, no double-free check."""
 
     def __init__(self, num_pages: int, page_size: int, cp_size: int):
         self.num_pages, self.S, self.N = num_pages, page_size, cp_size
         self.clear()
 
     def clear(self) -> None:
+        """Every page free, the lowest of each lane handed out first."""
         N = self.N
-        self.lanes = [deque(range(l if l else N, self.num_pages + 1, N)) for l in range(N)]
-        self.used: set[int] = set()
-        self.ref = [0] * (self.num_pages + 1)
+        self.lanes = [deque(range(lane or N, self.num_pages + 1, N)) for lane in range(N)]
         self.cursor = 0
 
     def alloc_extend(self, seq_lens: list[int]) -> torch.Tensor:
-        """Fresh requests of ``seq_lens`` tokens; the slots of all their pages
-        come from one broadcast (and, when a last page is partial, one mask)."""
-        S, N, lanes, used, ref = self.S, self.N, self.lanes, self.used, self.ref
-        pages, used_in_page = [], []
-        rems = [-(-n // S) % N for n in seq_lens]
-        heads, at = [], 0  # round groups: where the remainders so far make whole rounds
-        for i, k in enumerate(rems):
-            if at % N == 0:
-                heads.append(i)
-            at += k
-        ends = dict(zip(heads, heads[1:] + ([len(rems)] if at % N == 0 else [None])))
-        c, until, origin, at = self.cursor, -1, 0, 0
-        for i, n in enumerate(seq_lens):
-            free = [len(q) for q in lanes]
-            k, top, low = -(-n // S), max(free), min(free)
-            r = k % N
-            if i < until:
-                b = (origin + at) % N
-            elif ends.get(i) is not None and (r == 0 or _balanced(free, top, low)):
-                until, origin, b, at, c = ends[i], c, c, 0, (c + 1) % N
-            elif r == 0 or low == top:
-                b, c = c, (c + 1) % N
-            else:
-                b = next(l % N for l in range(c, c + N) if free[l % N] == top and free[l % N - 1] != top)
-            at += r
+        """Fresh requests of ``seq_lens`` tokens."""
+        S, N, lanes = self.S, self.N, self.lanes
+        n = [-(-x // S) for x in seq_lens]
+        bs = len(n)
+        bases, self.cursor = sequential_lane_bases([0] * bs, [False] * bs, [0] * bs, n, [len(q) for q in lanes], N,
+                                                   self.cursor)
+        pages = []
+        for b, k in zip(bases.tolist(), n):
             for q in range(k):
-                p = lanes[(b + q) % N].popleft()
-                ref[p] = 1
-                used.add(p)
-                pages.append(p)
-            used_in_page += [S] * (k - 1) + [n - (k - 1) * S]
-        self.cursor = c
-        full = (np.array(pages)[:, None] * S + np.arange(S)).reshape(-1)
-        if all(n % S == 0 for n in seq_lens):
-            return torch.from_numpy(full)
-        return torch.from_numpy(full[(np.arange(S)[None, :] < np.array(used_in_page)[:, None]).reshape(-1)])
+                pages.append(lanes[(b + q) % N].popleft())
+        pages = np.array(pages, dtype=np.int64)
+        if all(x % S == 0 for x in seq_lens):
+            return slots_of_pages(pages, None, S)
+        used = np.full(pages.size, S, dtype=np.int64)
+        used[np.cumsum(n) - 1] = [x - (k - 1) * S for x, k in zip(seq_lens, n)]
+        return slots_of_pages(pages, used, S)
 
     def alloc_decode(self, last_loc: list[int]) -> torch.Tensor:
         """One token per request after ``last_loc`` (every request has one)."""
-        S, N, lanes, used, ref = self.S, self.N, self.lanes, self.used, self.ref
+        S, N, lanes = self.S, self.N, self.lanes
         out = []
         for last in last_loc:
-            if last % S != S - 1:
+            if (last + 1) % S:
                 out.append(last + 1)
             else:
-                p = lanes[(last // S % N + 1) % N].popleft()
-                ref[p] = 1
-                used.add(p)
-                out.append(p * S)
-        return torch.tensor(out)
+                out.append(lanes[(last // S + 1) % N].popleft() * S)
+        return torch.from_numpy(np.array(out, dtype=np.int64))
 
     def free_pages(self, pages: list[int]) -> None:
-        """Drop one reference to each of ``pages``, one block at a time; a block
-        at zero goes back to its lane (``KeyError`` on a double free)."""
-        N, lanes, used, ref = self.N, self.lanes, self.used, self.ref
+        """Return ``pages`` to their lanes, one push each."""
+        N, lanes = self.N, self.lanes
         for p in pages:
-            ref[p] -= 1
-            if ref[p] == 0:
-                used.remove(p)
-                lanes[p % N].append(p)
-
-
-def _balanced(free: list[int], top: int, low: int) -> bool:
-    """Free counts within one page, the most-free lanes one cyclic run (or all)."""
-    return top - low <= 1 and (low == top or sum(free[l] == top and free[l - 1] != top for l in range(len(free))) == 1)
+            lanes[p % N].appendleft(p)

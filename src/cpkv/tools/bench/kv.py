@@ -33,7 +33,7 @@ def bench_kv(tokens: int = 65536, page: int = 64, cp: int = 4, kv_heads: int = 2
     bs = 64
     ppr = -(-(tokens // page + 1 + bs) // cp) + 1  # a partly filled last page per request
     layout = SharedKVLayout(cp, page, ppr)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * page, page, cp, layout=layout)
+    alloc = OwnerLaneAllocator.for_layout(layout)
     a = alloc.allocate_extend([0] * bs, [tokens // bs] * bs, torch.full((bs,), -1))
     fams = kv_families(1, kv_heads, head_dim, dtype)
     shared = allocate_buffers(layout, fams, lambda tag, shape, dt: torch.zeros(shape, dtype=dt, device=dev))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...contract.allocator import OwnerLaneAllocator
 from .timing import median_rounds, median_seconds
 
 
@@ -20,12 +19,11 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
       against recomputing it (allocation plus a prefill forward).
     """
     from ...consumers.hicache import HostPool
-    from ...consumers.kv_pool import SharedKVPool, allocate_buffers
     from ...contract.layout import SharedKVLayout
     from ...engine.config import EngineConfig
     from ...engine.engine import run_engine_threads
     from ...models import LlamaAdapter, TinyLlama
-    from ...runtime.runner import CPRunner
+    from ...runtime.parts import build_parts
 
     torch.set_num_threads(1)
     model = TinyLlama(max_positions=8192)
@@ -51,19 +49,17 @@ def bench_engine(repeats: int = 3, requests: int = 24, scale: float = 0.1, prefi
 
     # restore a prefix from the host tier vs recompute it
     S = 16
-    layout = SharedKVLayout(1, S, prefix // S + 2)
-    fams = adapter.families()
-    pool = SharedKVPool(layout, 0, fams, allocate_buffers(layout, fams))
-    host = HostPool(fams, HostPool.allocate(fams, prefix // S, S))
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * S, S, 1, layout=layout)
-    runner = CPRunner(adapter, pool, alloc, max_requests=1, max_len=prefix)
+    parts = build_parts(adapter, SharedKVLayout(1, S, prefix // S + 2), max_requests=1, max_len=prefix)
+    pool, batches, runner = parts.pool, parts.rows, parts.runner
+    alloc = batches.allocator
+    host = HostPool(parts.families, HostPool.allocate(parts.families, prefix // S, S))
     ids = torch.randint(0, model.vocab, (prefix,), generator=torch.Generator().manual_seed(0))
     host_slots = torch.arange(S, S + prefix)
 
     def recompute():
-        a = runner.allocate([0], [prefix])
-        runner.forward([0], a, ids)
-        runner.finish(0)
+        a = batches.allocate([0], [prefix])
+        runner.forward([0], a, ids, table=batches.table)
+        pool.release(batches.free(0))
 
     def restore():
         a = alloc.allocate_extend([0], [prefix], torch.tensor([-1]))

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...contract.allocator import OwnerLaneAllocator
 from .timing import median_seconds
 
 SPLIT_MODELS = ("llama", "deepseek-v3.2")
@@ -65,7 +64,7 @@ class SplitsSpec:
     ragged: bool = True
     seed: int = 0
     decode_repeats: int | None = None
-    device: str = "cpu"  # cuda: one GPU per rank, KV over CUDA IPC (untested on hardware)
+    device: str = "cpu"  # cuda: each rank's KV segment on its GPU, read over CUDA IPC (runtime.device)
     kernels: str = "torch"
 
     def decode_rounds(self) -> int:
@@ -156,64 +155,60 @@ def _fill_random(runner, slots: torch.Tensor, seed: int) -> None:
 def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     """One model's matrix on this rank: prefill, then each decode batch, every
     split of each interleaved in rounds; rank 0 returns every rank's counters."""
-    from ...consumers.kv_pool import SharedKVPool, allocate_buffers
     from ...contract.layout import SharedKVLayout
     from ...models import build_adapter
     from ...runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
-    from ...runtime.runner import CPRunner
+    from ...runtime.parts import build_parts
 
     adapter = build_adapter(spec.model)
-    layout = SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank())
-    fams = adapter.families()
     tag = f"{type(spec.model).__name__}_"  # one pool per model in the one group
     if spec.device == "cuda":
-        from ...runtime.device import share_device_buffer
+        from ...runtime.device import group_segments
 
         adapter.model.to(ctx.device)
-        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: share_device_buffer(ctx, tag + name, shape,
-                                                                                             dtype, ctx.device))
+        shared = lambda name, shape, dtype: group_segments(comm, tag + name, shape, dtype, ctx.device)  # noqa: E731
     else:
-        bufs = allocate_buffers(layout, fams, lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype))
-    pool = SharedKVPool(layout, comm.rank, fams, bufs, fence=comm.barrier)
-    alloc = OwnerLaneAllocator((layout.num_pages - 1) * spec.page, spec.page, spec.cp, layout=layout)
+        shared = lambda name, shape, dtype: ctx.shared(tag + name, shape, dtype)  # noqa: E731
     contexts = spec.decode_contexts()
-    runner = CPRunner(adapter, pool, alloc, comm, max_requests=max(spec.bs, spec.decode_bs),
-                      max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
+    parts = build_parts(adapter, SharedKVLayout(spec.cp, spec.page, spec.pages_per_rank()), comm, shared=shared,
+                        max_requests=max(spec.bs, spec.decode_bs),
+                        max_len=max(max(spec.prefill_lens()), *(max(c) for c in contexts)), kernels=spec.kernels)
+    runner, fams, pool, batches = parts.runner, parts.families, parts.pool, parts.rows
     g = torch.Generator().manual_seed(spec.seed)
     vocab = spec.model.vocab
     out = {}
 
     rows = list(range(spec.bs))
-    a = runner.allocate(rows, spec.prefill_lens())
+    a = batches.allocate(rows, spec.prefill_lens())
     ids = torch.randint(0, vocab, (spec.tokens,), generator=g)
 
     def prefill(split):
         def fn():
             runner.prefill_split = split
-            runner.forward(rows, a, ids)
+            runner.forward(rows, a, ids, table=batches.table)
         return fn
 
     out["prefill"] = _time_splits(runner, comm, {s: prefill(s) for s in PREFILL_SPLITS}, spec.repeats)
     for r in rows:
-        runner.finish(r)
+        pool.release(batches.free(r))
 
     for i, ctx_lens in enumerate(contexts):
         rows = list(range(spec.decode_bs))
-        cached = runner.allocate(rows, [n - 1 for n in ctx_lens])
+        cached = batches.allocate(rows, [n - 1 for n in ctx_lens])
         _fill_random(runner, cached.out_cache_loc, spec.seed + i)
         comm.barrier()  # every owner's entries are in before anyone reads them
-        d = runner.allocate(rows, [1] * spec.decode_bs, decode=True)
+        d = batches.allocate(rows, [1] * spec.decode_bs, decode=True)
         ids = torch.randint(0, vocab, (spec.decode_bs,), generator=g)
 
         def decode(split, d=d, ids=ids, rows=rows):
             def fn():
                 runner.decode_split = split
-                runner.forward(rows, d, ids, decode=True)
+                runner.forward(rows, d, ids, decode=True, table=batches.table)
             return fn
 
         out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in DECODE_SPLITS}, spec.decode_rounds())
         for r in rows:
-            runner.finish(r)
+            pool.release(batches.free(r))
 
     everyone = comm.all_gather_object({k: {s: c["counts"] for s, c in v.items()} for k, v in out.items()})
     if comm.rank != 0:

@@ -1,0 +1,308 @@
+"""SGLang's paged-allocator calls over the owner-lane core.
+
+:class:`SGLangAllocator` speaks the call shapes of SGLang's paged allocators
+(``alloc_extend``, ``alloc_decode``, ``alloc``, ``free``,
+``free_segment(s)``, ``get_num_new_pages``, ``available_size``, ``clear`` and
+the retraction copies ``get_cpu_copy`` / ``load_cpu_copy``), each with
+SGLang's meaning under owner lanes (where a lane changes it, the docstring
+says so). It holds no allocator state of its own (only the last
+:class:`~cpkv.contract.allocation.Allocation` it made, whose slots SGLang's
+calls return): every call answers or changes state through the public verbs
+of the :class:`~cpkv.contract.allocator.OwnerLaneAllocator` it wraps
+(``allocator``), so an engine may call both.
+[[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-FAIL-FAST]]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .allocation import Allocation
+from .allocator import OwnerLaneAllocator
+from .deprecated import warn_deprecated
+from .errors import InvalidFree, UnsupportedPagePlan
+from .inputs import check_int_tensor, int_scalar, int_vector
+from .kv_row import RowPlacement, check_row_offsets, new_pages, row_lane_base, segments_to_slots
+from .layout import SharedKVLayout, lane_of_position
+from .rules import pages_of
+
+
+class SGLangAllocator:
+    """SGLang's paged allocator over an :class:`OwnerLaneAllocator`.
+
+    Built with the core's arguments (``size`` tokens of ``page_size``, and
+    the keywords of :class:`OwnerLaneAllocator`), or over an existing core
+    with :meth:`over`. Results are torch tensors on the core's device;
+    inputs are what the core takes. ``allocator`` is the core;
+    ``last_allocation`` the full plan of this adapter's last extend or decode
+    (``alloc_extend`` and ``alloc_decode`` return only its slots)."""
+
+    def __init__(self, size: int, page_size: int, *, cp_size: int = 1, device: str | torch.device = "cpu",
+                 layout: SharedKVLayout | None = None, need_sort: bool = False, base_policy: str = "least_full"):
+        self.allocator = OwnerLaneAllocator(size, page_size, cp_size, device, base_policy=base_policy, layout=layout,
+                                            need_sort=need_sort)
+        self.last_allocation: Allocation | None = None
+
+    @classmethod
+    def over(cls, allocator: OwnerLaneAllocator) -> SGLangAllocator:
+        """The adapter over an existing core (which keeps every state)."""
+        if not isinstance(allocator, OwnerLaneAllocator):
+            raise TypeError(f"SGLangAllocator.over takes an OwnerLaneAllocator, got {type(allocator).__name__}")
+        adapter = cls.__new__(cls)
+        adapter.allocator, adapter.last_allocation = allocator, None
+        return adapter
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self.allocator.page_size
+
+    # -- extend and decode --------------------------------------------------------------
+    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
+                     seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
+                     num_new_pages: int | None = None, *, last_loc_gen=None) -> torch.Tensor | None:
+        """SGLang's paged ``alloc_extend``: ``out_cache_loc [extend_num_tokens]``
+        or ``None`` when a lane is short (state unchanged; the core's
+        ``last_deficit`` says where). The device copies are checked for kind
+        and length, never read; the full plan is :attr:`last_allocation`.
+        ``num_new_pages`` (SGLang's precomputed :meth:`get_num_new_pages`), if
+        given, must match the lengths (rule ``num-new-pages``). Refusals and
+        ``last_loc_gen``: :meth:`OwnerLaneAllocator.allocate_extend`."""
+        _device_copies(prefix_lens, prefix_lens_cpu, "prefix_lens")
+        _device_copies(seq_lens, seq_lens_cpu, "seq_lens")
+        if num_new_pages is not None:
+            want = self.get_num_new_pages(seq_lens_cpu, prefix_lens=prefix_lens_cpu)
+            if int_scalar(num_new_pages, "num_new_pages") != want:
+                raise UnsupportedPagePlan("num-new-pages", f"num_new_pages={num_new_pages} but the lengths add {want}")
+        alloc = self.allocator.allocate_extend(prefix_lens_cpu, seq_lens_cpu, last_loc,
+                                               int_scalar(extend_num_tokens, "extend_num_tokens"),
+                                               last_loc_gen=last_loc_gen)
+        if alloc is None:
+            return None
+        self.last_allocation = alloc
+        return alloc.out_cache_loc
+
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, *,
+                     last_loc_gen=None) -> torch.Tensor | None:
+        """SGLang's paged ``alloc_decode``: ``seq_lens`` include the new token,
+        ``last_loc`` is the previous token's slot (-1 for none). Returns
+        ``out_cache_loc [bs]`` or ``None`` (state unchanged). Refusals and
+        ``last_loc_gen``: :meth:`OwnerLaneAllocator.allocate_decode`."""
+        _device_copies(seq_lens, seq_lens_cpu, "seq_lens")
+        alloc = self.allocator.allocate_decode(seq_lens_cpu, last_loc, last_loc_gen=last_loc_gen)
+        if alloc is None:
+            return None
+        self.last_allocation = alloc
+        return alloc.out_cache_loc
+
+    def alloc(self, need_size: int, *, first_lane: int | None = None) -> torch.Tensor | None:
+        """SGLang's paged ``alloc``: ``need_size / S`` whole pages as their slots,
+        int64 ``[need_size]``, page after page, each page's slots in order;
+        ``None`` (nothing changed, ``last_deficit`` set) when a lane is short.
+
+        Under owner lanes the pages form one chain: page j lies in lane
+        ``(first_lane + j) % N``, ``first_lane`` by default the lane a fresh
+        chain gets (:meth:`OwnerLaneAllocator.lane_for_new_chain`; the cursor
+        does not move). To place pages that continue a request at page
+        position q, pass ``first_lane = (b + q) % N``. The pages are whole
+        (fill S) and their chain position is not recorded, so the only
+        continuation is from a page's last slot (SGLang's HiCache loads whole
+        pages this way). Raises ``UnsupportedPagePlan`` ``unaligned-need``
+        (``need_size`` negative or not a multiple of S; SGLang asserts it in
+        debug mode only), ``owner-out-of-range`` and ``exceeds-capacity`` (a
+        lane has fewer pages than the chain needs from it)."""
+        core = self.allocator
+        need, S, N = int_scalar(need_size, "need_size"), core.page_size, core.cp_size
+        if need < 0 or need % S:
+            raise UnsupportedPagePlan("unaligned-need", f"need_size {need} is not a non-negative multiple of {S}")
+        first = core.lane_for_new_chain(0, pages=need // S) if first_lane is None else int_scalar(first_lane,
+                                                                                                "first_lane")
+        if not 0 <= first < N:
+            raise UnsupportedPagePlan("owner-out-of-range", f"first_lane {first} not in [0, {N})")
+        owners = lane_of_position(first, np.arange(need // S), N)
+        if (np.bincount(owners, minlength=N) > core.lane_pages).any():
+            raise UnsupportedPagePlan("exceeds-capacity", f"{need // S} pages from lane {first} on: some lane "
+                                      "holds fewer pages than the chain needs from it; it can never fit")
+        pages = core.alloc_pages_with_owners(owners)
+        return None if pages is None else (pages[:, None] * S + torch.arange(S, device=pages.device)).reshape(-1)
+
+    def get_num_new_pages(self, seq_lens, page_size: int | None = None, prefix_lens=None, decode: bool = False) -> int:
+        """SGLang's ``get_num_new_pages``: how many pages an extend (``seq_lens``,
+        ``prefix_lens``, both ``[bs]``) or a decode (``decode=True``: the
+        prefix is ``seq_lens - 1``) adds, ``sum(ceil(seq/S) - ceil(prefix/S))``.
+        ``page_size``, if given, must be this allocator's (SGLang passes it).
+        Under owner lanes the total fitting the free pages does not mean the
+        batch fits: each lane must supply its share, which the extend checks
+        (``last_deficit``). Raises ``ValueError`` for a decode with
+        ``prefix_lens``, an extend without them or another page size,
+        ``UnsupportedPagePlan`` as an extend would for lengths no allocation
+        takes (``empty-decode`` for ``seq_lens < 1`` in a decode)."""
+        S = self.allocator.page_size
+        if page_size is not None and int_scalar(page_size, "page_size") != S:
+            raise ValueError(f"page_size {page_size} is not this allocator's {S}")
+        seq = int_vector(seq_lens, "seq_lens")
+        if decode:
+            if prefix_lens is not None:
+                raise ValueError("decode=True takes no prefix_lens: a decode's prefix is seq_lens - 1")
+            if seq.size and seq.min() < 1:
+                r = int((seq < 1).nonzero()[0][0])
+                raise UnsupportedPagePlan("empty-decode", f"decode needs seq_len >= 1, got {seq[r]}", r)
+            return new_pages(seq, seq - 1, S)
+        if prefix_lens is None:
+            raise ValueError("prefix_lens is needed unless decode=True")
+        return new_pages(seq, int_vector(prefix_lens, "prefix_lens"), S)
+
+    # -- frees and sizes ------------------------------------------------------------------
+    def free(self, free_index) -> None:
+        """SGLang's ``free``: :meth:`OwnerLaneAllocator.free` of the slots ``free_index [n]``."""
+        self.allocator.free(free_index)
+
+    def free_segment(self, free_index, *, start_pos: int) -> None:
+        """SGLang's ``free_segment``: free ``free_index [n]``, the slots of
+        positions ``start_pos .. start_pos + n - 1`` of one request's row,
+        releasing each page it touches (the last one whole, even if the
+        segment ends mid-page), as :meth:`free` does. Refused with
+        :class:`InvalidFree` ``unaligned-segment`` when ``start_pos`` is not
+        on a page boundary or a slot does not sit at its position's page
+        offset (SGLang asserts the first); otherwise as :meth:`free`. Lanes
+        change nothing here: a page is freed to its own lane."""
+        S = self.allocator.page_size
+        s = int_vector(free_index, "free_index")
+        start = int_scalar(start_pos, "start_pos")
+        if start < 0 or start % S:
+            raise InvalidFree("unaligned-segment", f"start_pos {start} is not on a page boundary (page_size {S})")
+        check_row_offsets(s, start, S)
+        self.allocator.free(s)
+
+    def free_segments(self, segments) -> None:
+        """SGLang's ``free_segments``: free ascending ``(free_index, start_pos)``
+        segments of one request's row in one call. A segment that starts
+        inside the page the previous segment ends on does not free that page
+        again (its head up to the page boundary is skipped); any other
+        segment must start on a page boundary. Checked whole before anything
+        is freed (see :func:`~cpkv.contract.kv_row.segments_to_slots` for the
+        ``InvalidFree`` rules), then freed as :meth:`free` frees."""
+        self.allocator.free(segments_to_slots(segments, self.allocator.page_size))
+
+    def available_size(self) -> int:
+        """Tokens on new pages that fit whatever lane base the next request gets.
+
+        A request of n new pages takes at most ``ceil(n / N)`` pages of any
+        lane, so it fits for every base iff ``ceil(n / N) <= min lane free``:
+        ``N * min(lane free pages) * page_size`` tokens. With ``cp_size == 1``
+        that is SGLang's free-token count.
+        """
+        core = self.allocator
+        return core.cp_size * min(core.lane_free_pages()) * core.page_size
+
+    def clear(self) -> None:
+        """SGLang's ``clear``: :meth:`OwnerLaneAllocator.clear`."""
+        self.allocator.clear()
+
+    # -- SGLang's retraction copies -----------------------------------------------------------
+    def get_cpu_copy(self, indices, mamba_indices=None) -> RowPlacement:
+        """SGLang's ``get_cpu_copy`` at allocator level: where the row
+        ``indices [n]`` (a request's slots for positions ``0 .. n-1``, as
+        SGLang's retraction passes ``req_to_token[req, :seqlen - 1]``) lies:
+        its lane base and length, a :class:`RowPlacement`.
+
+        SGLang's allocator hands this call to its KV cache, which copies the
+        row's KV data to the host. cpkv's allocator holds no KV data: on each
+        rank the pool copies the slots that rank owns
+        (``SharedKVPool.read_owned_all_layers(indices)``). Those copies load
+        back without any communication only if the new row puts every
+        position on the same lane, i.e. keeps the lane base, which
+        :meth:`load_cpu_copy` checks. Refuses ``NotImplementedError`` for
+        ``mamba_indices`` (cpkv keeps no Mamba state), ``UnsupportedPagePlan``
+        ``last-loc-not-allocated`` for a slot on a free page and
+        ``not-one-chain`` for a row that is not one owner-lane chain from
+        position 0. Changes nothing. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+        core = self.allocator
+        return RowPlacement(self._row_base(indices, mamba_indices), int(int_vector(indices, "indices").size),
+                            core.page_size, core.cp_size)
+
+    def load_cpu_copy(self, kv_cache_cpu: RowPlacement, indices, mamba_indices=None) -> None:
+        """SGLang's ``load_cpu_copy`` at allocator level: check that the new
+        row ``indices [n]`` can take back what :meth:`get_cpu_copy` recorded:
+        same length and same lane base, so each rank writes its own copy into
+        its own pages (``SharedKVPool.write_all_layers(indices, ...)``).
+        Allocate such a row with ``alloc_pages_with_owners((b + arange(P)) %
+        N, fill=[S, ..., S, tail])``. Refuses ``TypeError`` for something that
+        is not a :class:`RowPlacement`, ``ValueError`` for one of another page
+        or CP size, ``UnsupportedPagePlan`` ``mismatched-lengths``,
+        ``lane-base-changed`` and the refusals of :meth:`get_cpu_copy`.
+        Changes nothing."""
+        core = self.allocator
+        if not isinstance(kv_cache_cpu, RowPlacement):
+            raise TypeError(f"load_cpu_copy takes what get_cpu_copy returned, got {type(kv_cache_cpu).__name__}")
+        if (kv_cache_cpu.page_size, kv_cache_cpu.cp_size) != (core.page_size, core.cp_size):
+            raise ValueError(f"copy of a row with page_size, cp_size = {kv_cache_cpu.page_size}, "
+                             f"{kv_cache_cpu.cp_size}; this allocator has {core.page_size}, {core.cp_size}")
+        n = int(int_vector(indices, "indices").size)
+        if n != kv_cache_cpu.length:
+            raise UnsupportedPagePlan("mismatched-lengths", f"the copy holds {kv_cache_cpu.length} positions, "
+                                      f"indices {n}")
+        base = self._row_base(indices, mamba_indices)
+        if n and base != kv_cache_cpu.lane_base:
+            raise UnsupportedPagePlan("lane-base-changed", f"the row was copied from lane base "
+                                      f"{kv_cache_cpu.lane_base}, the new one has {base}: each rank's copy "
+                                      "would land on another rank's pages")
+
+    def _row_base(self, indices, mamba_indices) -> int:
+        if mamba_indices is not None:
+            raise NotImplementedError("cpkv keeps no Mamba state: mamba_indices must be None")
+        core = self.allocator
+        s = int_vector(indices, "indices")
+        if s.size:
+            p = pages_of(s, core.page_size)
+            if p.min() < 1 or p.max() > core.num_pages:
+                raise UnsupportedPagePlan("slot-out-of-range", f"a slot is not on a usable page (1..{core.num_pages})")
+            if (off := ~core.is_allocated(p)).any():
+                raise UnsupportedPagePlan("last-loc-not-allocated", f"slot {s[off][0]} lies on free page {p[off][0]}")
+        return row_lane_base(s, core.page_size, core.cp_size)
+
+
+def _device_copies(device_copy, host_copy, name: str) -> None:
+    """SGLang passes lengths twice, on the device and on the host: the device
+    copy is checked for kind and length, never read."""
+    check_int_tensor(device_copy, name)
+    check_int_tensor(host_copy, name)
+    size = (lambda x: x.shape[0] if isinstance(x, (torch.Tensor, np.ndarray)) else len(x))
+    if size(device_copy) != size(host_copy):
+        raise UnsupportedPagePlan("mismatched-lengths", f"device and cpu copies of {name} differ in size")
+
+
+#: The calls that moved here from :class:`OwnerLaneAllocator` in 0.2.
+MOVED = ("alloc_extend", "alloc_decode", "alloc", "get_num_new_pages", "free_segment", "free_segments",
+         "available_size", "get_cpu_copy", "load_cpu_copy")
+
+
+def _legacy(core: OwnerLaneAllocator) -> SGLangAllocator:
+    """The adapter behind a core's deprecated calls (one per core, so ``last_allocation`` works as it did)."""
+    if (adapter := core.__dict__.get("_sglang_adapter")) is None:
+        adapter = core.__dict__["_sglang_adapter"] = SGLangAllocator.over(core)
+    return adapter
+
+
+def _moved(name: str):
+    def call(self: OwnerLaneAllocator, *args, **kwargs):
+        warn_deprecated(f"OwnerLaneAllocator.{name}", f"SGLangAllocator.over(allocator).{name}")
+        return getattr(_legacy(self), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"Deprecated (removed in cpkv 0.3): :meth:`SGLangAllocator.{name}` over this allocator."
+    return call
+
+
+def _last_allocation(self: OwnerLaneAllocator) -> Allocation | None:
+    """Deprecated (removed in cpkv 0.3): the last allocation of the deprecated ``alloc_extend`` /
+    ``alloc_decode`` here; ``allocate_extend`` and ``allocate_decode`` return theirs."""
+    warn_deprecated("OwnerLaneAllocator.last_allocation", "what allocate_extend / allocate_decode return, or "
+                    "SGLangAllocator.last_allocation")
+    return _legacy(self).last_allocation
+
+
+for _name in MOVED:  # one release: the former calls on the core still work, with a DeprecationWarning
+    setattr(OwnerLaneAllocator, _name, _moved(_name))
+OwnerLaneAllocator.last_allocation = property(_last_allocation)

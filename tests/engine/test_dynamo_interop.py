@@ -1,0 +1,246 @@
+"""A real router reads cpkv's caches: Dynamo's standalone KV indexer follows two ``cpkv run`` workers
+through their KV events (vLLM 0.33's wire, with replay), and at several points of the runs its matched
+tokens for every request's prompt equal what cpkv's own caches match, on the device and on the host.
+
+Two workers (a CP group of 2 and one of 1) run traces that share a system prompt, with follow-up turns,
+evictions to the host tier and loads back; worker 1 is registered as soon as its run has bound its
+sockets, worker 2 a few batches into its run (the indexer replays both from seq 0: its SUB, unlike
+libzmq's, does not reconnect to an endpoint that was not bound yet, so a worker is registered once up). The runs are paused (SIGSTOP to each whole process
+group) when the test's own subscriber has heard enough batches; then every request's prompt is asked of
+the indexer and compared with the caches' matches after that batch, which the test recomputes by
+replaying the worker's scheduler with the tokens its run generated (``--json``), the replay's events
+checked byte for byte against the run's. The same content hashes alike in both CP groups: the system
+prompt's blocks are one prefix in the indexer for both workers. [[RFC-0001:C-KV-EVENTS]]
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+from support.dynamo_indexer import WHY_NOT, Indexer, free_port  # noqa: E402
+from support.vllm_kv_events import VLLM, BlockStored, doc_block_hash, doc_hashes  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
+
+import msgspec  # noqa: E402
+
+from cpkv.consumers.kv_events_zmq import KVEventSubscriber  # noqa: E402
+from cpkv.consumers.kv_wire import encode_batch  # noqa: E402
+from cpkv.engine import EngineConfig  # noqa: E402
+from cpkv.engine.engine import build_scheduler, connect_kv_events, run_engine_threads  # noqa: E402
+
+S = 16
+SYSTEM = [(11 * j + 3) % 256 for j in range(3 * S)]  # three pages every conversation starts with
+WORKERS = {1: dict(cp=2, device_pages=6), 2: dict(cp=1, device_pages=12)}
+PAUSE_AT = (8, 12, 16)  # worker 1's batches heard before each pause
+REGISTER_2_AT = 3  # worker 2's batches heard before it is registered
+
+
+def trace(path: Path, worker: int) -> str:
+    """Conversations on the shared system prompt: a question, then two follow-up turns each."""
+    lines = []
+    for c in range(6):
+        q = [(37 * worker + 13 * c + 7 * j) % 256 for j in range(18 + 3 * c)]
+        lines.append({"id": f"w{worker}c{c}", "arrival": 4 * c, "tokens": SYSTEM + q, "max_new_tokens": 6})
+        for t in (1, 2):
+            lines.append({"id": f"w{worker}c{c}t{t}", "arrival": 0, "after": lines[-1]["id"], "delay": 2,
+                          "tokens": [(5 * t + 3 * c + j) % 256 for j in range(9)], "max_new_tokens": 4})
+    p = path / f"worker{worker}.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(p)
+
+
+def config(worker: int, workload: str) -> EngineConfig:
+    w = WORKERS[worker]
+    return EngineConfig(cp_size=w["cp"], page_size=S, device_pages=w["device_pages"], host_pages=48, chunk=40,
+                        workload=workload)
+
+
+class Recorder:
+    """A publisher that keeps each batch's payload, as the wire carries it."""
+
+    def __init__(self):
+        self.payloads = []
+
+    def publish(self, batch):
+        self.payloads.append(encode_batch(batch))
+        return len(self.payloads) - 1
+
+
+def final_prompts(cfg: EngineConfig, generated: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Every request's whole prompt: a follow-up's is its parent's prompt and replies, then its own tokens."""
+    out = {}
+    for spec in cfg.trace():
+        out[spec.id] = list(spec.tokens) if spec.after is None else \
+            out[spec.after] + generated[spec.after] + list(spec.tokens)
+    return out
+
+
+def replay(cfg: EngineConfig, generated: dict[str, list[int]], prompts: dict[str, list[int]]):
+    """The worker's scheduler replayed with its run's tokens, flushed once a step as the engine does:
+    the payload of every batch, and after each batch the caches' matches of every prompt, in whole pages
+    as a router counts blocks: seq -> {id: (device tokens, device-or-host tokens)}. Also the run's figures
+    of the tiers (evicted, backed up, loaded pages)."""
+    sched = build_scheduler(cfg, cfg.trace())
+    rec = Recorder()
+    sink = connect_kv_events(sched, rec)
+    truth = {}
+
+    def matches():
+        out = {}
+        for rid, prompt in prompts.items():
+            dev = sched.cache.lookup(prompt, max_length=len(prompt)).length // S * S
+            host = sched.host.index.lookup(prompt, max_length=len(prompt)).length // S * S
+            out[rid] = (dev, max(dev, host))
+        return out
+
+    while not sched.done:
+        sched.skip_idle()
+        plan = sched.plan()
+        sched.complete(plan, [[generated[r.spec.id][len(r.generated)] if s else 0
+                               for r, s in zip(b.requests, b.sample)] for b in plan.forwards()])
+        if sink.flush():
+            truth[len(rec.payloads) - 1] = matches()
+    st = sched.stats
+    tiers = dict(evicted=st.evicted_pages, backed_up=st.backup_pages, loaded=st.host_hit_tokens // S)
+    sched.drain()
+    if sink.flush():
+        truth[len(rec.payloads) - 1] = matches()
+    return truth, rec.payloads, tiers
+
+
+def start_worker(w: int, workload: str, ep: str, replay_ep: str, out_path: Path) -> subprocess.Popen:
+    """``cpkv run`` for worker ``w`` in its own process group (so a pause stops every rank of it)."""
+    c = WORKERS[w]
+    argv = [sys.executable, "-m", "cpkv", "run", "--cp", str(c["cp"]), "--page", str(S), "--device-pages",
+            str(c["device_pages"]), "--host-pages", "48", "--chunk", "40", "--workload", workload, "--json",
+            "--timeout", "120", "--kv-events", ep, "--kv-events-replay", replay_ep]
+    return subprocess.Popen(argv, stdout=open(out_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def signal_group(procs, sig) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def wait_equal(indexer, prompts, truth_of, timeout_s: float = 5.0):
+    """Ask every prompt until the indexer's answers equal ``truth_of`` (the indexer applies events on its
+    own time) or the deadline passes; returns the last answers and the truths."""
+    end = time.monotonic() + timeout_s
+    while True:
+        got, want = {}, {}
+        for w, ps in prompts.items():
+            for rid, prompt in ps.items():
+                got[w, rid] = indexer.matched(prompt).get(w, (0, 0))
+                want[w, rid] = truth_of[w][rid]
+        if got == want or time.monotonic() > end:
+            return got, want
+        time.sleep(0.1)
+
+
+def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
+    t0 = time.perf_counter()
+    workloads = {w: trace(tmp_path, w) for w in WORKERS}
+    # each worker's generated tokens, from the same engine with its ranks as threads: every prompt known
+    generated = {w: {o["id"]: o["generated"] for o in run_engine_threads(config(w, workloads[w]), llama)["outputs"]}
+                 for w in WORKERS}
+    prompts, truth, payloads = {}, {}, {}
+    for w in WORKERS:
+        prompts[w] = final_prompts(config(w, workloads[w]), generated[w])
+        truth[w], payloads[w], tiers = replay(config(w, workloads[w]), generated[w], prompts[w])
+        assert min(tiers.values()) > 0, f"worker {w} must evict to the host and load back: {tiers}"
+    # every block's hash is the documented function of (parent hash, its page's tokens, the key): the system
+    # prompt's blocks are the same blocks in the CP group of 2 and in the CP group of 1
+    for w in WORKERS:
+        stored = {}
+        for p in payloads[w]:
+            for ev in VLLM.decode(p).events:
+                if isinstance(ev, BlockStored):
+                    assert ev.block_size == S
+                    parent = ev.parent_block_hash
+                    for j, h in enumerate(ev.block_hashes):
+                        page = ev.token_ids[j * S:(j + 1) * S]
+                        assert h == doc_block_hash(parent, page), (w, h)
+                        stored[h], parent = page, h
+        assert set(doc_hashes(SYSTEM, S)) <= set(stored), f"worker {w} never announced the system prompt's blocks"
+    assert len(payloads[1]) > PAUSE_AT[-1] + 2, "worker 1's trace is too short for its pauses"
+
+    eps = {w: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for w in WORKERS}
+    procs, heard, checks = {}, {w: {} for w in WORKERS}, []
+    with Indexer(tmp_path / "indexer.log") as indexer:
+        subs = {w: KVEventSubscriber(*eps[w], from_seq=0) for w in WORKERS}
+        try:
+            for w in WORKERS:
+                procs[w] = start_worker(w, workloads[w], *eps[w], tmp_path / f"worker{w}.out")
+            registered, pauses = {}, list(PAUSE_AT)
+
+            def hear(timeout_s):
+                for w, sub in subs.items():
+                    while (got := sub.recv(timeout_s)) is not None:
+                        heard[w][got[0]] = got[1]
+                        timeout_s = 0.001
+
+            deadline = time.monotonic() + 240
+            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+                hear(0.02)
+                # the indexer's SUB does not reconnect to an endpoint not yet bound: a worker is registered once
+                # its run has bound (worker 1 at its first batch, worker 2 a few batches in); both replay from 0
+                for w, after in ((1, 0), (2, REGISTER_2_AT)):
+                    if w not in registered and heard[w] and max(heard[w]) >= after:
+                        indexer.register(w, *eps[w], block_size=S)
+                        registered[w] = max(heard[w])
+                ready = len(registered) == 2 and all(max(heard[w]) > registered[w] + 1 for w in WORKERS)
+                if pauses and ready and heard[1] and max(heard[1]) >= pauses[0]:
+                    pauses.pop(0)
+                    signal_group(procs.values(), signal.SIGSTOP)
+                    try:
+                        time.sleep(0.3)
+                        hear(0.3)  # everything the paused publishers had sent
+                        last = {w: max(heard[w]) for w in WORKERS}
+                        got, want = wait_equal(indexer, prompts, {w: truth[w][last[w]] for w in WORKERS})
+                        checks.append((last, got == want))
+                        assert got == want, (last, {k: (got[k], want[k]) for k in got if got[k] != want[k]})
+                    finally:
+                        signal_group(procs.values(), signal.SIGCONT)
+            for w, p in procs.items():
+                assert p.wait(60) == 0, (tmp_path / f"worker{w}.out").read_text()[-3000:]
+            hear(0.5)
+            last = {w: max(heard[w]) for w in WORKERS}
+            got, want = wait_equal(indexer, prompts, {w: truth[w][last[w]] for w in WORKERS})
+            checks.append((last, got == want))
+            assert got == want  # drained: nothing is cached anywhere, and the indexer says so
+            log = indexer.log()
+        finally:
+            signal_group(procs.values(), signal.SIGCONT)
+            signal_group(procs.values(), signal.SIGKILL)
+            for p in procs.values():
+                p.wait(10)
+            for sub in subs.values():
+                sub.close()
+    assert len(checks) >= 4, checks  # three pauses and the end
+    for w in WORKERS:
+        text = (tmp_path / f"worker{w}.out").read_text()
+        out = json.loads(text[text.index("{"):text.rindex("}") + 1])
+        assert {o["id"]: o["generated"] for o in out["outputs"]} == generated[w]  # the run the truth replayed
+        assert sorted(heard[w]) == list(range(len(payloads[w])))  # every batch, in order, none lost
+        body = lambda payload: msgspec.msgpack.decode(payload)[1]  # noqa: E731  (the events, as the wire has them)
+        assert [body(encode_batch(heard[w][i])) for i in sorted(heard[w])] == [body(p) for p in payloads[w]]
+    assert "Failed to find parent block" not in log and "ERROR" not in log, log[-3000:]
+    assert "decode" not in log.lower(), log[-3000:]  # no batch the indexer could not read
+    assert "Replay complete" in log  # worker 2 was replayed from seq 0
+    print(f"interop: {len(checks)} checks, {time.perf_counter() - t0:.1f} s")

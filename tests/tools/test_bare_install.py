@@ -1,0 +1,89 @@
+"""A bare install (``pip install cpkv``: torch, numpy and tqdm only) imports and runs the contract, the
+pool, the prefix cache and the host tier; every optional package is imported where it is used, and its
+absence is one line naming the extra. The optional packages are hidden in a fresh interpreter
+(``sys.modules[m] = None``, so importing them raises ``ImportError``) rather than uninstalled.
+
+A fresh virtual environment with the wheel and no extras would test the same thing from the outside,
+but installing torch into it takes minutes on this machine, past the suite's budget; it is not run."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+OPTIONAL = ("msgspec", "zmq", "transformers", "triton", "matplotlib")
+HIDE = f"import sys\nfor m in {OPTIONAL!r}:\n    sys.modules[m] = None\n"
+
+
+def run_bare(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", HIDE + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_and_a_small_allocation_need_no_extra():
+    r = run_bare("""
+        import torch
+        import cpkv
+        from cpkv import OwnerLaneAllocator, PrefixCache, SharedKVLayout, SharedKVPool
+        from cpkv.consumers.hicache import HostTier
+        from cpkv.consumers.kv_events import block_hashes
+        from cpkv.consumers.kv_pool import Family
+
+        S, N, pages = 4, 2, 8
+        layout = SharedKVLayout(N, S, pages)
+        cache = PrefixCache(OwnerLaneAllocator((layout.num_pages - 1) * S, S, N, layout=layout))
+        m = cache.acquire(list(range(10)))
+        a = cache.allocate_extend(torch.tensor([0]), torch.tensor([10]), torch.tensor([-1]))
+        assert a is not None and a.out_cache_loc.numel() == 10
+        fam = Family("k", (2,), (0,))
+        pool = SharedKVPool(layout, 0, [fam], {"k": torch.zeros(fam.buffer_shape(layout))})
+        assert pool.num_layers == 1
+        host = HostTier(4, S)
+        assert len(block_hashes(list(range(10)), S)) == 2
+        loaded = sorted(k for k in sys.modules if k.split(".")[0] in %r and sys.modules[k] is not None)
+        print("ok", loaded)
+    """ % (OPTIONAL,))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ok", "[]"], r.stdout
+
+
+COMMANDS = (
+    (["run"], "cpkv run: error: cpkv run (its models are transformers' own) needs transformers: "
+              "pip install 'cpkv[model]' (see cpkv run --help)"),
+    (["simulate", "--workload", "longdoc", "--policies", "lane0", "--kv-events", "tcp://127.0.0.1:5557"],
+     "cpkv simulate: error: --kv-events needs zmq: pip install 'cpkv[events]' (see cpkv simulate --help)"),
+    (["simulate", "--plot", "x.png"],
+     "cpkv simulate: error: --plot needs matplotlib: pip install 'cpkv[plot]' (see cpkv simulate --help)"),
+    (["bench", "plan"], "cpkv bench: error: bench plan (its models are transformers' own) needs transformers: "
+                        "pip install 'cpkv[model]' (see cpkv bench --help)"),
+)
+
+
+def test_each_optional_module_says_its_extra_in_one_line():
+    """The KV event modules and a sink, then the command's flags that need an extra: one line each."""
+    r = run_bare("""
+        import contextlib, io, json
+        from cpkv.consumers.kv_events import KVEventSink
+        from cpkv.tools.cli import main
+        out = []
+        for what in ("import cpkv.consumers.kv_wire", "import cpkv.consumers.kv_events_zmq",
+                     "KVEventSink(type('P', (), {'publish': lambda self, b: 0})(), 4)"):
+            try:
+                exec(what)
+                out.append("imported")
+            except ImportError as e:
+                out.append(str(e))
+        for argv in %r:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as e:
+                    code = e.code
+            out.append([code, err.getvalue().splitlines()])
+        print(json.dumps(out))
+    """ % ([a for a, _ in COMMANDS],))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got[:3] == ["cpkv's KV events need msgspec and pyzmq: pip install 'cpkv[events]'"] * 3
+    assert got[3:] == [[2, [line]] for _, line in COMMANDS]

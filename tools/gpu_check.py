@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""The one prepared device run: everything that needs a GPU, on the machine it is meant for, in under 8 minutes.
+
+    python3 tools/gpu_check.py OUT            # on a machine with a CUDA GPU (make gpu-check OUT=...)
+    python3 tools/gpu_check.py --dry-run OUT  # every step on the CPU at tiny sizes (Triton's interpreter)
+
+Runs with the interpreter that runs it (the machine's own ``python3`` and its
+packages) and cpkv from this checkout's ``src/`` (no install, no network). A
+package cpkv needs that does not import is named, with the wheel that would
+carry it. Writes exactly two files into OUT: ``results.json`` (one section per
+step, rewritten after every step) and ``log.txt`` (every step's output);
+prints a summary and the tail of every failed step's output; exits 1 if any
+step failed (2 for a misuse of this script).
+
+Steps, in order, each in a process of its own with a deadline (a hung CUDA call
+cannot stall the rest), the whole run within :data:`TOTAL_S` seconds:
+
+1. ``versions``: Python, torch (its CUDA), triton, transformers, the GPU(s);
+2. ``kernels``: every Triton kernel compiled on CUDA against the torch
+   reference, float32/float16/bfloat16, small and real shapes (GQA Hkv 8 D 128,
+   MLA latent 512 + 64, indexer 64 x 128, page 64), and the read through the
+   group's base table against the same bytes in one buffer;
+3. ``bandwidth``: store and decode attention, bytes per second as a fraction of
+   a device-to-device copy timed in the same rounds;
+4. ``engine``: ``cpkv run --device cuda --check`` for Llama and DeepSeek-V3.2 at
+   N 1, 2 and 4 on one GPU (every split among them), one of each model with a
+   device cache small enough to evict to the host tier and load back, and
+   ``--kv replicated``;
+5. ``ipc``: N = 2, 3, 4 ranks on one GPU: own segments, CUDA IPC, the fence,
+   reads through the view round after round, and a read through the view
+   timed against a local read of the same bytes.
+
+A step is one function ``step_NAME(dry) -> dict`` (its results section, with
+``ok``) and one :class:`Step` entry in :data:`STEPS`: adding a benchmark is
+writing that function and that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+#: The whole run's budget (seconds), inside the 8 minutes it must end in on one H200; the dry run's (a CPU
+#: shared with other work may be slow: these only bound a broken dry run).
+TOTAL_S, DRY_TOTAL_S = 460.0, 900.0
+#: The environment variable that tells a step's process its deadline (seconds since the epoch).
+DEADLINE_ENV = "GPU_CHECK_DEADLINE"
+#: Lines of a failed step's output printed under the summary.
+TAIL_LINES = 40
+#: What cpkv imports on this path, and the wheel that would carry each when it is missing.
+REQUIRED = {"torch": "torch (the CUDA build of the machine)", "numpy": "numpy-*-cp312-*manylinux*.whl",
+            "triton": "triton-*-cp312-*manylinux*.whl", "transformers": "transformers-*-py3-none-any.whl",
+            "tqdm": "tqdm-*-py3-none-any.whl"}
+
+
+def _env() -> dict:
+    """The steps' environment: cpkv from ``src/``, unbuffered output, and the
+    caching allocator's ``expandable_segments`` off (cpkv refuses it: its KV
+    segments are shared over CUDA IPC)."""
+    env = dict(os.environ)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if var in env:
+            env[var] = re.sub(r"expandable_segments\s*:\s*(true|1)", "expandable_segments:False", env[var],
+                              flags=re.IGNORECASE)
+    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+# -- the steps ------------------------------------------------------------------------------------------
+def step_versions(dry: bool) -> dict:
+    """The interpreter, the packages cpkv needs (a missing one named with its wheel) and the device."""
+    out = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
+           "packages": {}, "missing": []}
+    for name, wheel in REQUIRED.items():
+        try:
+            out["packages"][name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - reported: what is missing and what would carry it
+            out["missing"].append(f"{name} does not import ({type(e).__name__}: {e}); carry its wheel ({wheel}) "
+                                  "and install it with pip --no-index")
+    import torch
+
+    out["alloc_conf"] = {v: os.environ[v] for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                         if v in os.environ}
+    out["cuda_build"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    out["devices"] = [{"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),
+                       "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                      for i in range(torch.cuda.device_count())] if out["cuda_available"] else []
+    import cpkv
+
+    out["cpkv"] = str(Path(cpkv.__file__).parent)
+    out["ok"] = not out["missing"] and (dry or out["cuda_available"])
+    if not dry and not out["cuda_available"]:
+        out["error"] = f"needs a CUDA GPU; torch {torch.__version__} sees none here (use --dry-run on the CPU)"
+    return out
+
+
+def step_kernels(dry: bool) -> dict:
+    """Every kernel against the torch reference (:func:`cpkv.tools.gpu_probe.kernels_section`)."""
+    from cpkv.tools.gpu_probe import kernels_section
+
+    return kernels_section("cpu" if dry else "cuda", dry)
+
+
+def step_bandwidth(dry: bool) -> dict:
+    """Store and decode bytes/s against a device copy (:func:`cpkv.tools.gpu_probe.bandwidth_section`)."""
+    from cpkv.tools.gpu_probe import bandwidth_section
+
+    return bandwidth_section("cpu" if dry else "cuda", dry)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``cpkv run --check``: its name, flags, and whether it must evict to the host tier and load back."""
+
+    name: str
+    flags: tuple[str, ...]
+    evicts: bool = False
+
+
+def engine_runs(dry: bool) -> list[Run]:
+    """The engine runs: Llama and DeepSeek-V3.2 at N 1, 2, 4 on one device with
+    every split among them, one evicting run per model, the replicated cache
+    (the dry run: the two evicting runs)."""
+    common = ("--scale", "0.06", "--chunk", "40", "--page", "16")
+    llama, dsa = ("--model", "llama", "--requests", "4"), ("--model", "deepseek-v3.2", "--requests", "3")
+    evict = ("--device-pages", "5", "--host-pages", "48")  # 5 pages a lane: backups and host loads (measured)
+    runs = [
+        Run("llama-n1", (*llama, *common, "--cp", "1", "--device-pages", "64")),
+        Run("llama-n2-evict-lse", (*llama, *common, "--cp", "2", *evict, "--decode-split", "lse"), evicts=True),
+        Run("llama-n4-interleave", (*llama, *common, "--cp", "4", "--device-pages", "64", "--prefill-split",
+                                    "interleave")),
+        Run("dsa-n1", (*dsa, *common, "--cp", "1", "--device-pages", "64")),
+        Run("dsa-n2-evict-zigzag-lse", (*dsa, *common, "--cp", "2", *evict, "--prefill-split", "zigzag",
+                                        "--decode-split", "lse"), evicts=True),
+        Run("dsa-n4", (*dsa, *common, "--cp", "4", "--device-pages", "64")),
+        Run("llama-n2-replicated", (*llama, *common, "--cp", "2", "--device-pages", "64", "--kv", "replicated")),
+    ]
+    if dry:  # the two evicting runs (each rank process imports torch and transformers: seconds each)
+        runs = [r for r in runs if r.evicts]
+    return runs
+
+
+def time_left(margin: float = 10.0) -> float:
+    """Seconds this step may still use, ``margin`` kept for writing its section
+    (from the deadline its parent set in :data:`DEADLINE_ENV`; an hour without one)."""
+    at = os.environ.get(DEADLINE_ENV)
+    return (float(at) - time.time() - margin) if at else 3600.0
+
+
+def _engine_run(run: Run, dry: bool, timeout: float) -> dict:
+    timeout = min(timeout, time_left() - 20)
+    if timeout < 10:
+        return {"ok": False, "command": " ".join(run.flags), "error": "not run: the step's deadline is too close"}
+    cmd = [sys.executable, "-m", "cpkv", "run", *run.flags, "--device", "cpu" if dry else "cuda", "--check",
+           "--json", "--no-progress", "--timeout", str(int(timeout))]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20, env=_env(), cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        got = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        return {"ok": False, "command": " ".join(cmd[1:]), "error": f"no answer within {timeout + 20:.0f} s",
+                "output": "".join(got)[-4000:]}
+    out = {"command": " ".join(cmd[1:]), "rc": p.returncode, "seconds": time.perf_counter() - t0,
+           "output": p.stderr[-4000:]}
+    try:
+        r = json.loads(p.stdout)
+    except ValueError:
+        out.update(ok=False, error=f"exit {p.returncode}, no JSON report")
+        return out
+    c = r.get("check") or {}
+    out.update(kernels=r["config"].get("kernels"), device=r["config"].get("device"), requests=r["requests"],
+               max_abs_diff=c.get("max_abs_diff"), requests_matched=c.get("requests_matched"),
+               logits_checked=c.get("logits_checked"), backup_pages=r["backup_pages"], load_pages=r["load_pages"],
+               evicted_pages=r["evicted_pages"], engine_seconds=r["seconds"])
+    problems = []
+    if p.returncode != 0:
+        problems.append(f"exit {p.returncode}")
+    if not (c.get("max_abs_diff", 1.0) < 1e-4 and c.get("requests_matched") == r["requests"] == r["finished"]):
+        problems.append("not exact against transformers")
+    if run.evicts and not (r["backup_pages"] > 0 and r["load_pages"] > 0):
+        problems.append(f"no eviction round trip (backup_pages {r['backup_pages']}, load_pages {r['load_pages']})")
+    if not dry and out["kernels"] != "triton":
+        problems.append(f"ran the {out['kernels']} kernels, not triton")
+    out["ok"] = not problems
+    if problems:
+        out["error"] = "; ".join(problems)
+    return out
+
+
+def step_engine(dry: bool) -> dict:
+    """``cpkv run --device cuda --check`` for every :func:`engine_runs` run, a few at a time."""
+    runs = engine_runs(dry)
+    timeout = 300.0 if dry else 180.0
+    with ThreadPoolExecutor(max_workers=2 if dry else 4) as pool:
+        results = dict(zip([r.name for r in runs], pool.map(lambda r: _engine_run(r, dry, timeout), runs)))
+    for name, r in results.items():  # the runs' own output, into the log
+        print(f"--- {name}: {r.get('command')}\n{r.get('output', '')}")
+    return {"ok": all(r["ok"] for r in results.values()),
+            "runs": {n: {k: v for k, v in r.items() if k != "output"} for n, r in results.items()}}
+
+
+def step_ipc(dry: bool) -> dict:
+    """N ranks on one device: segments, IPC, the fence (:func:`cpkv.tools.gpu_probe.ipc_section`)."""
+    from cpkv.tools.gpu_probe import ipc_section
+
+    sizes = (2,) if dry else (2, 3, 4)
+    return ipc_section("cpu" if dry else "cuda", dry, sizes=sizes,
+                       timeout=max(10.0, min(150.0 if dry else 60.0, time_left() / len(sizes))))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: ``fn(dry) -> section`` run in its own process within
+    ``deadline_s`` seconds on a GPU, ``dry_deadline_s`` in the dry run, and
+    never into the ``reserve_s`` seconds every later step keeps of the total."""
+
+    name: str
+    fn: Callable[[bool], dict]
+    deadline_s: float
+    dry_deadline_s: float
+    reserve_s: float = 0.0
+
+    def deadline(self, dry: bool) -> float:
+        """This step's deadline in seconds."""
+        return self.dry_deadline_s if dry else self.deadline_s
+
+
+STEPS = [
+    Step("versions", step_versions, 30, 90, reserve_s=10),
+    Step("kernels", step_kernels, 150, 180, reserve_s=60),
+    Step("bandwidth", step_bandwidth, 40, 90, reserve_s=20),
+    Step("engine", step_engine, 240, 360, reserve_s=120),
+    Step("ipc", step_ipc, 100, 180, reserve_s=60),
+]
+
+
+# -- running the steps -------------------------------------------------------------------------------------
+def _child(name: str, dry: bool, result: str) -> int:
+    """Inside a step's process: run it and write its section to ``result``."""
+    sys.path.insert(0, str(SRC))
+    step = next(s for s in STEPS if s.name == name)
+    try:
+        section = step.fn(dry)
+    except BaseException as e:  # noqa: BLE001 - the parent records it as the step's failure
+        import traceback
+
+        traceback.print_exc()
+        section = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    print(f"{name}: {json.dumps(section, indent=1, default=str)}")  # the whole section, into the log too
+    Path(result).write_text(json.dumps(section, default=str))
+    return 0
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of every ended child process this process waited for, and theirs."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str]:
+    """Run ``step`` in its own process group, killed at ``limit`` seconds; its record and its output."""
+    result, log = tmp / f"{step.name}.json", tmp / f"{step.name}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--result", str(result)]
+    cmd += ["--dry-run"] if dry else []
+    t0, cpu0 = time.perf_counter(), _children_cpu()
+    with open(log, "w") as f:
+        env = {**_env(), DEADLINE_ENV: str(time.time() + limit)}
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = None
+    seconds = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    record = {"ok": False, "seconds": round(seconds, 2), "deadline_s": round(limit, 1),
+              "cpu_seconds": round(_children_cpu() - cpu0, 2)}
+    if rc is None:
+        record["error"] = f"past its deadline of {limit:.0f} s: stopped"
+    elif not result.exists():
+        record["error"] = f"its process exited {rc} without a result"
+    else:
+        section = json.loads(result.read_text())
+        record.update(ok=bool(section.get("ok")) and rc == 0, section=section)
+        if "error" in section:
+            record["error"] = section["error"]
+    return record, text
+
+
+def _failures(section: dict, path: str = "") -> list[str]:
+    """Where inside a section something failed (entries whose ``ok`` is false), for the summary."""
+    out = []
+    for k, v in section.items() if isinstance(section, dict) else ():
+        if isinstance(v, dict):
+            if v.get("ok") is False:
+                out.append(f"{path}{k}: {v.get('error', 'failed')}")
+            out += _failures(v, f"{path}{k}.")
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, dict) and x.get("ok") is False:
+                    name = x.get("shape", i), x.get("dtype", "")
+                    out.append(f"{path}{k}[{' '.join(map(str, name))}]: {x.get('error', x.get('checks'))}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every step into ``OUT`` (see the module docstring); the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", help="output folder: results.json and log.txt are written there")
+    ap.add_argument("--dry-run", action="store_true", help="every step on the CPU at tiny sizes")
+    ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all, in order)")
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.step:
+        return _child(args.step, args.dry_run, args.result)
+    if not args.out:
+        ap.error("give the output folder")
+    names = [s.name for s in STEPS]
+    only = names if args.only is None else args.only.split(",")
+    if any(n not in names for n in only):
+        ap.error(f"--only takes step names from {names}, got {args.only}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"tool": "tools/gpu_check.py", "dry_run": args.dry_run,
+               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "total_budget_s": DRY_TOTAL_S if args.dry_run else TOTAL_S, "ok": False, "steps": {}}
+    logs, start = [], time.monotonic()
+    todo = [s for s in STEPS if s.name in only]
+    with tempfile.TemporaryDirectory(prefix="cpkv_gpu_check_") as tmp:
+        for i, step in enumerate(todo):
+            later = 0.0 if args.dry_run else sum(s.reserve_s for s in todo[i + 1:])
+            left = results["total_budget_s"] - (time.monotonic() - start) - later
+            if left < 5:
+                record, text = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
+            else:
+                record, text = _run_step(step, args.dry_run, min(step.deadline(args.dry_run), left), Path(tmp))
+            results["steps"][step.name] = record
+            logs.append(f"===== {step.name}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s\n{text}")
+            results["seconds"] = round(time.monotonic() - start, 2)
+            results["ok"] = all(r["ok"] for r in results["steps"].values())
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            (out / "log.txt").write_text("\n".join(logs))
+    print(f"gpu_check{' (dry run)' if args.dry_run else ''}: {'ok' if results['ok'] else 'FAILED'} in "
+          f"{results['seconds']} s; {out / 'results.json'}, {out / 'log.txt'}")
+    for name, r in results["steps"].items():
+        print(f"  {name:10s} {'ok    ' if r['ok'] else 'FAILED'} {r['seconds']:7.1f} s"
+              + (f"  {r['error']}" if r.get("error") else ""))
+        for where in _failures(r.get("section", {}))[:10]:
+            print(f"      {where}")
+    for text, (name, r) in zip(logs, results["steps"].items()):
+        if not r["ok"]:
+            tail = text.splitlines()[-TAIL_LINES:]
+            print(f"\n--- the last {len(tail)} lines of {name}'s output:\n" + "\n".join(tail))
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
