@@ -45,6 +45,7 @@ BAD = [
     (["simulate", "--plot", "/no/such/folder/x.png"], "--plot"),
     (["simulate", "--json=yes"], "--json"),
     (["simulate", "--no-progress=yes"], "--no-progress"),
+    (["simulate", "--no-prefix-wait=1"], "--no-prefix-wait"),
     (["run", "--cp", "0"], "--cp"),
     (["run", "--ranks", "two"], "--ranks"),
     (["run", "--timeout", "0"], "--timeout"),
@@ -87,6 +88,7 @@ BAD = [
     (["run", "--plot", "occupancy.jpg"], "--plot"),
     (["run", "--json=1"], "--json"),
     (["run", "--no-progress=1"], "--no-progress"),
+    (["run", "--no-prefix-wait=yes"], "--no-prefix-wait"),
     # cross-flag rules, checked after parsing and before anything runs
     (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
     (["run", "--device-pages", "1"], "--device-pages"),  # a request that could never fit the cache

@@ -44,6 +44,10 @@ class RunConfig:
     ``window_ms`` (None: all), at ``block_tokens`` tokens a hash id (its lengths scaled with them), outputs
     capped at ``max_output`` (None: none), each arriving at step ``timestamp // step_ms``;
     ``check`` compares with ``transformers``;
+    ``wait_for_prefix`` the scheduler's in-batch prefix rule (a request waits
+    for the pages of a prefix another running request is computing, then hits
+    them: :class:`~cpkv.engine.scheduler.Scheduler`; ``False`` computes them
+    again, the same tokens);
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
@@ -97,6 +101,7 @@ class RunConfig:
     kv_events_buffer: int = 10_000
     device: str = "cpu"
     kernels: str | None = None
+    wait_for_prefix: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -117,6 +122,8 @@ class RunConfig:
     def __post_init__(self):
         if self.kv not in KV_MODES:
             raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
+        if not isinstance(self.wait_for_prefix, bool):
+            raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
                                            or self.kv_memory < 1):
             raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")

@@ -54,7 +54,11 @@ def _add_simulate(sub) -> None:
                    help="built-in traces: lane occupancy over time per policy; Mooncake traces: one file per "
                         "figure beside FILE (resident tokens against capacity, hit rate over time, TTFT and TPOT "
                         "CDFs), their paths printed")
-    s.add_argument("--host-pages", type=non_negative, default=0, help="host-tier pages, 0 for none (default 0)")
+    s.add_argument("--host-pages", type=non_negative, default=0,
+                   help="built-in traces: host-tier pages, 0 for none (default 0)")
+    s.add_argument("--no-prefix-wait", action="store_true",
+                   help="admit a request that shares a prefix another running request is still computing at once "
+                        "(it computes the prefix again); by default it waits until those pages are cached")
     add_kv_events_flags(s, "the simulated caches' (one --workload, one of --policies)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -226,6 +230,10 @@ def _add_run(sub) -> None:
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,
                    help=f"requests running at once (default {D.max_running})")
+    r.add_argument("--no-prefix-wait", action="store_true",
+                   help="admit a request that shares a prefix another running request is still computing at once "
+                        "(it computes the prefix again, the same tokens); by default it waits until those pages are "
+                        "cached and hits them")
     r.add_argument("--admission", choices=ADMISSION, default=D.admission,
                    help="lanes: admit while every lane holds what the running requests still need (default); "
                         "none: admit up to --max-running and preempt when a lane runs dry")

@@ -55,7 +55,9 @@ class ReplayConfig:
     ``max_running`` and ``admission``, the shared cache's ``decode_split``
     (``"owner"`` or ``"lse"``), the GPU's figures ``hw``, and ``rate``: the
     arrivals come ``rate`` times as fast as the trace's timestamps say (1:
-    the trace's own; more loads the group until it falls behind)."""
+    the trace's own; more loads the group until it falls behind);
+    ``wait_for_prefix`` the scheduler's in-batch prefix rule
+    (:class:`~cpkv.engine.scheduler.Scheduler`)."""
 
     cp_size: int = 8
     page_size: int = 64
@@ -68,6 +70,7 @@ class ReplayConfig:
     decode_split: str = "owner"
     hw: Hardware = H200
     rate: float = 1.0
+    wait_for_prefix: bool = True
 
     def __post_init__(self):
         if self.kv_memory is None:
@@ -80,6 +83,8 @@ class ReplayConfig:
             raise ValueError(f"host_memory must be an int >= 0, got {self.host_memory!r}")
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not self.rate > 0:
             raise ValueError(f"rate must be a number > 0, got {self.rate!r}")
+        if not isinstance(self.wait_for_prefix, bool):
+            raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
         if self.decode_split not in ("owner", "lse"):
             raise ValueError(f"decode_split must be 'owner' or 'lse', got {self.decode_split!r}")
 
@@ -110,7 +115,7 @@ def build_replay_scheduler(cfg: ReplayConfig, kv: str, specs: list, token_bytes:
     lanes = 1 if kv == "replicated" else cfg.cp_size
     return Scheduler(specs, build_cache(lanes, cfg.page_size, device), chunk=cfg.chunk,
                      max_running=cfg.max_running, admission=cfg.admission,
-                     host=HostTier(host, cfg.page_size) if host else None)
+                     host=HostTier(host, cfg.page_size) if host else None, wait_for_prefix=cfg.wait_for_prefix)
 
 
 @dataclass
