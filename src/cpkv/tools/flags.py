@@ -297,6 +297,7 @@ BENCH_FLAGS = {
     "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as"},
     "plan": {"repeats", "json", "device", "kernels"},
     "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
+    "kernels": {"json", "compile", "device"},
 }
 BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
 

@@ -26,7 +26,7 @@ import torch
 
 from ...contract.layout import SharedKVLayout
 from ...kernels import get
-from ...kernels.backend import LayerView, WriteIndex
+from ...kernels.backend import CacheView, WriteIndex
 
 #: decode sizes of the issue: batch x context
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 64), (32768, 131072)
@@ -110,7 +110,7 @@ def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_C
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
             req = torch.arange(batch, device=dev)
             plan = b.plan(table, req, torch.full((batch,), ctx - 1, device=dev), layout, with_lse=False)
-            kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
+            kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
             t = _medians({"decode": lambda: b.dense(plan, q, *kv, head_dim**-0.5)}, dev, reps)["decode"]
             read = 2 * batch * ctx * kv_heads * head_dim * k.element_size()
             rows.append(dict(batch=batch, context=ctx, seconds=t, bytes_read=read, bytes_per_second=read / t,
@@ -138,7 +138,7 @@ def bench_sparse_mla(device: str = "cuda", batches=DECODE_BATCHES, heads=(16, 12
         layout, table = _paged(batch, context, 64, 1, dev)
         n = layout.cp_size * layout.slots_per_rank
         values = torch.randn(n, width, device=dev)
-        lat = LayerView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (width,))
+        lat = CacheView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (width,))
         g = torch.Generator(device=dev).manual_seed(1)
         sel = table.gather(1, torch.randint(0, context, (batch, topk), device=dev, generator=g))
         empty = table[:, :0]
@@ -171,7 +171,7 @@ def bench_indexer(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_
             layout, table = _paged(batch, ctx, 64, 1, dev)
             n = layout.cp_size * layout.slots_per_rank
             values = torch.randn(n, dim, device=dev)
-            keys = LayerView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (dim,))
+            keys = CacheView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (dim,))
             q, w = torch.randn(batch, heads, dim, device=dev, dtype=dtype), torch.randn(batch, heads, device=dev)
             plan = b.plan(table, torch.arange(batch, device=dev), torch.full((batch,), ctx - 1, device=dev), layout)
             t = _medians({"index": lambda: b.index_scores(plan, q, w, keys, dim**-0.5)}, dev,
@@ -204,7 +204,7 @@ def bench_store(device: str = "cuda", tokens=(64, 32768), kv_heads: int = 8, hea
         x = torch.randn(T, *shape, device=dev, dtype=dtype)
         report = torch.zeros(2, dtype=torch.int32, device=dev)
         write = WriteIndex(table[0])
-        view = LayerView(seg, fmt, shape)
+        view = CacheView(seg, fmt, shape)
         t = _medians({"store": lambda: b.store(view, x, write, layout, 0, report)}, dev, reps)["store"]
         moved = T * (x[0].numel() * x.element_size() + (fmt.bytes_per_slot if fp8 else x[0].numel() * seg.element_size()))
         rows.append(dict(tokens=T, seconds=t, bytes_moved=moved, bytes_per_second=moved / t,
@@ -235,7 +235,7 @@ def bench_prefill(device: str = "cuda", tokens: int = 32768, kv_heads: int = 8, 
     b = get("triton")
     plan = b.plan(table, torch.zeros(tokens, dtype=torch.int64, device=dev), torch.arange(tokens, device=dev), layout,
                   with_lse=False)
-    kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
+    kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
 
     def sdpa():
         if dev.type == "cuda":
@@ -268,7 +268,7 @@ def bench_lse_split(device: str = "cuda", ranks=(1, 2, 4), batch: int = 8, conte
         k = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
         v = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
-        kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
+        kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
         req, pos = torch.arange(batch, device=dev), torch.full((batch,), context - 1, device=dev)
         plans = [b.plan(table, req, pos, layout, own_rank=r) for r in range(N)]
         t = _medians({r: (lambda p=p: b.dense(p, q, *kv, head_dim**-0.5)) for r, p in enumerate(plans)}, dev,
