@@ -13,7 +13,8 @@ prints a summary and the tail of every failed step's output; exits 1 if any
 step failed (2 for a misuse of this script).
 
 Steps, in order, each in a process of its own with a deadline (a hung CUDA call
-or a CUDA error cannot stall or poison the rest), the whole run within
+or a CUDA error cannot stall or poison the rest; one at a time on a GPU, two at
+a time in the dry run: :data:`LANES`), the whole run within
 :data:`TOTAL_S` seconds, every later step keeping its reserve of it:
 
 1. ``versions``: Python, torch (its CUDA), triton, transformers, the GPU(s);
@@ -60,7 +61,6 @@ import json
 import os
 import platform
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -423,20 +423,31 @@ def _child(name: str, dry: bool, result: str) -> int:
     return 0
 
 
-def _children_cpu() -> float:
-    """CPU seconds (user and system) of every ended child process this process waited for, and theirs."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+#: Steps run at once: one on a GPU (each step's figures are taken alone on it), two in the dry run (the CPU
+#: steps are independent; two cores halve its wall time).
+LANES, DRY_LANES = 1, 2
 
 
-def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str]:
-    """Run ``step`` in a process of its own (a fork of this one, which has
+@dataclass
+class _Running:
+    """A step's process while it runs: its pid, start, deadline (monotonic), files."""
+
+    step: Step
+    pid: int
+    limit: float
+    started: float
+    end: float
+    result: Path
+    log: Path
+
+
+def _start_step(step: Step, dry: bool, limit: float, tmp: Path) -> _Running:
+    """Start ``step`` in a process of its own (a fork of this one, which has
     imported torch once: a step's process starts warm, and CUDA starts in it,
     never here), its own process group (its children with it), its output
-    into a log, killed with its group at ``limit`` seconds; its record and
-    its output."""
+    into a log, to be killed with its group at ``limit`` seconds
+    (:func:`_poll_step`)."""
     result, log = tmp / f"{step.name}.json", tmp / f"{step.name}.log"
-    t0, cpu0 = time.perf_counter(), _children_cpu()
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -462,27 +473,36 @@ def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str
             sys.stderr.flush()
             os._exit(rc)
     os.close(fd)
-    end, rc = time.monotonic() + limit, None
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            rc = os.waitstatus_to_exitcode(status)
-            break
-        if time.monotonic() > end:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            break
-        time.sleep(0.05)
-    seconds = time.perf_counter() - t0
-    text = log.read_text(errors="replace")
-    record = {"ok": False, "seconds": round(seconds, 2), "deadline_s": round(limit, 1),
-              "cpu_seconds": round(_children_cpu() - cpu0, 2)}
+    now = time.monotonic()
+    return _Running(step, pid, limit, now, now + limit, result, log)
+
+
+def _poll_step(run: _Running, origin: float) -> tuple[dict, str] | None:
+    """``None`` while ``run``'s process runs within its deadline; else its
+    record (``ok``, when it started and ended in seconds after ``origin``
+    (monotonic), seconds, deadline, CPU seconds of the step and the processes it waited
+    for, its section or its error) and its output, the process group killed
+    when the deadline passed."""
+    done, status, usage = os.wait4(run.pid, os.WNOHANG)
+    if done:
+        rc = os.waitstatus_to_exitcode(status)
+    elif time.monotonic() > run.end:
+        os.killpg(run.pid, signal.SIGKILL)
+        _, _, usage = os.wait4(run.pid, 0)
+        rc = None
+    else:
+        return None
+    text = run.log.read_text(errors="replace")
+    ended = time.monotonic()
+    record = {"ok": False, "started_s": round(run.started - origin, 2), "ended_s": round(ended - origin, 2),
+              "seconds": round(ended - run.started, 2), "deadline_s": round(run.limit, 1),
+              "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2)}
     if rc is None:
-        record["error"] = f"past its deadline of {limit:.0f} s: stopped"
-    elif not result.exists():
+        record["error"] = f"past its deadline of {run.limit:.0f} s: stopped"
+    elif not run.result.exists():
         record["error"] = f"its process exited {rc} without a result"
     else:
-        section = json.loads(result.read_text())
+        section = json.loads(run.result.read_text())
         record.update(ok=bool(section.get("ok")) and rc == 0, section=section)
         if "error" in section:
             record["error"] = section["error"]
@@ -505,6 +525,19 @@ def _failures(section: dict, path: str = "") -> list[str]:
     return out
 
 
+def _write(results: dict, done: dict[str, tuple[dict, str]], todo: list[Step], start: float, out: Path) -> list[str]:
+    """``results.json`` and ``log.txt`` in ``out`` with the steps ``done`` so
+    far (name -> record, output), in the steps' order; the log's sections."""
+    results["steps"] = {s.name: done[s.name][0] for s in todo if s.name in done}
+    logs = [f"===== {n}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s\n{done[n][1]}"
+            for n, r in results["steps"].items()]
+    results["seconds"] = round(time.monotonic() - start, 2)
+    results["ok"] = bool(results["steps"]) and all(r["ok"] for r in results["steps"].values())
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "log.txt").write_text("\n".join(logs))
+    return logs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every step into ``OUT`` (see the module docstring); the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -523,27 +556,33 @@ def main(argv: list[str] | None = None) -> int:
     results = {"tool": "tools/gpu_check.py", "dry_run": args.dry_run,
                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "total_budget_s": DRY_TOTAL_S if args.dry_run else TOTAL_S, "ok": False, "steps": {}}
-    logs, start = [], time.monotonic()
+    start = time.monotonic()
     todo = [s for s in STEPS if s.name in only]
     os.environ.update(_env())  # what every step's process and the processes it starts run with
     try:  # once, here: every step's process is a fork of this one and starts with torch imported (CUDA never here)
         import torch  # noqa: F401
     except Exception:  # noqa: BLE001 - the versions step names what does not import
         pass
+    done: dict[str, tuple[dict, str]] = {}
+    lanes, waiting, running = DRY_LANES if args.dry_run else LANES, list(todo), []
     with tempfile.TemporaryDirectory(prefix="cpkv_gpu_check_") as tmp:
-        for i, step in enumerate(todo):
-            later = 0.0 if args.dry_run else sum(s.reserve_s for s in todo[i + 1:])
-            left = results["total_budget_s"] - (time.monotonic() - start) - later
-            if left < 5:
-                record, text = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
-            else:
-                record, text = _run_step(step, args.dry_run, min(step.deadline(args.dry_run), left), Path(tmp))
-            results["steps"][step.name] = record
-            logs.append(f"===== {step.name}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s\n{text}")
-            results["seconds"] = round(time.monotonic() - start, 2)
-            results["ok"] = all(r["ok"] for r in results["steps"].values())
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-            (out / "log.txt").write_text("\n".join(logs))
+        while waiting or running:
+            while waiting and len(running) < lanes:  # start the next step in order
+                step = waiting.pop(0)
+                later = 0.0 if args.dry_run else sum(s.reserve_s for s in waiting)
+                left = results["total_budget_s"] - (time.monotonic() - start) - later
+                if left < 5:
+                    done[step.name] = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
+                else:
+                    running.append(_start_step(step, args.dry_run, min(step.deadline(args.dry_run), left), Path(tmp)))
+            ended = {r.step.name: got for r in running if (got := _poll_step(r, start)) is not None}
+            if running and not ended:
+                time.sleep(0.05)
+                continue
+            running = [r for r in running if r.step.name not in ended]
+            done.update(ended)
+            logs = _write(results, done, todo, start, out)  # after every step, in the steps' order
+        logs = _write(results, done, todo, start, out)
     print(f"gpu_check{' (dry run)' if args.dry_run else ''}: {'ok' if results['ok'] else 'FAILED'} in "
           f"{results['seconds']} s; {out / 'results.json'}, {out / 'log.txt'}")
     for name, r in results["steps"].items():

@@ -46,6 +46,10 @@ def test_the_dry_run_fills_every_section_of_the_same_results(tmp_path):
     assert r["ok"] and r["dry_run"] and list(r["steps"]) == STEPS
     s = {name: step["section"] for name, step in r["steps"].items()}
     assert all(step["ok"] and step["seconds"] <= step["deadline_s"] for step in r["steps"].values())
+    spans = [(x["started_s"], x["ended_s"]) for x in r["steps"].values()]
+    assert [a for a, _ in spans] == sorted(a for a, _ in spans)  # started in order
+    at_once = [sum(a <= t < b for a, b in spans) for t, _ in spans]  # steps running when each one starts
+    assert max(at_once) == gpu_check.DRY_LANES == 2 and gpu_check.LANES == 1  # two lanes on the CPU, one on a GPU
     assert not s["versions"]["missing"] and s["versions"]["packages"]["torch"] == torch.__version__
     cases = s["kernels"]["cases"]
     assert {c["shape"] for c in cases} == {f"{k}-small{f}" for k in ("gqa", "mla", "indexer") for f in ("", "-fp8")}
@@ -92,6 +96,7 @@ def test_a_step_past_its_deadline_is_stopped_with_the_processes_it_started(tmp_p
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "past its deadline of 2 s: stopped" in r["steps"]["hang"]["error"]
     assert r["steps"]["after"]["ok"] and r["steps"]["after"]["section"]["ran"] is True
+    assert r["steps"]["after"]["ended_s"] < r["steps"]["hang"]["ended_s"]  # the dry run's second lane: alongside
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # killed; reaped by init
