@@ -136,3 +136,13 @@ def test_make_gpu_check_calls_it_with_the_machines_python_where_there_is_no_venv
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     r = subprocess.run(["make", "-n", "gpu-check", "GPU_OUT=/tmp/o"], cwd=tmp_path, capture_output=True, text=True)
     assert r.stdout.strip() == "python3 tools/gpu_check.py /tmp/o", r.stdout + r.stderr
+
+
+def test_the_host_tier_line_says_whether_cudahostregister_took():
+    """The engine step's ``host_tier``: the runs' ``host_pinned`` (per rank; None where a rank had no host tier)."""
+    runs = [{"host_pinned": [True, True]}, {"host_pinned": [None]}, {}]
+    assert gpu_check.host_tier(runs, False) == "page-locked (cudaHostRegister took) on all 2 rank(s) that had one"
+    refused = gpu_check.host_tier([{"host_pinned": [True, False]}, {"host_pinned": [False]}], False)
+    assert refused.startswith("pageable on 2 of 3 rank(s): cudaHostRegister was refused")
+    assert gpu_check.host_tier([{"host_pinned": [None, None]}, {}], False) == "no host tier ran"
+    assert gpu_check.host_tier([{"host_pinned": [False]}], True) == "not page-locked: no CUDA in the dry run"
