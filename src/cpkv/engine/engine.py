@@ -246,7 +246,11 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
                                     # at the end of the trace, before the cache is drained: the pages this rank
                                     # holds, by the allocator and by what this rank wrote into its segment
-                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
+                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held),
+                                    # the host tier page-locked for CUDA: None without one, False on the CPU
+                                    # (not asked: asking makes a CUDA context) or where cudaHostRegister refused
+                                    "host_pinned": None if parts.host is None else
+                                    pool.device.type == "cuda" and parts.host.pinned()})
     sched.drain()
     if events is not None:
         events.flush()

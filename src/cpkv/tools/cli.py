@@ -25,7 +25,7 @@ from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv
                     comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file,
                     positive, positive_list, simulate_workload_arg, size_arg, size_list, workload_arg)
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
 
 def _add_simulate(sub) -> None:
@@ -298,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[cmd]
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed and validated as the ``cpkv`` command takes it (its
+    cross-flag rules and up-front refusals, nothing run): the namespace its
+    subcommand runs on (``args.func(args)``; ``cpkv run`` sets
+    ``args.config``). A command line the command refuses raises
+    ``SystemExit(2)`` after argparse's message on stderr, as the command
+    exits."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "validate", None):
+        args.validate(args, _subparser(parser, args.cmd))
+    return args
 
 
 def _what_it_finished(name: str, e: BaseException) -> None:

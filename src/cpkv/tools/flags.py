@@ -382,6 +382,7 @@ BENCH_FLAGS = {
                  "window", "max_output", "step_ms"},
     "plan": {"repeats", "json", "device", "kernels"},
     "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
+    "kernels": {"json", "compile", "device"},
 }
 BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
 
