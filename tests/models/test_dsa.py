@@ -384,3 +384,17 @@ def test_chunked_prefill_with_token_zero_matches_transformers():
     parts = [own.extend([0], [ids[:30]])[2], own.extend([0], [ids[30:]])[2]]
     ref = ad.model(ids[None]).logits[0]
     assert (torch.cat(parts) - ref).abs().max() < 1e-4
+
+
+def test_released_config_is_transformers_default_and_refuses_other_names():
+    """The cost model reads the released model's sizes through cpkv.models (the one place that imports
+    transformers): the defaults of the released configuration, which agree with :func:`real_shape`."""
+    from cpkv.models.dsa import real_shape, released_config
+
+    for kind in ("deepseek-v3.2", "glm-5"):
+        c = released_config(kind)
+        shape = real_shape(kind)
+        assert (c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim) == (
+            shape.num_layers, shape.kv_lora_rank, shape.rope_dim, shape.index_head_dim)
+    with pytest.raises(ValueError, match="kind must be"):
+        released_config("llama")

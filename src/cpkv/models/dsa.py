@@ -84,6 +84,22 @@ class DsaCacheShape:
                        format=indexer_key_fp8(self.index_head_dim)))
 
 
+def released_config(kind: str = "deepseek-v3.2"):
+    """The released model's ``transformers`` configuration (its defaults:
+    ``DeepseekV32Config()`` or ``GlmMoeDsaConfig()``), for tools that need its
+    sizes; imported here, where cpkv imports ``transformers`` (after
+    :mod:`cpkv.kernels` set the interpreter on a machine without CUDA)."""
+    if kind == "deepseek-v3.2":
+        from transformers import DeepseekV32Config
+
+        return DeepseekV32Config()
+    if kind == "glm-5":
+        from transformers import GlmMoeDsaConfig
+
+        return GlmMoeDsaConfig()
+    raise ValueError(f"kind must be 'deepseek-v3.2' or 'glm-5', got {kind!r}")
+
+
 def real_shape(kind: str, index_topk_freq: int = 1, index_skip_topk_offset: int = 2) -> DsaCacheShape:
     """The cache shape of the released models, from ``transformers`` 5.24's
     config defaults (``DeepseekV32Config()``: 61 layers, kv_lora_rank 512, rope

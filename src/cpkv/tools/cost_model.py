@@ -141,9 +141,9 @@ class DsaModel:
     @classmethod
     def deepseek_v32(cls) -> "DsaModel":
         """The released model's shapes: ``DeepseekV32Config()``'s defaults."""
-        from transformers import DeepseekV32Config
+        from ..models.dsa import released_config
 
-        c = DeepseekV32Config()
+        c = released_config("deepseek-v3.2")
         return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
                    q_lora=c.q_lora_rank, kv_lora=c.kv_lora_rank, rope=c.qk_rope_head_dim, nope=c.qk_nope_head_dim,
                    v_head=c.v_head_dim, index_heads=c.index_n_heads, index_dim=c.index_head_dim,
