@@ -120,6 +120,12 @@ class OwnerLaneAllocator:
         """Free pages per lane."""
         return self._lists.free.tolist()
 
+    def lane_free_lists(self) -> list[np.ndarray]:
+        """Each lane's free pages (int64, copies), the one handed out next
+        first. O(free pages): for inspection, not a hot path."""
+        lists = self._lists
+        return [lists.stack[lane, : lists.free[lane]][::-1].copy() for lane in range(self.cp_size)]
+
     def lane_for_new_chain(self, position: int, prefer: int | None = None, pages: int | None = None) -> int:
         """Lane for a request's first own page at request-local position
         ``position`` when nothing fixes it yet, as the next fresh request of
@@ -211,13 +217,14 @@ class OwnerLaneAllocator:
         self._lists.pending = self._lists.page_bitmap()
 
     def free_group_end(self) -> None:
-        """Close the free group, freeing every page collected in it in one go.
-        Raises ``RuntimeError`` if none is open."""
+        """Close the free group, freeing every page collected in it in one go
+        (the lowest of them handed out first, as SGLang's ``free`` orders a
+        freed batch). Raises ``RuntimeError`` if none is open."""
         pending = self._lists.pending
         if pending is None:
             raise RuntimeError("no free group is open")
         self._lists.pending = None
-        self._lists.put(pending.nonzero()[0])
+        self._lists.put(pending.nonzero()[0][::-1])  # the lowest page handed out first, as SGLang's free does
 
     # -- page level -------------------------------------------------------------------------
     def alloc_pages_with_owners(self, owners, fill=None) -> torch.Tensor | None:
