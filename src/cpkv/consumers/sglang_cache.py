@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..contract.inputs import int_vector
+from ..contract.sglang import SGLangAllocator
 from .prefix_cache import PrefixCache
 from .prefix_match import PrefixMatch
 from .prefix_rules import PrefixCacheMisuse, _as_key
@@ -102,10 +103,10 @@ class SGLangPrefixCache:
         if params is not None:
             req_to_token_pool, token_to_kv_pool_allocator = params.req_to_token_pool, params.token_to_kv_pool_allocator
             page_size, disable = params.page_size, params.disable
-        core = getattr(token_to_kv_pool_allocator, "allocator", None)
-        if core is None or not hasattr(core, "lane_free_pages"):
+        if not isinstance(token_to_kv_pool_allocator, SGLangAllocator):
             raise TypeError("token_to_kv_pool_allocator must be a cpkv SGLangAllocator, got "
                             f"{type(token_to_kv_pool_allocator).__name__}")
+        core = token_to_kv_pool_allocator.allocator
         if page_size is not None and int(page_size) != core.page_size:
             raise ValueError(f"page_size {page_size} is not the allocator's {core.page_size}")
         if disable:

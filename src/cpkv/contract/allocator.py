@@ -284,10 +284,12 @@ class OwnerLaneAllocator:
             self._release(pages)
 
     def _release(self, pages: np.ndarray) -> None:
+        """Free ``pages`` (checked): the first one given is handed out first,
+        as SGLang puts a freed run at the front of its free list."""
         if self._lists.pending is not None:
             self._lists.pending[pages] = True
         else:
-            self._lists.put(pages)
+            self._lists.put(pages[::-1])
 
     # -- extend / decode ----------------------------------------------------------------------
     def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None, *, last_loc_gen=None):

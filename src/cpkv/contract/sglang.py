@@ -297,13 +297,13 @@ class SGLangAllocator:
         s = int_vector(free_index, "free_index")
         s = s[s != self.allocator.layout.padding_value]
         if s.size:
-            self.allocator.free_pages(np.unique(floor_div(s, self.page_size))[::-1])
+            self.allocator.free_pages(np.unique(floor_div(s, self.page_size)))
 
     def free_page_ids(self, page_ids) -> None:
-        """SGLang's ``free_page_ids``: free exactly these pages (each once)."""
+        """SGLang's ``free_page_ids``: free exactly these pages (each once), the first handed out first."""
         p = int_vector(page_ids, "page_ids")
         if p.size:
-            self.allocator.free_pages(np.sort(p)[::-1])
+            self.allocator.free_pages(p)
 
     def free_segment(self, free_index, *, start_pos: int) -> None:
         """SGLang's ``free_segment``: free ``free_index [n]``, the slots of
