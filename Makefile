@@ -12,13 +12,24 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench simulate clean gpu-check
+.PHONY: demo test bench simulate clean gpu-check sglang-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_FLAGS) torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,events,kernels,test]'
+	$(MAKE) --no-print-directory sglang-deps
 	touch $(STAMP)
+
+# SGLang's released classes for tests/sglang (the drop-in tests): its wheel without its dependencies (they pin
+# torch 2.14 and CUDA packages), then the small packages its allocator and radix cache import, with torch held at
+# the version installed above. Where they cannot install, those tests skip with the reason.
+SGLANG_VERSION ?= 0.5.23
+sglang-deps:
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==$(SGLANG_VERSION) && \
+	$(PY) -m pip install --quiet --disable-pip-version-check -r tests/support/sglang-requirements.txt \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')" || \
+		echo "sglang-deps: SGLang $(SGLANG_VERSION) did not install; tests/sglang will skip"
 
 demo: $(STAMP)
 	$(VENV)/bin/cpkv run --check --device-pages 8

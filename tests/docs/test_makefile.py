@@ -20,7 +20,8 @@ def _dry_run(tmp_path, *variables) -> list[str]:
         shutil.copy(ROOT / name, tmp_path / name)
     r = subprocess.run(["make", "-n", "demo", *variables], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    return [line for line in r.stdout.splitlines() if "pip install" in line and "torch==" in line]
+    return [line for line in r.stdout.splitlines() if "pip install" in line and "torch==" in line
+            and "sglang" not in line]
 
 
 def test_torch_comes_from_the_configured_index_by_default(tmp_path):
@@ -38,3 +39,17 @@ def test_demo_passes_its_small_cache_explicitly(tmp_path):
     _dry_run(tmp_path)
     r = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "cpkv run --check --device-pages 8" in r.stdout
+
+
+def test_sglang_deps_install_without_changing_torch(tmp_path):
+    """`make test` installs SGLang's wheel with --no-deps and its small packages with torch held at the installed
+    version (the drop-in tests, tests/sglang), and goes on (those tests skip) where they cannot install."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    r = subprocess.run(["make", "-n", "sglang-deps"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "--no-deps sglang==0.5.23" in out and "-r tests/support/sglang-requirements.txt" in out
+    assert "torch==$(" in out and "|| " in out
+    reqs = (ROOT / "tests/support/sglang-requirements.txt").read_text()
+    assert "torchvision" not in [line.strip() for line in reqs.splitlines()]
