@@ -18,23 +18,28 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_FLAGS) torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,events,kernels,test]'
-	$(MAKE) --no-print-directory sglang-deps
 	touch $(STAMP)
 
-# SGLang's released classes for tests/sglang (the drop-in tests): its wheel without its dependencies (they pin
-# torch 2.14 and CUDA packages), then the small packages its allocator and radix cache import, with torch held at
-# the version installed above. Where they cannot install, those tests skip with the reason.
+# SGLang's released classes for tests/sglang (the drop-in tests, docs/sglang.md): its wheel without its
+# dependencies (they pin torch 2.14 and CUDA packages), then the small packages its allocator, radix cache and
+# memory pool import (tests/support/sglang-requirements.txt; never torchvision: tests/support/sglang_classes.py
+# stands in for it), with torch held at the version installed above. `make test` runs it once per venv and
+# requirements change (its own stamp, so an existing .venv gets it too); where it cannot install, the stamp is
+# not written, the next `make test` tries again and those tests skip with the reason.
 SGLANG_VERSION ?= 0.5.23
-sglang-deps:
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==$(SGLANG_VERSION) && \
-	$(PY) -m pip install --quiet --disable-pip-version-check -r tests/support/sglang-requirements.txt \
-		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')" || \
-		echo "sglang-deps: SGLang $(SGLANG_VERSION) did not install; tests/sglang will skip"
+SGLANG_STAMP   := $(VENV)/.sglang-$(SGLANG_VERSION)
+$(SGLANG_STAMP): $(STAMP) tests/support/sglang-requirements.txt
+	@if $(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==$(SGLANG_VERSION) && \
+	   $(PY) -m pip install --quiet --disable-pip-version-check -r tests/support/sglang-requirements.txt \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"; \
+	then touch $@; else echo "sglang-deps: SGLang $(SGLANG_VERSION) did not install; tests/sglang will skip"; fi
+
+sglang-deps: $(SGLANG_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/cpkv run --check --device-pages 8
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)

@@ -20,8 +20,7 @@ def _dry_run(tmp_path, *variables) -> list[str]:
         shutil.copy(ROOT / name, tmp_path / name)
     r = subprocess.run(["make", "-n", "demo", *variables], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    return [line for line in r.stdout.splitlines() if "pip install" in line and "torch==" in line
-            and "sglang" not in line]
+    return [line for line in r.stdout.splitlines() if "pip install" in line and "torch==" in line]
 
 
 def test_torch_comes_from_the_configured_index_by_default(tmp_path):
@@ -42,14 +41,23 @@ def test_demo_passes_its_small_cache_explicitly(tmp_path):
 
 
 def test_sglang_deps_install_without_changing_torch(tmp_path):
-    """`make test` installs SGLang's wheel with --no-deps and its small packages with torch held at the installed
-    version (the drop-in tests, tests/sglang), and goes on (those tests skip) where they cannot install."""
-    for name in ("Makefile", "pyproject.toml"):
+    """`make test` (not `make demo`) installs SGLang's wheel with --no-deps and its small packages with torch held
+    at the installed version (the drop-in tests, tests/sglang), once per venv under its own stamp, and goes on
+    (those tests skip, the stamp unwritten) where they cannot install."""
+    for name in ("Makefile", "pyproject.toml", "tests/support/sglang-requirements.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
-    r = subprocess.run(["make", "-n", "sglang-deps"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+
+    def dry(target):
+        r = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = dry("test")
     assert "--no-deps sglang==0.5.23" in out and "-r tests/support/sglang-requirements.txt" in out
-    assert "torch==$(" in out and "|| " in out
+    assert "torch==$(" in out and "then touch .venv/.sglang-0.5.23; else echo" in out
+    assert out.index("sglang==0.5.23") < out.index("pytest")
+    assert dry("sglang-deps") == out[: out.index(".venv/bin/python -m pytest")]
+    assert "sglang" not in dry("demo")
     reqs = (ROOT / "tests/support/sglang-requirements.txt").read_text()
-    assert "torchvision" not in [line.strip() for line in reqs.splitlines()]
+    assert "torchvision" not in [line.split("=")[0].strip() for line in reqs.splitlines()]

@@ -21,14 +21,14 @@ import torch
 
 from cpkv.contract.errors import InvalidFree, UnsupportedPagePlan
 from cpkv.contract.sglang import SGLangAllocator
-from support.sglang_classes import sglang_classes
+from support.sglang_classes import ALLOCATOR, sglang_classes
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def sg():
-    return sglang_classes()
+    return sglang_classes(*ALLOCATOR)
 
 
 @pytest.fixture(params=["sglang", "cpkv"])
@@ -347,15 +347,27 @@ def test_misuse_refused_state_unchanged(sg):
         a.free_pages = torch.tensor([1])  # read-only: SGLang's tests assign it, cpkv's state moves by calls
 
 
-def test_cp_size_from_group_keyword_and_refusals():
-    """The CP size from a keyword or a torch.distributed group (a one-rank gloo group here); disagreement and
-    an out-of-range rank are refused."""
+def test_cp_size_from_group_keyword_and_refusals(sg):
+    """The CP size from a keyword, from SGLang's ``GroupCoordinator`` (what ``get_attn_cp_group()`` returns; one
+    built here without a process group, only its ``world_size`` and ``rank_in_group`` set, which is all the
+    allocator reads) or from a torch.distributed group (a one-rank gloo group here); disagreement and an
+    out-of-range rank are refused."""
     import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
 
     a = SGLangAllocator(64, 4, cp_size=2, cp_rank=1)
     assert (a.cp_size, a.cp_rank) == (2, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cp_rank 2 not in"):
         SGLangAllocator(64, 4, cp_size=2, cp_rank=2)
+    coordinator = GroupCoordinator.__new__(GroupCoordinator)
+    coordinator.world_size, coordinator.rank_in_group = 4, 3
+    c = SGLangAllocator(64, 4, cp_group=coordinator)
+    assert (c.cp_size, c.cp_rank) == (4, 3) and c.class_free_page_counts() == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="disagree with cp_group"):
+        SGLangAllocator(64, 4, cp_size=2, cp_group=coordinator)
+    coordinator.rank_in_group = 4
+    with pytest.raises(ValueError, match="not in"):
+        SGLangAllocator(64, 4, cp_group=coordinator)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:

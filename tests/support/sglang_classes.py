@@ -10,7 +10,7 @@ helpers then import on the CPU with ONE stand-in, named here and nowhere else:
   takes its place, put in ``sys.modules`` only after transformers has decided that torchvision is absent (so
   transformers' own image code does not try it).
 
-:func:`sglang_classes` returns the modules, or skips the test with the reason when SGLang is not installed.
+:func:`sglang_classes` returns the modules asked for, or skips the test with the reason when SGLang is not installed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SGLANG_VERSION = "0.5.23"
 STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
              "torchvision.transforms.v2")
 
-_loaded: SimpleNamespace | None = None
+_loaded: dict[str, types.ModuleType] = {}
 
 
 class _StandIn:
@@ -55,13 +55,21 @@ def _stand_in(name: str) -> None:
     sys.modules[name] = module
 
 
-def sglang_classes() -> SimpleNamespace:
-    """SGLang's modules under test (``allocator``, ``page_interleave``, ``radix_cache``, ``base``
-    (base_prefix_cache), ``memory_pool``, ``allocation``, ``common``), imported once; skips with the reason
-    when sglang is missing or another version."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
+MODULES = {"allocator": "sglang.srt.mem_cache.allocator",
+           "page_interleave": "sglang.srt.mem_cache.allocator.page_interleave",
+           "memory_pool": "sglang.srt.mem_cache.memory_pool",
+           "base": "sglang.srt.mem_cache.base_prefix_cache",
+           "radix_cache": "sglang.srt.mem_cache.radix_cache",
+           "common": "sglang.srt.mem_cache.common",
+           "allocation": "sglang.srt.mem_cache.allocation"}
+ALLOCATOR = ("allocator", "page_interleave")  # what the allocator tests need: no model configs, no torchvision
+
+
+def sglang_classes(*names: str) -> SimpleNamespace:
+    """SGLang's modules under test, by short name (:data:`MODULES`; all of them when none is named), each
+    imported once per process; skips with the reason when sglang is missing, another version, or a module does
+    not import. The allocator alone (:data:`ALLOCATOR`) needs no stand-in and imports in a fraction of the time
+    the memory pool and radix cache take (they reach SGLang's model configs and quantization layers)."""
     import pytest
 
     try:
@@ -72,24 +80,22 @@ def sglang_classes() -> SimpleNamespace:
         pytest.skip(f"sglang=={SGLANG_VERSION} is not installed (make test installs it: Makefile, sglang-deps)")
     if found != SGLANG_VERSION:
         pytest.skip(f"sglang {found} installed; these tests pin {SGLANG_VERSION}")
-    import transformers.utils.import_utils as hf
+    names = names or tuple(MODULES)
+    unknown = set(names) - set(MODULES)
+    if unknown:
+        raise ValueError(f"unknown SGLang modules {sorted(unknown)}; known: {sorted(MODULES)}")
+    if set(names) - set(ALLOCATOR) and not all(n in sys.modules for n in STAND_INS):
+        import transformers.utils.import_utils as hf
 
-    if hf.is_torchvision_available():
-        pytest.skip("a real torchvision is installed: the stand-in would shadow it")
-    for name in STAND_INS:
-        if name not in sys.modules:
-            _stand_in(name)
-    mods = {}
-    for short, name in (("allocator", "sglang.srt.mem_cache.allocator"),
-                        ("page_interleave", "sglang.srt.mem_cache.allocator.page_interleave"),
-                        ("memory_pool", "sglang.srt.mem_cache.memory_pool"),
-                        ("base", "sglang.srt.mem_cache.base_prefix_cache"),
-                        ("radix_cache", "sglang.srt.mem_cache.radix_cache"),
-                        ("common", "sglang.srt.mem_cache.common"),
-                        ("allocation", "sglang.srt.mem_cache.allocation")):
-        try:
-            mods[short] = importlib.import_module(name)
-        except ImportError as e:  # a dependency missing: say which
-            pytest.skip(f"{name} does not import ({e}); install tests/support/sglang-requirements.txt")
-    _loaded = SimpleNamespace(**mods)
-    return _loaded
+        if hf.is_torchvision_available():
+            pytest.skip("a real torchvision is installed: the stand-in would shadow it")
+        for name in STAND_INS:
+            if name not in sys.modules:
+                _stand_in(name)
+    for short in names:
+        if short not in _loaded:
+            try:
+                _loaded[short] = importlib.import_module(MODULES[short])
+            except ImportError as e:  # a dependency missing: say which
+                pytest.skip(f"{MODULES[short]} does not import ({e}); install tests/support/sglang-requirements.txt")
+    return SimpleNamespace(**{short: _loaded[short] for short in names})

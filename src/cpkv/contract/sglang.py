@@ -35,8 +35,10 @@ class SGLangAllocator:
 
     Built as SGLang builds its allocators, ``(size, page_size, dtype, device,
     kvcache, need_sort)`` (positional or keyword), plus cpkv's keywords: the
-    CP size from ``cp_size`` or from ``cp_group`` (a ``torch.distributed``
-    process group: its size, and this process's rank in it as ``cp_rank``),
+    CP size from ``cp_size`` or from ``cp_group`` (SGLang's
+    ``GroupCoordinator``, as ``get_attn_cp_group()`` returns it, or a
+    ``torch.distributed`` process group: its size, and this process's rank in
+    it as ``cp_rank``),
     ``layout`` and ``base_policy`` as :class:`OwnerLaneAllocator` takes them;
     or over an existing core with :meth:`over`. ``dtype`` and ``kvcache`` are
     kept for SGLang's readers (``get_kvcache()``); the allocator never touches
@@ -418,12 +420,20 @@ def _rank_in(rank, n: int) -> int:
 
 
 def _cp_of(cp_size, cp_rank, cp_group) -> tuple[int, int]:
-    """CP size and this rank from the keywords or a ``torch.distributed`` group
-    (whose size and rank win; a ``cp_size`` that disagrees is refused)."""
+    """CP size and this rank from the keywords or a group: SGLang's
+    ``GroupCoordinator`` (its ``world_size`` and ``rank_in_group``, read
+    without a collective) or a ``torch.distributed`` group. The group's size
+    and rank win; a ``cp_size`` or ``cp_rank`` that disagrees is refused."""
     if cp_group is not None:
-        import torch.distributed as dist
+        if hasattr(cp_group, "world_size") and hasattr(cp_group, "rank_in_group"):  # SGLang's GroupCoordinator
+            n = int_scalar(cp_group.world_size, "cp_group.world_size")
+            if n < 1:
+                raise ValueError(f"cp_group.world_size must be >= 1, got {n}")
+            r = _rank_in(cp_group.rank_in_group, n)
+        else:
+            import torch.distributed as dist
 
-        n, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+            n, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
         if (cp_size is not None and int_scalar(cp_size, "cp_size") != n) or (cp_rank is not None and cp_rank != r):
             raise ValueError(f"cp_size/cp_rank {cp_size}/{cp_rank} disagree with cp_group (size {n}, rank {r})")
         return n, r
