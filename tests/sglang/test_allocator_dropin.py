@@ -378,3 +378,16 @@ def test_cp_size_from_group_keyword_and_refusals(sg):
             SGLangAllocator(64, 4, cp_size=2, cp_group=g)
     finally:
         dist.destroy_process_group()
+
+
+def test_free_ignores_padding_refuses_other_negatives():
+    """``free`` takes a padded row (the layout's padding value, -1) as the row without it; any other negative
+    slot is off the pool and refused, nothing freed."""
+    a = SGLangAllocator(32, 4)
+    row = a.alloc(8)
+    a.free(torch.cat([row[:4], torch.tensor([-1, -1])]))
+    assert a.available_size() == 28 and a.free_pages.tolist()[0] == int(row[0]) // 4
+    before = a.allocator.snapshot()
+    with pytest.raises(InvalidFree, match="free-out-of-range"):
+        a.free(torch.cat([row[4:], torch.tensor([-2])]))
+    assert a.allocator.snapshot() == before
