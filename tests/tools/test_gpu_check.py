@@ -3,6 +3,7 @@ runs every step at tiny sizes and fills every section of the same results.json; 
 (summary, the tail of its output, exit 1); a misuse exits 2."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,5 +68,7 @@ def test_make_gpu_check_calls_it_with_the_machines_python_where_there_is_no_venv
     if shutil.which("make") is None:
         pytest.skip("needs make")
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    r = subprocess.run(["make", "-n", "gpu-check", "GPU_OUT=/tmp/o"], cwd=tmp_path, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under `make test`
+    r = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "GPU_OUT=/tmp/o"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env)
     assert r.stdout.strip() == "python3 tools/gpu_check.py /tmp/o", r.stdout + r.stderr
