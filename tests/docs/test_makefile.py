@@ -5,6 +5,7 @@
 Makefile and pyproject.toml, so nothing of this checkout's own ``.venv``
 counts)."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,7 +50,9 @@ def test_sglang_deps_install_without_changing_torch(tmp_path):
         shutil.copy(ROOT / name, tmp_path / name)
 
     def dry(target):
-        r = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under make test
+        r = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env=env)
         assert r.returncode == 0, r.stderr
         return r.stdout
 
