@@ -171,6 +171,23 @@ def test_reset_and_pretty_print(side, capsys):
     assert s.tree.total_size() == 0 and s.tree.evictable_size() == 0 and s.tree.protected_size() == 0
 
 
+def test_checkpoint_takes_the_trees_pages_frees_the_copies(side):
+    """Two requests of the same prompt run at once (neither hits); the first is checkpointed, its 2 whole pages
+    enter the tree; the second's checkpoint finds them there: its own copies are freed and its row points at
+    the tree's pages, the lock moved (SGLang's cache_unfinished_req)."""
+    s = side(256, 4)
+    p = list(range(1, 11))
+    r1, r2 = s.admit(p), s.admit(p)
+    assert r1.hit == r2.hit == 0 and s.alloc.available_size() == 256 - 24
+    s.checkpoint(r1)
+    s.checkpoint(r2)
+    assert s.alloc.available_size() == 256 - 16 and s.row(r2)[:8] == s.row(r1)[:8] != []
+    assert s.tree.protected_size() == 8 and s.tree.total_size() == 8
+    s.finish(r1)
+    s.finish(r2)
+    assert s.sizes() == (256 - 8, 8, 0, 8)
+
+
 # -- the differential ---------------------------------------------------------------------------------
 def _prompt(rnd, heads):
     """A prompt sharing a random head (so prefixes hit) and a random tail."""
