@@ -12,7 +12,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench simulate clean gpu-check sglang-deps
+.PHONY: demo test bench simulate clean gpu-check docs-figures sglang-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ bench: $(STAMP)
 GPU_OUT ?= gpu-check
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py $(GPU_OUT)
+
+# every figure of README.md and docs/ rewritten by the command above it (tools/docs_figures.py): the timed
+# ones stamped with today's date and this machine; FIGURES=deterministic (or timed) for one kind only
+FIGURES ?=
+docs-figures: $(STAMP)
+	$(PY) tools/docs_figures.py $(if $(FIGURES),--only $(FIGURES),)
 
 simulate: $(STAMP)
 	$(VENV)/bin/cpkv simulate

@@ -1,97 +1,98 @@
 """cpkv: one shared, owner-lane paged KV cache for a context-parallel group.
 
-The package is layered, arrows pointing one way: the contract
-(:mod:`cpkv.contract`: layout, plans, allocator, errors), its consumers
-(:mod:`cpkv.consumers`: KV pool, prefix cache, host tier, transfer), the data
-plane (:mod:`cpkv.kernels`: the backend interface, the torch reference and the
-Triton kernels), the models (:mod:`cpkv.models`), the runtime (:mod:`cpkv.runtime`), the engine
-(:mod:`cpkv.engine`) and the tools (:mod:`cpkv.tools`: the ``cpkv`` command,
-benchmarks, simulator).
+``cpkv`` is the cache, what an engine integrating it calls:
 
-Public entry points:
+* the layout (:class:`SharedKVLayout`), the owner-lane allocator
+  (:class:`OwnerLaneAllocator`; SGLang's call shapes over it,
+  :class:`SGLangAllocator`) and its result (:class:`Allocation`);
+* the shared KV pool (:class:`SharedKVPool` of :class:`Family` caches) and the
+  page table (:class:`PageTable`);
+* the prefix cache (:class:`PrefixCache`, :class:`PrefixHit`,
+  :class:`PrefixMatch`) and the host tier (:class:`HostTier`, :class:`HostPool`);
+* prefill -> decode transfer (:func:`plan_transfer`, :class:`TransferPlan`);
+* the stored formats (:class:`KVFormat`, :class:`TorchFormat`,
+  :class:`ScaledFp8Format`);
+* the errors: :class:`UnsupportedPagePlan`, :class:`InvalidFree`,
+  :class:`ContractViolation`, :class:`PrefixCacheMisuse`.
 
-* :class:`SharedKVLayout` - index arithmetic of the shared cache
-* :mod:`cpkv.contract.plan` - request-local owner plans (the lane-base rule)
-* :class:`OwnerLaneAllocator` - owner-lane allocation; :class:`SGLangAllocator` - SGLang's allocator calls over it
-* :class:`SharedKVPool` - direct write, fence and read of the shared cache
-* :class:`PrefixCache` - radix prefix cache with lane-aware eviction
-* :func:`plan_transfer` - prefill -> decode KV transfer between CP groups of any sizes and page sizes;
-  :mod:`cpkv.engine.disagg` runs the two groups (:func:`run_disagg`, :class:`DisaggConfig`)
-* :func:`run_engine` - a serving trace on a CP group (:class:`EngineConfig`)
-* :func:`cpkv.runtime.launch` - an N-process CP group
+:mod:`cpkv.engine` is the engine (:func:`~cpkv.engine.run_engine`,
+:func:`~cpkv.engine.run_disagg`), its configurations and its errors;
+:mod:`cpkv.runtime` the CP group's processes; :mod:`cpkv.kernels` the data
+plane; :mod:`cpkv.models` the model adapters; :mod:`cpkv.tools` the ``cpkv``
+command.
 
-Every public error class is importable from here: the contract's refusals
-(:class:`UnsupportedPagePlan`, :class:`InvalidFree`, :class:`ContractViolation`),
-the prefix cache's (:class:`PrefixCacheMisuse`), a trace file's
-(:class:`TraceError`), a group this machine cannot hold
-(:class:`GroupTooLarge`), a failed rank (:class:`RankFailure`) and a failed
-disaggregated run (:class:`DisaggFailure`, :class:`TransferAborted`).
-
-On a machine without CUDA, importing cpkv sets ``TRITON_INTERPRET=1`` (unless
-set) before anything else can import triton (``transformers`` does), so the
-Triton kernels of :mod:`cpkv.kernels` run in Triton's interpreter.
+``import cpkv`` imports nothing heavy: each name is imported from the module
+that defines it on first use (torch and numpy; never the engine, the runtime,
+``transformers``, triton, the KV-event wire or matplotlib), and importing cpkv
+sets no environment variable. ``python -m cpkv`` under torchrun so asks the
+kernel to end the rank with its agent before it imports anything
+(:mod:`cpkv.__main__`). The names that left this module in 0.2 work for one
+release with a ``DeprecationWarning`` (``CHANGELOG.md``).
 """
 
-import os as _os
+from importlib import import_module as _import_module
 
-import torch as _torch
+#: Every public name, by the module (under ``cpkv``) that defines it.
+_PUBLIC = {
+    "SharedKVLayout": "contract.layout",
+    "OwnerLaneAllocator": "contract.allocator",
+    "SGLangAllocator": "contract.sglang",
+    "Allocation": "contract.allocation",
+    "UnsupportedPagePlan": "contract.errors",
+    "InvalidFree": "contract.errors",
+    "ContractViolation": "contract.errors",
+    "SharedKVPool": "consumers.kv_pool",
+    "Family": "consumers.kv_pool",
+    "PageTable": "consumers.page_table",
+    "PrefixCache": "consumers.prefix_cache",
+    "PrefixCacheMisuse": "consumers.prefix_cache",
+    "PrefixHit": "consumers.prefix_cache",
+    "PrefixMatch": "consumers.prefix_cache",
+    "HostTier": "consumers.hicache",
+    "HostPool": "consumers.hicache",
+    "TransferPlan": "consumers.transfer",
+    "plan_transfer": "consumers.transfer",
+    "KVFormat": "consumers.kv_format",
+    "TorchFormat": "consumers.kv_format",
+    "ScaledFp8Format": "consumers.kv_format",
+}
 
-if not _torch.cuda.is_available():  # before transformers or anything else imports triton
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+#: Names that left this module in 0.2 for :mod:`cpkv.engine` (there under the same name).
+_TO_ENGINE = ("run_engine", "EngineConfig", "RunConfig", "DisaggConfig", "run_disagg", "format_disagg",
+              "DisaggFailure", "TransferAborted", "TraceError", "RankFailure", "GroupTooLarge")
 
-from .consumers.kv_pool import SharedKVPool
-from .consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixHit, PrefixMatch
-from .consumers.transfer import TransferPlan, plan_transfer
-from .contract.allocation import Allocation
-from .contract.allocator import OwnerLaneAllocator
-from .contract import deprecated as _deprecated
-from .contract.errors import ContractViolation, InvalidFree, UnsupportedPagePlan
-from .contract.layout import SharedKVLayout
-from .contract.sglang import SGLangAllocator
-from .engine.config import DisaggConfig, EngineConfig, RunConfig
-from .engine.disagg import DisaggFailure, TransferAborted, format_disagg, run_disagg
-from .engine.engine import run_engine
-from .engine.trace import TraceError
-from .runtime.group import RankFailure
-from .runtime.sizing import GroupTooLarge
+_SUBPACKAGES = ("consumers", "contract", "engine", "kernels", "models", "runtime", "tools")
 
-__all__ = [
-    "ContractViolation",
-    "Allocation",
-    "DisaggConfig",
-    "DisaggFailure",
-    "EngineConfig",
-    "GroupTooLarge",
-    "InvalidFree",
-    "OwnerLaneAllocator",
-    "PrefixCache",
-    "PrefixCacheMisuse",
-    "PrefixHit",
-    "PrefixMatch",
-    "RankFailure",
-    "RunConfig",
-    "SGLangAllocator",
-    "SharedKVLayout",
-    "SharedKVPool",
-    "TraceError",
-    "TransferAborted",
-    "TransferPlan",
-    "UnsupportedPagePlan",
-    "format_disagg",
-    "plan_transfer",
-    "run_disagg",
-    "run_engine",
-]
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """Names that went in 0.2, one release with a ``DeprecationWarning`` (:mod:`cpkv.contract.deprecated`)."""
+    """A public name, imported from its module on first use (then kept here);
+    a subpackage; or a name that went in 0.2, with a ``DeprecationWarning``
+    (:mod:`cpkv.contract.deprecated`)."""
+    if name in _PUBLIC:
+        value = getattr(_import_module(f"cpkv.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return _import_module(f"cpkv.{name}")
+    if name.startswith("__"):  # a probe (``__wrapped__``, ...): nothing to import for it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .contract import deprecated
+
+    if name in _TO_ENGINE:
+        deprecated.warn_deprecated(f"cpkv.{name}", f"cpkv.engine.{name}")
+        return getattr(_import_module("cpkv.engine"), name)
     if name == "ExtendAllocation":
-        _deprecated.warn_deprecated("cpkv.ExtendAllocation", "cpkv.Allocation")
-        return Allocation
-    if name in _deprecated.PUBLIC:
-        obj, instead = _deprecated.PUBLIC[name]
-        _deprecated.warn_deprecated(f"cpkv.{name}", instead)
+        deprecated.warn_deprecated("cpkv.ExtendAllocation", "cpkv.Allocation")
+        return __getattr__("Allocation")
+    if name in deprecated.PUBLIC:
+        obj, instead = deprecated.PUBLIC[name]
+        deprecated.warn_deprecated(f"cpkv.{name}", instead)
         return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})

@@ -1,4 +1,4 @@
-"""W6 host tier: the host index (which chains the host holds, LRU when full)
+"""The host tier: the host index (which chains the host holds, LRU when full)
 and the data moves (backup by the IO rank through the shared view, load by
 each owner into its own segment). [[RFC-0001:C-HICACHE]] [[RFC-0001:C-DIRECT-WRITE]]"""
 

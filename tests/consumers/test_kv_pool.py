@@ -1,4 +1,4 @@
-"""W3/W4 in one process: direct write only to owned slots, read via rank-major."""
+"""The shared KV pool in one process: direct write only to owned slots, read through the rank-major view."""
 
 import pytest
 import torch

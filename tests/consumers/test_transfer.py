@@ -1,4 +1,4 @@
-"""W7 transfer plan and data moves between CP groups of different sizes and page sizes.
+"""The transfer plan and its data moves between CP groups of different sizes and page sizes.
 
 Property tests over every (M, N) in {1, 2, 3, 4, 8}^2, equal and unequal page
 sizes, random page chains on both sides (prefixes on the source, a

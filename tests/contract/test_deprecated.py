@@ -3,6 +3,7 @@ with a ``DeprecationWarning`` naming what replaces it (CHANGELOG.md); the
 public face itself warns about nothing."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,33 @@ def test_the_public_face_warns_nothing():
         for name in cpkv.__all__:
             getattr(cpkv, name)
         _alloc()
+
+
+CHANGELOG = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
+MOVED_TO_ENGINE = ("run_engine", "EngineConfig", "RunConfig", "DisaggConfig", "run_disagg", "format_disagg",
+                   "DisaggFailure", "TransferAborted", "TraceError", "RankFailure", "GroupTooLarge")
+
+
+@pytest.mark.parametrize("name", MOVED_TO_ENGINE)
+def test_the_engine_names_left_cpkv_for_cpkv_engine_and_still_work_with_a_warning(name):
+    import cpkv.engine
+
+    assert name not in cpkv.__all__ and name in cpkv.engine.__all__ and f"`cpkv.{name}`" in CHANGELOG
+    with pytest.warns(DeprecationWarning, match=rf"cpkv\.{name} is deprecated .* use cpkv\.engine\.{name}"):
+        got = getattr(cpkv, name)
+    assert got is getattr(cpkv.engine, name)
+    with pytest.warns(DeprecationWarning, match=rf"cpkv\.{name}"):
+        exec(f"from cpkv import {name}", {})
+
+
+def test_the_public_face_is_the_cache():
+    """The cache's names, and the three an engine integrating it needs beside the cache itself."""
+    assert {"PageTable", "Family", "HostTier", "SharedKVLayout", "OwnerLaneAllocator", "PrefixCache",
+            "SharedKVPool", "plan_transfer", "KVFormat", "UnsupportedPagePlan"} <= set(cpkv.__all__)
+    assert set(cpkv.__all__) <= set(dir(cpkv)) and "engine" in dir(cpkv)
+    assert cpkv.PageTable.__module__ == "cpkv.consumers.page_table" and cpkv.engine.__name__ == "cpkv.engine"
+    with pytest.raises(AttributeError, match="no attribute 'run_engines'"):
+        cpkv.run_engines  # noqa: B018
 
 
 @pytest.mark.parametrize("module,name", [(cpkv, "ExtendAllocation"), (allocation, "ExtendAllocation"),

@@ -1,6 +1,6 @@
-"""Every command the README shows is real.
+"""Every command the README and the pages of docs/ show is real.
 
-Reads README.md, finds each ``cpkv ...`` / ``python -m cpkv ...`` /
+Reads README.md and docs/*.md (one text: "the README" below), finds each ``cpkv ...`` / ``python -m cpkv ...`` /
 ``.venv/bin/cpkv ...`` / ``make ...`` command in its code (fenced blocks and
 inline code) and every ``--flag`` it names on its own, then checks that argparse
 accepts each command as written (same subcommand, same flags, no abbreviation),
@@ -23,6 +23,8 @@ from cpkv.tools.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+TEXT = "\n".join(p.read_text() for p in PAGES)
 SHELL_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
@@ -93,7 +95,7 @@ def readme_commands(text: str):
     return found
 
 
-COMMANDS = readme_commands(README.read_text())
+COMMANDS = readme_commands(TEXT)
 CPKV_SHOWN = list({tuple(a): (a, s) for k, a, s in reversed(COMMANDS) if k == "cpkv"}.values())[::-1]
 
 
@@ -199,7 +201,7 @@ def test_the_extractor_finds_what_a_readme_shows():
 
 
 # -- the Python the README shows ------------------------------------------------------------------
-PYTHON_BLOCKS = [body for lang, body in FENCE.findall(README.read_text()) if lang in ("python", "py")]
+PYTHON_BLOCKS = [body for lang, body in FENCE.findall(TEXT) if lang in ("python", "py")]
 
 
 def test_the_readme_shows_python():

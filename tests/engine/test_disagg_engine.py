@@ -179,7 +179,7 @@ def test_configurations_that_cannot_run_are_refused_before_any_rank_starts():
     from cpkv.engine.disagg import run_disagg, run_disagg_sweep
 
     for bad, match in [(dict(prefill_size=0), "prefill_size"), (dict(decode_page=0), "decode_page"),
-                       (dict(kill_rank=4), "kill_rank 4"), (dict(transfer_timeout=0), "transfer_timeout")]:
+                       (dict(device_pages=0), "device_pages"), (dict(transfer_timeout=0), "transfer_timeout")]:
         with pytest.raises(ValueError, match=match):
             run_disagg(DisaggConfig(**bad))
     with pytest.raises(TraceError, match="per lane"):  # the decode group's cache is too small

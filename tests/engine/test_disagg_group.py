@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from support import moments
 from cpkv.engine.disagg import DisaggConfig, DisaggFailure, run_disagg, run_disagg_sweep
 from cpkv.runtime import shm_segments
 
@@ -47,12 +48,16 @@ def test_a_group_lost_mid_transfer_is_reported_by_the_other(victim, tmp_path, mo
     the second transfer: the surviving group's ranks report it within 30 s of
     the fault, each having freed the transfer's pages in its allocator; the
     run fails naming the killed rank; no segment is left."""
+    from cpkv.engine.disagg import driver
+
     marker = tmp_path / "fault"
-    monkeypatch.setenv("CPKV_FAULT_MARKER", str(marker))
     M, N, kill = (2, 1, 2) if victim == "decode" else (1, 2, 0)
+    monkeypatch.setenv(moments.FAULT, f"transfer1:{kill}:kill")  # tests/support/moments.py
+    monkeypatch.setenv(moments.FAULT_MARKER, str(marker))
+    monkeypatch.setattr(driver, "_disagg_ranks", moments.disagg_ranks)
     with pytest.raises(DisaggFailure) as e:
         run_disagg(DisaggConfig(prefill_size=M, decode_size=N, page_size=16, device_pages=12, host_pages=0, requests=3,
-                                scale=0.05, chunk=40, kill_rank=kill, fail_transfer=1, timeout=120))
+                                scale=0.05, chunk=40, timeout=120))
     fault = float(marker.read_text())
     assert time.time() - fault < 30  # from the fault to the caller's error
     assert e.value.rank == kill

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from support import moments
 from cpkv.engine import EngineConfig, run_engine
 from cpkv.models import model_config
 from cpkv.runtime import RankFailure, shm_segments
@@ -47,12 +48,17 @@ def test_engine_on_a_process_group_with_the_host_tier(model, cp, page, split):
 
 
 def test_a_rank_killed_mid_trace_ends_the_group_and_leaves_nothing(tmp_path, monkeypatch):
-    """(A rank that raises instead is tests/runtime/test_launch.py's, on a tiny target.)"""
+    """Rank 1 dies by SIGKILL at the start of its fourth step (tests/support/moments.py). (A rank that raises
+    instead is tests/runtime/test_launch.py's, on a tiny target.)"""
+    from cpkv.engine import engine
+
     marker = tmp_path / "fault"
-    monkeypatch.setenv("CPKV_FAULT_MARKER", str(marker))
+    monkeypatch.setenv(moments.FAULT, "step4:1:kill")
+    monkeypatch.setenv(moments.FAULT_MARKER, str(marker))
+    monkeypatch.setattr(engine, "_engine_rank", moments.engine_rank)
     with pytest.raises(RankFailure) as e:
         run_engine(EngineConfig(cp_size=2, page_size=16, device_pages=8, host_pages=16, requests=3, scale=0.05,
-                                chunk=256, fail_step=4, timeout=120, kill_rank=1))
+                                chunk=256, timeout=120))
     assert time.time() - float(marker.read_text()) < 30  # from the fault to the launcher's report
     assert e.value.rank == 1
     assert not shm_segments(os.getpid())

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from support.torchrun_helpers import finish, log_tail, start_torchrun, two_nodes
-from cpkv import DisaggConfig
+from cpkv.engine import DisaggConfig
 from cpkv.engine.engine import EngineConfig
 from cpkv.engine.joined import run_disagg_joined, run_engine_joined
 

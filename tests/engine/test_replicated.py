@@ -60,7 +60,7 @@ def test_same_memory_replicated_refuses_what_shared_runs(llama):
     """At 64 KiB per rank (8 pages of 8 KiB), the replicated copy holds 7 usable
     pages and the shared group of 2 holds 15: a 150-token request is refused up
     front by the first and runs to the end, exact, on the second."""
-    base = EngineConfig(cp_size=2, page_size=16, kv_memory=64 * 2**10, host_pages=0, check=True)
+    base = EngineConfig(cp_size=2, page_size=16, kv_memory=64 * 2**10, host_pages=0, check=True).sized()
     assert base.device_pages == 8
     spec = [RequestSpec("long", 0, tuple(range(3, 150)), 4)]
     with pytest.raises(TraceError, match="long"):
@@ -101,7 +101,7 @@ def test_replicated_pool_and_runner_misuse(llama):
     with pytest.raises(ValueError, match="kv_memory"):
         EngineConfig(kv_memory=0)
     with pytest.raises(ValueError, match="holds no page"):
-        EngineConfig(kv_memory=100)
+        EngineConfig(kv_memory=100).sized()
 
 
 def test_private_copies_do_not_share_memory():

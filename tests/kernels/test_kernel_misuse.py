@@ -3,8 +3,10 @@ backends, and writes nothing; the triton backend's absence or limits are
 reported plainly. [[RFC-0001:C-PADDING]] [[RFC-0001:C-DIRECT-WRITE]]"""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,11 +117,31 @@ def test_without_triton_the_triton_backend_raises_and_torch_works(monkeypatch):
     assert out[1].item() == 0.0
 
 
-def test_import_sets_the_interpreter_without_cuda():
+def test_the_interpreter_is_set_before_transformers_imports_triton():
+    """``import cpkv`` sets nothing; on a machine without CUDA, importing :mod:`cpkv.models` sets
+    ``TRITON_INTERPRET=1`` (through :mod:`cpkv.kernels`, the one place) and imports no triton, and only
+    :mod:`cpkv.models` imports ``transformers`` (which imports triton): so triton, imported after, runs the
+    triton backend on CPU tensors."""
+    src = Path(K.__file__).resolve().parents[1]
+    outside = [str(p.relative_to(src)) for p in src.rglob("*.py")
+               if re.search(r"^\s*(from|import) transformers\b", p.read_text(), re.M) and p.parent.name != "models"]
+    assert not outside, f"transformers imported outside cpkv.models: {outside}"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import os, torch, cpkv.kernels; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert got.split() == (["True", "None"] if torch.cuda.is_available() else ["False", "1"])
+    code = """if True:
+        import os, sys, torch
+        import cpkv
+        assert "TRITON_INTERPRET" not in os.environ, "import cpkv set it"
+        import cpkv.models
+        assert "triton" not in sys.modules and "transformers" not in sys.modules
+        import triton.language  # as transformers' Llama does
+        import cpkv.kernels as K
+        if not torch.cuda.is_available():
+            out, lse = K.merge_lse(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1), backend="triton")
+            assert torch.equal(out, torch.zeros(1, 1, 4))
+        print(torch.cuda.is_available(), os.environ.get("TRITON_INTERPRET"))"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == (["True", "None"] if torch.cuda.is_available() else ["False", "1"])
 
 
 def test_a_backend_is_bound_once():

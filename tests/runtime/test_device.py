@@ -251,7 +251,13 @@ def test_a_killed_rank_on_the_gpu_leaves_nothing_behind():
     from support.proc_helpers import children
 
     before, kids = set(os.listdir(shm_mod.SHM_DIR)), set(children(os.getpid()))
-    with pytest.raises(RankFailure, match="rank 1"):
-        _engine("llama", 2, kill_rank=1, fail_step=2)
+    from support import moments
+    from cpkv.engine import engine
+
+    with pytest.MonkeyPatch.context() as mp:  # rank 1 dies by SIGKILL at its second step (tests/support/moments.py)
+        mp.setenv(moments.FAULT, "step2:1:kill")
+        mp.setattr(engine, "_engine_rank", moments.engine_rank)
+        with pytest.raises(RankFailure, match="rank 1"):
+            _engine("llama", 2)
     assert set(os.listdir(shm_mod.SHM_DIR)) - before == set()  # no cpkv segment, no torch_<rank pid> counter
     assert set(children(os.getpid())) <= kids

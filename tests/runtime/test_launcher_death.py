@@ -79,7 +79,7 @@ def _report(pids, launcher, run_tmp) -> str:
 
 
 def _engine(n: int):
-    from cpkv import EngineConfig
+    from cpkv.engine import EngineConfig
     from cpkv.engine import engine
 
     engine._engine_rank = moments.engine_rank  # the same target, its steps counted (moments.py)
@@ -87,7 +87,7 @@ def _engine(n: int):
 
 
 def _disagg():
-    from cpkv import DisaggConfig
+    from cpkv.engine import DisaggConfig
     from cpkv.engine.disagg import driver
 
     driver._disagg_ranks = moments.disagg_ranks

@@ -116,6 +116,69 @@ def test_join_refuses_misuse_before_touching_anything():
     assert _handlers() == before and not dist.is_initialized()
 
 
+# -- python -m cpkv: the parent-death signal before the imports ----------------------------
+#: Installed in the rank (``sitecustomize`` on its path): importing ``cpkv.tools`` (the first import
+#: ``python -m cpkv`` makes after its first lines) marks the moment, then blocks in Python for an hour.
+_SLOW_IMPORT = """
+import os, sys, time
+class _Pause:
+    def find_spec(self, name, path=None, target=None):
+        if name == "cpkv.tools":
+            with open(os.environ["CPKV_TEST_MARK"], "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+sys.meta_path.insert(0, _Pause())
+"""
+_AGENT = "import subprocess, sys, time; print(subprocess.Popen(sys.argv[1:]).pid, flush=True); time.sleep(3600)"
+_DEATH_SIGNAL = ("import ctypes; got = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0); "
+                 "print(got.value)")  # PR_GET_PDEATHSIG
+
+
+def _with_path(*folders) -> dict:
+    return {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_python_m_cpkv_under_torchrun_ends_with_its_agent_while_it_imports(tmp_path):
+    """torchrun's agent (a process that started the rank from its main thread) dies while the rank is still in
+    ``python -m cpkv``'s imports: the kernel ends the rank with it (``PR_SET_PDEATHSIG``, asked for on the first line
+    of ``cpkv/__main__.py``), where without it the rank would live until its rendezvous gave up."""
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    mark = tmp_path / "importing"
+    env = {**_with_path(tmp_path, Path(__file__).resolve().parents[2] / "src"), "CPKV_TEST_MARK": str(mark)}
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, sys.executable, "-m", "cpkv", "run"], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    rank = int(agent.stdout.readline())
+    try:
+        assert wait_until(mark.exists, 60), "the rank never reached its imports"
+        agent.kill()
+        agent.wait()
+        assert wait_until(lambda: gone(rank), 10), "the rank outlived its agent"
+    finally:
+        for pid in (rank, agent.pid):
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        agent.stdout.close()
+
+
+def test_a_library_import_of_cpkv_asks_for_no_signal():
+    """Importing cpkv, or ``cpkv.__main__`` as a module, under torchrun's environment, leaves the parent-death
+    signal alone (0); ``python -m cpkv`` reads the same variables :func:`torchrun_env` reads."""
+    import subprocess
+    import sys
+
+    import cpkv.__main__ as main_module
+    from cpkv.runtime.torchrun import TORCHRUN_ENV
+
+    assert main_module.TORCHRUN_ENV == TORCHRUN_ENV and main_module.under_torchrun(ENV)
+    assert not main_module.under_torchrun({}) and not main_module.under_torchrun({"RANK": ""})
+    code = "import cpkv, cpkv.__main__; " + _DEATH_SIGNAL
+    r = subprocess.run([sys.executable, "-c", code], env=_with_path(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["0"], r.stderr[-2000:]
+
+
 # -- under torchrun ----------------------------------------------------------------------
 def _torchrun(out: Path, launch_args: list[str], mode: str, *args: str, **popen):
     return start_torchrun(out, launch_args, "support.torchrun_targets", mode, str(out), *args, **popen)

@@ -1,5 +1,5 @@
-"""Pausing a rank at a named moment of its life, so that a test kills its launcher exactly there (test-only:
-nothing of it is a setting a user sees).
+"""Pausing a rank, or failing it, at a named moment of its life, so that a test kills its launcher exactly there
+or watches the group end (test-only: nothing of it is a setting a user sees).
 
 ``CPKV_TEST_PAUSE="<moment>:<ranks>"`` (``<ranks>``: comma-separated ranks, or ``*``) and
 ``CPKV_TEST_MARKS=<folder>``, in the environment the ranks inherit. A rank that reaches ``<moment>`` writes
@@ -17,13 +17,23 @@ rendezvous or in a gloo collective. Moments:
 
 Ranks that are not paused go on, and wait for the paused one in the rendezvous or the step's collective.
 This module imports nothing heavy at its top, so ``imports`` pauses a rank before torch.
+
+Faults: ``CPKV_TEST_FAULT="<moment>:<rank>:<raise|kill>"`` makes rank ``<rank>`` raise ``RuntimeError`` or die
+by SIGKILL at ``<moment>`` (a ``step<k>`` under the targets above, or ``transfer<k>`` under
+:func:`disagg_ranks`: in the middle of transfer number k, 0-based, of the disaggregation driver, the rank
+counted in the world: a prefill rank sends one message of it, then fails; a decode rank fails before it
+receives). With ``CPKV_TEST_FAULT_MARKER=<file>`` the rank first writes the time there, so that a test times
+the group's reaction from the fault itself.
 """
 
 import ctypes
 import os
 import re
+import signal
+import time
 
 PAUSE, MARKS = "CPKV_TEST_PAUSE", "CPKV_TEST_MARKS"
+FAULT, FAULT_MARKER = "CPKV_TEST_FAULT", "CPKV_TEST_FAULT_MARKER"
 
 
 def _rank_of_this_process() -> int | None:
@@ -67,37 +77,92 @@ def maybe_pause(moment: str, rank: int | None = None) -> None:
         pause(moment, rank)
 
 
+def fault_at(moment: str, rank: int) -> str | None:
+    """``"raise"`` or ``"kill"`` when this environment fails ``rank`` at ``moment``, else ``None``."""
+    name, _, rest = os.environ.get(FAULT, "").partition(":")
+    who, _, how = rest.partition(":")
+    return how if name == moment and who == str(rank) and how in ("raise", "kill") else None
+
+
+def fail(how: str, moment: str, rank: int) -> None:
+    """The fault: write the time to the marker file (when set), then die by SIGKILL or raise. Never returns."""
+    if os.environ.get(FAULT_MARKER):
+        with open(os.environ[FAULT_MARKER], "w") as f:
+            f.write(repr(time.time()))
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at {moment}")
+
+
+def at(moment: str, rank: int) -> None:
+    """What this environment asks of ``rank`` at ``moment``: a pause, a fault, or nothing."""
+    maybe_pause(moment, rank)
+    how = fault_at(moment, rank)
+    if how:
+        fail(how, moment, rank)
+
+
 maybe_pause("imports")
 
 
 # -- targets ------------------------------------------------------------------------------
-def _pause_in_steps(rank: int) -> None:
-    """Make the engine's k-th step pause this rank when the environment says ``step<k>``."""
+def _watch_steps(rank: int) -> None:
+    """Make the engine's k-th step pause or fail this rank when the environment says ``step<k>``."""
     from cpkv.engine.engine import RankExecutor
 
     run, count = RankExecutor.run, [0]
 
     def counted(self, plan):
         count[0] += 1
-        maybe_pause(f"step{count[0]}", rank)
+        at(f"step{count[0]}", rank)
         return run(self, plan)
 
     RankExecutor.run = counted
+
+
+def _watch_transfers() -> None:
+    """Make transfer number k fail its rank when the environment says ``transfer<k>``: a prefill rank sends one
+    message of it first (mid-transfer), a decode rank fails before it receives."""
+    import dataclasses
+
+    from cpkv.consumers.transfer import send_transfer
+    from cpkv.engine.disagg.link import TransferLink
+
+    send, receive = TransferLink.send, TransferLink.receive
+
+    def sending(self):
+        tp, moment = self.step.transfer, f"transfer{self.step.index}"
+        how = fault_at(moment, self.rank) if tp is not None else None
+        if how:
+            first = tp.destinations_of(self.pool.rank)[:1]
+            if first:
+                sub = dataclasses.replace(tp, pair_slots=tp.pair_slots * 0)
+                sub.pair_slots[self.pool.rank, first[0]] = tp.pair_slots[self.pool.rank, first[0]]
+                send_transfer(sub, self.pool, self.transport, lambda b: self.M + b)
+            fail(how, moment, self.rank)
+        return send(self)
+
+    def receiving(self, plan):
+        at(f"transfer{self.step.index}", self.rank)
+        return receive(self, plan)
+
+    TransferLink.send, TransferLink.receive = sending, receiving
 
 
 def engine_rank(ctx, cfg, progress=None):
     """The engine's own rank target, with its steps counted (see the module docstring)."""
     from cpkv.engine import engine
 
-    _pause_in_steps(ctx.rank)
+    _watch_steps(ctx.rank)
     return engine._engine_rank(ctx, cfg, progress)
 
 
 def disagg_ranks(ctx, cfgs, report_dir):
-    """The disaggregation driver's own rank target, with its steps counted."""
+    """The disaggregation driver's own rank target, with its steps and transfers counted."""
     from cpkv.engine.disagg import driver
 
-    _pause_in_steps(ctx.rank)
+    _watch_steps(ctx.rank)
+    _watch_transfers()
     return driver._disagg_ranks(ctx, cfgs, report_dir)
 
 

@@ -23,7 +23,7 @@ def test_capacity_small():
 
 
 def test_longest_prompt_is_the_refusal_edge():
-    cfg = EngineConfig(cp_size=2, page_size=16, kv_memory=64 * 2**10, kv="replicated")
+    cfg = EngineConfig(cp_size=2, page_size=16, kv_memory=64 * 2**10, kv="replicated").sized()
     n = longest_prompt(cfg, 4)
     assert fits(cfg, n, 4) and not fits(cfg, n + 1, 4)
     assert n + 3 == 7 * 16  # 8 pages of memory, page 0 reserved

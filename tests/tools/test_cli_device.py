@@ -29,9 +29,9 @@ def test_device_cuda_refused_before_anything_starts(argv, capsys):
 
 def test_kernels_default_and_choice_reach_the_run_config():
     p = build_parser()
-    default = run_config(p.parse_args(["run"]))
+    default = run_config(p.parse_args(["run"])).sized()  # sized at launch
     assert (default.device, default.kernels) == ("cpu", "torch")  # device cpu: the torch path
-    chosen = run_config(p.parse_args(["run", "--kernels", "triton"]))
+    chosen = run_config(p.parse_args(["run", "--kernels", "triton"])).sized()
     assert chosen.kernels == "triton" and chosen.run_fields()["kernels"] == "triton"
 
 

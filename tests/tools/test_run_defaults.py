@@ -1,7 +1,7 @@
 """``cpkv run`` on a user's own trace with no cache flag: the device cache sized
 from memory, every request that can never fit named in one refusal with the
 flag to raise, a run stopped early saying what it finished, a long run saying
-how long it expects, ``--json`` without the test-only fault hooks."""
+how long it expects; a configuration a plain value, sized at launch."""
 
 import json
 
@@ -10,7 +10,7 @@ import pytest
 import cpkv.engine.engine
 import cpkv.runtime.sizing as sizing_mod
 import cpkv.tools.commands as commands_mod
-from cpkv.engine.config import FAULT_HOOKS, EngineConfig
+from cpkv.engine.config import EngineConfig
 from cpkv.engine.engine import build_scheduler, run_engine_threads
 from cpkv.engine.trace import CacheTooSmall
 from cpkv.runtime.group import RankFailure
@@ -94,13 +94,27 @@ def test_a_long_prompt_runs_with_no_cache_flag(lengths, tmp_path):
     assert r["finished"] == 1 and r["check"]["max_abs_diff"] < 1e-4 and r["check"]["requests_matched"] == 1
 
 
-def test_json_has_no_fault_hooks(tmp_path, capsys, monkeypatch):
-    cfg = EngineConfig(cp_size=1, device_pages=16, workload=_trace(tmp_path, 20), host_pages=0, fail_rank=3)
-    r = run_engine_threads(cfg)
-    assert not set(FAULT_HOOKS) & set(r["config"]) and r["config"]["device_pages"] == 16
-    monkeypatch.setattr(cpkv.engine.engine, "run_engine", lambda c: r)
-    assert main(["run", "--cp", "1", "--workload", cfg.workload, "--device-pages", "16", "--json"]) == 0
-    assert not set(FAULT_HOOKS) & set(json.loads(capsys.readouterr().out)["config"])
+def test_a_configuration_is_a_plain_value_sized_at_launch(tmp_path, monkeypatch, llama):
+    """Making a configuration reads nothing of this machine, and two made alike are equal; a scheduler refuses
+    one not sized; the launcher sizes it once (from the machine's memory, the device's kernels) and the ranks
+    run, and report, the sized copy; a size given stays."""
+    def unread():
+        raise AssertionError("a configuration read this machine's memory")
+
+    monkeypatch.setattr(sizing_mod, "machine_capacity", unread)
+    cfg = EngineConfig(cp_size=1, workload=_trace(tmp_path, 20), host_pages=0)
+    assert cfg.device_pages is None and cfg.kernels is None and cfg == EngineConfig(**cfg.run_fields(), cp_size=1)
+    with pytest.raises(ValueError, match="sized at launch"):
+        build_scheduler(cfg, cfg.trace())
+    machine = MachineCapacity(GiB // 2, 2, 24 * GiB)
+    monkeypatch.setattr(sizing_mod, "machine_capacity", lambda: machine)
+    sized = cfg.sized()
+    budget = sizing_mod.default_kv_memory(1, capacity=machine)  # one rank, no host tier: under the cap
+    assert 8 < sized.device_pages == budget // 8192 < KV_MEMORY_CAP // 8192
+    assert sized.kernels == "torch" and cfg.device_pages is None
+    assert sized.sized() == sized and EngineConfig(device_pages=7, kernels="triton").sized().device_pages == 7
+    r = run_engine_threads(cfg, llama)
+    assert r["config"]["device_pages"] == sized.device_pages and r["config"]["kernels"] == "torch"
 
 
 @pytest.mark.parametrize("exc,code,last", [(KeyboardInterrupt(), 130, "cpkv run: interrupted"),

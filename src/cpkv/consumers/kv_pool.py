@@ -1,4 +1,4 @@
-"""The shared KV pool of one rank: direct write, fence, read (workstreams W3, W4).
+"""The shared KV pool of one rank: direct write, fence, read.
 
 A model keeps one or more per-slot caches over the same logical slots and the
 same owner lanes: K and V for GQA; the MLA latent and the indexer keys for DSA

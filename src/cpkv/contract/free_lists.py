@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import floor_div, floor_mod
+from . import layout
+from .layout import floor_div, floor_mod, lane_ids
 
 
 def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -47,8 +48,14 @@ def rank_in_lane(lanes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     cycle (``lanes[i] = (lanes[0] + i) % N``, a chain's pages in order) that
     is ``i // N``; otherwise one stable radix sort of the lane ids."""
     N, i = counts.size, np.arange(lanes.size)
-    if lanes.size and not floor_mod(lanes - lanes[0] - i, N).any():  # a multiple of N everywhere iff they cycle
+    if lanes.size and not np.count_nonzero(floor_mod(lanes - lanes[0] - i, N)):  # a multiple of N everywhere iff they cycle
         return floor_div(i, N)
+    return _rank_by_sort(lanes, counts, i)
+
+
+def _rank_by_sort(lanes: np.ndarray, counts: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """:func:`rank_in_lane` by one stable radix sort of the lane ids (``i`` an ``arange`` of their length)."""
+    N = counts.size
     order = np.argsort(lanes.astype(np.int16) if N < 2**15 else lanes, kind="stable")
     rank = np.empty(lanes.size, dtype=np.int64)
     rank[order] = i - (counts.cumsum() - counts)[lanes[order]]
@@ -85,6 +92,7 @@ class LaneFreeLists:
             self._initial[lane, : pages.size] = pages[::-1]
         self.stack = self._initial.copy()
         self._lane_top = np.arange(cp_size) * self.cap - 1  # stack index of lane l's top is this + free[l]
+        self._lane_mod = self._lane_div = np.zeros(0, dtype=np.int64)  # see _cycle
         self.free = self.lane_pages.copy()
         # fill and pos have one more entry, a page that is never allocated: a gather clipped to it
         # (np.take(..., mode="clip")) reads a free page for any index outside the usable pages
@@ -110,7 +118,7 @@ class LaneFreeLists:
     def deficit(self, counts: np.ndarray) -> np.ndarray | None:
         """Pages each lane lacks to hand out ``counts[l]`` pages, or None if none lacks."""
         short = counts > self.free
-        return np.where(short, counts - self.free, 0) if short.any() else None
+        return np.where(short, counts - self.free, 0) if np.count_nonzero(short) else None
 
     def peek(self, lanes: np.ndarray, rank: np.ndarray) -> np.ndarray:
         """The pages :meth:`take` would hand out: entry i is the ``rank[i]``-th
@@ -120,14 +128,15 @@ class LaneFreeLists:
     def peek_unordered(self, lanes: np.ndarray, counts: np.ndarray, iota: np.ndarray) -> np.ndarray:
         """:meth:`peek` with ranks by order of appearance (entry i is the next
         page of its lane after those of the earlier entries of that lane), for
-        lanes in no particular order: one stable sort of the lane ids, the
-        pages read lane by lane, put back in entry order (``iota`` an
-        ``arange`` at least ``lanes.size`` long)."""
+        lanes in no particular order (``counts`` per lane, ``iota`` an
+        ``arange`` at least ``lanes.size`` long): one stable sort of the lane
+        ids, the pages read lane after lane, put back in entry order."""
         m = lanes.size
         order = np.argsort(lanes.astype(np.int16) if m > 256 and counts.size < 2**15 else lanes, kind="stable")
-        first = self._lane_top + self.free + counts.cumsum() - counts  # stack index of each lane's next page + its offset
+        before = counts.cumsum() - counts  # entries of the lanes before each lane, in sorted order
+        top = self._lane_top + self.free + before  # sorted entry p of lane l reads stack index top[l] - p
         pages = np.empty(m, dtype=np.int64)
-        pages[order] = self.stack.ravel()[first[lanes[order]] - iota[:m]]
+        pages[order] = self.stack.ravel()[np.repeat(top, counts) - iota[:m]]
         return pages
 
     def peek_chains(self, first_lane: np.ndarray, before: np.ndarray, counts: np.ndarray, starts: np.ndarray, n: int,
@@ -142,18 +151,33 @@ class LaneFreeLists:
         Page j of request r is the ``before[r, l] + j // N``-th page the batch
         takes from lane ``l = (first_lane[r] + j) % N``: with ``top[r, i]``
         the stack index of request r's next page of its i-th lane from
-        ``first_lane[r]``, its stack index is ``top[r, j % N] - j // N``."""
+        ``first_lane[r]``, its stack index is ``top[r, j % N] - j // N``
+        (:meth:`peek_cycle` for one chain)."""
         N, bs = self.cp_size, counts.size
-        lanes = floor_mod(first_lane[:, None] + np.arange(N), N)  # [bs, N]: request r's lanes from its first
-        top = (self._lane_top + self.free)[lanes] - np.take_along_axis(before, lanes, 1)
-        if bs == 1:
-            j = iota[:n]
-            idx = top[0][floor_mod(j, N)]
-        else:
-            j = iota[:n] - starts.repeat(counts)
-            idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
+        lanes = floor_mod(first_lane[:, None] + lane_ids(N), N)  # [bs, N]: request r's lanes from its first
+        top = (self._lane_top + self.free)[lanes] - before[iota[:bs, None], lanes]
+        j = iota[:n] - starts.repeat(counts)
+        idx = top.ravel()[(iota[:bs] * N).repeat(counts) + floor_mod(j, N)]
         idx -= floor_div(j, N)
         return self.stack.ravel()[idx], j
+
+    def peek_cycle(self, first_lane: int, n: int) -> np.ndarray:
+        """:meth:`peek` for one chain of ``n`` pages cycling from ``first_lane``
+        (a batch of one request): page j is the ``j // N``-th next page of
+        lane ``(first_lane + j) % N``."""
+        lane_mod, lane_div = self._cycle(n)
+        idx = (self._lane_top + self.free)[floor_mod(first_lane + lane_ids(self.cp_size), self.cp_size)][lane_mod]
+        idx -= lane_div
+        return self.stack.ravel()[idx]
+
+    def _cycle(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``j % N`` and ``j // N`` for ``j = 0 .. n - 1``: where page j of a
+        chain lies relative to its first lane, and its round. Made once for
+        the longest chain seen (views of them; never written)."""
+        if self._lane_mod.size < n:
+            j = np.arange(max(n, 2 * self._lane_mod.size))
+            self._lane_mod, self._lane_div = floor_mod(j, self.cp_size), floor_div(j, self.cp_size)
+        return self._lane_mod[:n], self._lane_div[:n]
 
     def page_bitmap(self) -> np.ndarray:
         """An empty bitmap over pages ``0 .. num_pages``."""
@@ -191,9 +215,18 @@ class LaneFreeLists:
         """Return distinct allocated ``pages`` to their lanes: in the order given
         (the last one of a lane is handed out next), or, with ``need_sort``,
         each touched lane's list sorted again, its lowest page handed out next."""
-        lanes = pages % self.cp_size
-        counts = np.bincount(lanes, minlength=self.cp_size)
-        self.stack.ravel()[lanes * self.cap + self.free[lanes] + rank_in_lane(lanes, counts)] = pages
+        N, n = self.cp_size, pages.size
+        if n == 0:
+            return
+        lanes = floor_mod(pages, N)
+        first = int(lanes[0])
+        lane_mod, lane_div = self._cycle(first + n)
+        if not np.count_nonzero(lanes != lane_mod[first:]):  # one chain's pages in order: the i-th is its lane's i // N-th
+            counts, rank = layout.chain_lane_pages(first, 0, n, N), lane_div[:n]
+        else:
+            counts = np.bincount(lanes, minlength=N)
+            rank = _rank_by_sort(lanes, counts, np.arange(n))
+        self.stack.ravel()[(self._lane_top + 1 + self.free)[lanes] + rank] = pages
         self.free += counts
         self.fill[pages] = 0  # gen and pos mean nothing on a free page
         if self.need_sort:

@@ -29,12 +29,13 @@ def int_vector(x, name: str) -> np.ndarray:
     wrong rank or an int that does not fit int64. ``name`` goes in the message.
     """
     if isinstance(x, torch.Tensor):
-        if x.dtype not in INT_TORCH:
+        dtype = x.dtype
+        if dtype is not torch.int64 and dtype is not torch.int32:
             raise TypeError(f"{name} must be int32 or int64, got a {x.dtype} tensor")
         if x.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(x.shape)}")
         a = (x if x.is_cpu else x.cpu()).numpy()  # an int tensor never requires grad
-        return a if a.dtype == np.int64 else a.astype(np.int64)
+        return a if dtype is torch.int64 else a.astype(np.int64)
     if isinstance(x, np.ndarray):
         if x.dtype not in INT_NUMPY:
             raise TypeError(f"{name} must be int32 or int64, got a {x.dtype} array")

@@ -16,6 +16,7 @@ this class in.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,17 @@ def floor_mod(a, n: int):
     """``a % n`` (floor: non-negative for positive ``n``), as a mask when ``n``
     is a power of two (see :func:`floor_div`)."""
     return a & (n - 1) if n & (n - 1) == 0 else a % n
+
+
+def slot_at(page_starts, offsets, page_size: int):
+    """The slot ``offsets`` into the page that starts at slot ``page_starts``:
+    ``page_starts + offsets`` for page starts (multiples of ``S``) and
+    offsets in ``0 .. S - 1`` (ints, numpy or torch, broadcast), as a bitwise
+    or when ``S`` is a power of two: the two are equal there, and on the CPU
+    torch's int64 add takes several times as long as a bitwise or over the
+    same 2 MB (``cpkv bench alloc`` writes ``out_cache_loc`` this way, in the
+    allocator and in its floor alike). The shortcut of :func:`floor_div`."""
+    return page_starts | offsets if page_size & (page_size - 1) == 0 else page_starts + offsets
 
 
 def owner_of(pages, cp_size: int):
@@ -94,13 +106,44 @@ def chain_lane_pages(lane_base, first_position, num_pages, cp_size: int) -> np.n
     scheduler all call it). [[RFC-0001:C-OWNER-LANE]]
 
     Vectorised over requests: ints or numpy arrays ``[bs]`` (broadcast) give
-    int64 ``[..., N]`` (``[N]`` for scalars). ``O(bs * N)``: nothing per page.
+    int64 ``[..., N]`` (``[N]`` for scalars). ``O(bs * N)``: nothing per page;
+    up to N = 32 the remainder's lanes are read from a table made once per N.
     """
-    start = np.asarray(lane_of_position(lane_base, first_position, cp_size), dtype=np.int64)
+    N = cp_size
+    if type(lane_base) is int and type(first_position) is int and type(num_pages) is int:  # one chain, no array
+        q, k = divmod(num_pages, N)
+        if N <= _TABLE_UP_TO:
+            return np.add(_remainder_lanes(N)[(lane_base + first_position) % N, k], q, dtype=np.int64)
+        return ((lane_ids(N) - (lane_base + first_position)) % N < k) + q
+    start = floor_mod(np.asarray(lane_base + first_position, dtype=np.int64), N)  # lane_of_position
     n = np.asarray(num_pages, dtype=np.int64)
+    if N <= _TABLE_UP_TO:
+        return floor_div(n, N)[..., None] + _remainder_lanes(N)[start, floor_mod(n, N)]
+    return floor_div(n, N)[..., None] + (floor_mod(lane_ids(N) - start[..., None], N) < floor_mod(n, N)[..., None])
+
+
+#: Up to this group size :func:`chain_lane_pages` reads the lanes of a remainder from a table (N**3 bytes).
+_TABLE_UP_TO = 32
+
+
+@functools.lru_cache(maxsize=64)
+def _remainder_lanes(cp_size: int) -> np.ndarray:
+    """``t[f, k, l]``: whether lane l holds one of the ``k`` remainder pages of
+    a chain whose first page is in lane f, ``(l - f) % N < k`` (uint8 ``[N, N,
+    N]``, read-only)."""
+    N = cp_size
+    lanes = np.arange(N)
+    t = (floor_mod(lanes[None, None, :] - lanes[:, None, None], N) < lanes[None, :, None]).astype(np.uint8)
+    t.flags.writeable = False
+    return t
+
+
+@functools.lru_cache(maxsize=64)
+def lane_ids(cp_size: int) -> np.ndarray:
+    """The lanes of a group, ``np.arange(N)`` (int64, read-only), made once per group size."""
     lanes = np.arange(cp_size)
-    return floor_div(n, cp_size)[..., None] + (floor_mod(lanes - start[..., None], cp_size)
-                                               < floor_mod(n, cp_size)[..., None])
+    lanes.flags.writeable = False
+    return lanes
 
 
 def _cast(out: torch.Tensor, output_dtype: torch.dtype | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import layout
-from .layout import floor_mod, lane_of_position
+from .layout import floor_mod
 
 BASE_POLICIES = ("least_full", "lane0")
 
@@ -130,13 +130,15 @@ def fresh_lane(free: np.ndarray, cursor: int, remainder: int | None) -> int:
     return int(bases[0])
 
 
-def choose_lane_bases(fixed_bases: np.ndarray, has_prefix: np.ndarray, first_positions: np.ndarray,
+def choose_lane_bases(fixed_bases: np.ndarray | None, has_prefix: np.ndarray | None, first_positions,
                       new_pages: np.ndarray, lane_free: np.ndarray, cp_size: int, policy: str = "least_full",
                       cursor: int = 0) -> tuple[np.ndarray, int]:
     """Lane base of every request of a batch and the cursor after it, ``(bases
     [bs] int64, cursor)``, under ``policy``: ``least_full`` is the rule of
     :func:`sequential_lane_bases` (same arguments); ``lane0`` (the comparison
     baseline) gives every fresh request base 0 and keeps the cursor.
+    ``has_prefix`` None says no request has a prefix (``fixed_bases`` and
+    ``first_positions`` are not read then).
 
     One fast path, exactly equal to the rule: when the only requests with a
     remainder are fresh and the lanes are balanced (as a cleared allocator
@@ -148,22 +150,33 @@ def choose_lane_bases(fixed_bases: np.ndarray, has_prefix: np.ndarray, first_pos
     """
     if policy not in BASE_POLICIES:
         raise ValueError(f"unknown lane-base policy {policy!r}; choose from {BASE_POLICIES}")
-    N = cp_size
-    if N == 1 or has_prefix.all():
+    N, m = cp_size, new_pages.size
+    if has_prefix is None:
+        if N == 1 or policy == "lane0":
+            return np.zeros(m, dtype=np.int64), cursor
+    elif N == 1 or np.count_nonzero(has_prefix) == m:
         return fixed_bases, cursor
-    if policy == "lane0":
+    elif policy == "lane0":
         return np.where(has_prefix, fixed_bases, 0), cursor
     rem = floor_mod(new_pages, N)
-    moving = rem != 0
-    if not (moving & has_prefix).any() and (new_pages.size > TAPE_FROM or not moving.any()):
-        front = _front(lane_free.tolist(), cursor) if moving.any() else (0, cursor)
+    if has_prefix is None:
+        moving, fixed_moving = np.count_nonzero(rem), 0
+    else:
+        moving_mask = rem != 0
+        moving, fixed_moving = np.count_nonzero(moving_mask), np.count_nonzero(moving_mask & has_prefix)
+    if not fixed_moving and (m > TAPE_FROM or not moving):
+        front = _front(lane_free.tolist(), cursor) if moving else (0, cursor)
         if front is not None:
+            if has_prefix is None:
+                return _tape_bases(rem, *front, N, cursor)
             fresh = ~has_prefix
-            if fresh.all():
+            if np.count_nonzero(fresh) == m:
                 return _tape_bases(rem, *front, N, cursor)
             bases = fixed_bases.astype(np.int64, copy=True)
             bases[fresh], cursor = _tape_bases(rem[fresh], *front, N, cursor)
             return bases, cursor
+    if has_prefix is None:
+        fixed_bases = has_prefix = first_positions = np.zeros(m, dtype=np.int64)
     return sequential_lane_bases(fixed_bases, has_prefix, first_positions, new_pages, lane_free, N, cursor)
 
 
@@ -180,7 +193,7 @@ def _tape_bases(k: np.ndarray, u: int, e: int, N: int, cursor: int) -> tuple[np.
     remainders laid so far is a multiple of N, and there the next request
     takes the cursor, as does a request of remainder 0."""
     m = k.size
-    if not k.any():  # whole rounds only: each request a group of its own, from the cursor on
+    if not np.count_nonzero(k):  # whole rounds only: each request a group of its own, from the cursor on
         return floor_mod(np.arange(cursor, cursor + m), N), (cursor + m) % N
     ends = k.cumsum()
     offset = floor_mod(ends - k, N)  # each request's offset in its group
@@ -235,8 +248,9 @@ def lane_take(lane_base: np.ndarray, first_position: np.ndarray, num_pages: np.n
     order ([[RFC-0001:C-OWNER-LANE]]). Page j of request r lies in lane
     ``(first_lane[r] + j) % N`` and is the ``before[r, lane] + j // N``-th
     page of that lane the batch takes."""
-    start = lane_of_position(lane_base, first_position, cp_size)
-    per_req = layout.chain_lane_pages(lane_base, first_position, num_pages, cp_size)
+    start = floor_mod(lane_base + first_position, cp_size)  # layout.lane_of_position
+    per_req = layout.chain_lane_pages(start, 0, num_pages, cp_size)
     before = per_req.cumsum(0)
+    counts = before[-1].copy() if per_req.size else per_req.sum(0)
     before -= per_req
-    return LaneTake(start, before, before[-1] + per_req[-1] if per_req.size else per_req.sum(0))
+    return LaneTake(start, before, counts)

@@ -18,11 +18,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import plan
+from . import layout, plan
 from .errors import UnsupportedPagePlan
 from .free_lists import LaneFreeLists
-from .layout import floor_div, floor_mod, lane_base_of_last_loc
+from .layout import floor_div, floor_mod, lane_base_of_last_loc, slot_at
 from .rules import AllocationRules
+
+
+#: A batch of one request takes its pages as one chain (:meth:`LaneFreeLists.peek_cycle`), its lane counts from
+#: Python ints; False sends it through the general path, as the tests do to compare the two.
+ONE_CHAIN = True
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
@@ -60,7 +65,8 @@ class PendingAllocation:
 
     ``new_pages [P]`` come ``lane_counts[l]`` from each lane and get fill marks
     ``new_fill`` (an array, or one value for all); ``grown`` are allocated
-    partial pages the batch writes further, their new marks ``grown_fill``;
+    pages the batch writes further (a full page among them keeps its mark),
+    their new marks ``grown_fill``;
     ``new_positions`` are the new pages' request-local page positions;
     ``out`` is ``out_cache_loc`` on the device and ``host_plan`` makes the
     plan fields of :class:`~cpkv.contract.allocation.Allocation`; ``cursor``
@@ -100,43 +106,50 @@ class BatchPlanner:
         ``check_capacity`` (``total`` new tokens): the :class:`PendingAllocation`, or the
         per-lane deficit when some lane lacks pages."""
         S, N, lists = self.S, self.N, self.lists
-        ext = seq - prefix
         # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
         fresh = has is None
+        n_new = floor_div(seq + (S - 1), S)
         if fresh:  # no request has a prefix
-            n_new = floor_div(seq + (S - 1), S)
-            first_new, zeros = 0, np.zeros(seq.size, dtype=np.int64)
-            base, cursor = plan.choose_lane_bases(zeros, zeros != 0, zeros, n_new, lists.free, N, self.base_policy,
-                                                  lists.cursor)
+            ext, first_new = seq, 0
+            base, cursor = plan.choose_lane_bases(None, None, 0, n_new, lists.free, N, self.base_policy, lists.cursor)
         else:
-            first_new = floor_div(prefix + (S - 1), S)
-            n_new = floor_div(seq + (S - 1), S) - first_new
+            ext, first_new = seq - prefix, floor_div(prefix + (S - 1), S)
+            n_new -= first_new
             fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
             base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
                                                   lists.cursor)
-        take = plan.lane_take(base, first_new, n_new, N)
-        if (deficit := lists.deficit(take.lane_counts)) is not None:
-            return deficit
-        # page level: the new pages, then every run of slots the extend writes;
-        # a partial prefix page (the prefix ends mid-page) is its request's first run
-        starts = _excl_cumsum(n_new)
-        n = int(starts[-1] + n_new[-1]) if seq.size else 0
+        ends = n_new.cumsum()
+        starts = ends - n_new
+        n = int(ends[-1]) if ends.size else 0
         iota = self._iota(max(total, n + seq.size))
-        new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
+        # page level: a request's pages cycle through the lanes from its first; every lane
+        # hands out its pages in batch order  [[RFC-0001:C-OWNER-LANE]]
+        if ONE_CHAIN and seq.size == 1:  # one chain: page j is the (j // N)-th page the batch takes from lane (first + j) % N
+            f = (int(base[0]) + (0 if fresh else int(first_new[0]))) % N  # layout.lane_of_position
+            lane_counts = layout.chain_lane_pages(f, 0, n, N)
+            if (deficit := lists.deficit(lane_counts)) is not None:
+                return deficit
+            new_pages, j = lists.peek_cycle(f, n), iota[:n]
+        else:
+            take = plan.lane_take(base, first_new, n_new, N)
+            lane_counts = take.lane_counts
+            if (deficit := lists.deficit(lane_counts)) is not None:
+                return deficit
+            new_pages, j = lists.peek_chains(take.first_lane, take.before, n_new, starts, n, iota)
         partial = None if fresh else has & (prefix % S != 0) & (ext > 0)
         grown = grown_fill = None
-        if (partial is None or not partial.any()) and total == new_pages.size * S:  # whole new pages only
-            written = S  # one broadcast add on the device (torch's is faster than numpy's on the CPU)
-            out = (_device_tensor(new_pages * S, self.device)[:, None] + self._page_iota).view(-1)
+        if (partial is None or not np.count_nonzero(partial)) and total == new_pages.size * S:  # whole new pages only
+            written = S  # one broadcast on the device (torch's is faster than numpy's on the CPU)
+            out = slot_at(_device_tensor(new_pages * S, self.device)[:, None], self._page_iota, S).view(-1)
         else:
             written = np.full(new_pages.size, S, dtype=np.int64)  # slots written on each new page
             last_new, tail = starts + n_new - 1, seq - (first_new + n_new - 1) * S  # each request's last new page
-            if (n_new > 0).all():
+            if np.count_nonzero(n_new) == n_new.size:
                 written[last_new] = tail
             else:
                 grows = n_new > 0
                 written[last_new[grows]] = tail[grows]
-            if partial is not None and partial.any():  # a run into the partial page before the request's new pages
+            if partial is not None and np.count_nonzero(partial):  # a run into the partial page before the request's new pages
                 lead = partial.astype(np.int64)
                 mask = np.ones(new_pages.size + int(lead.sum()), dtype=bool)
                 mask[(starts + lead.cumsum() - lead)[partial]] = False  # where those runs go
@@ -156,7 +169,7 @@ class BatchPlanner:
                     "lane_base": base, "new_page_start": starts, "new_pages": new_pages,
                     "new_page_owners": floor_mod(new_pages, N), "new_page_positions": positions}
 
-        return PendingAllocation(out, new_pages, take.lane_counts, written, grown, grown_fill, host_plan, positions,
+        return PendingAllocation(out, new_pages, lane_counts, written, grown, grown_fill, host_plan, positions,
                                  cursor)
 
     def decode(self, seq: np.ndarray, last: np.ndarray, gen: np.ndarray | None) -> PendingAllocation | np.ndarray:
@@ -179,8 +192,7 @@ class BatchPlanner:
             rules.check_capacity(prefix, seq, None, last_page)
             if gen is not None:
                 rules.check_chain(prefix, last, gen, positions=False)
-            grows = ~needs
-            grown, grown_fill = last_page[grows], fill[grows] + 1
+            grown, grown_fill = last_page, fill + ~needs  # a full page keeps its mark: S, written again
             idx = needs.nonzero()[0]
             lanes = floor_mod(last_page[idx] + 1, N)  # the lane after the last page's: owner(p) + 1 = (p + 1) % N
         else:

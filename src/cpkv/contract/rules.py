@@ -57,7 +57,7 @@ def _offset(slots: np.ndarray, page_size: int) -> np.ndarray:
 
 
 def _first(mask: np.ndarray) -> int | None:
-    return int(mask.nonzero()[0][0]) if mask.any() else None
+    return int(mask.nonzero()[0][0]) if np.count_nonzero(mask) else None
 
 
 class AllocationRules:
@@ -86,8 +86,8 @@ class AllocationRules:
         request has a prefix.
         """
         S = self.S
-        if not prefix.any():  # a batch of fresh requests: no last_loc to check
-            if (last != self.pad).any() or (seq.size and seq.min() < 0):
+        if not np.count_nonzero(prefix):  # a batch of fresh requests: no last_loc to check
+            if np.count_nonzero(last != self.pad) or (seq.size and seq.min() < 0):
                 self.explain_extend(prefix, seq, last)
             return None, None
         has = prefix > 0
@@ -96,7 +96,7 @@ class AllocationRules:
         chain_ok = usable & continues_chain(last, prefix, self.lists.fill[np.where(usable, page, 0)], S)
         bad = (prefix < 0) | (prefix > seq) | np.where(has, ~chain_ok, last != self.pad)
         cont = has & (prefix % S != 0) & (seq > prefix)
-        if bad.any() or self._repeats(page[cont]):
+        if np.count_nonzero(bad) or self._repeats(page[cont]):
             self.explain_extend(prefix, seq, last)
         return has, page
 
@@ -116,11 +116,11 @@ class AllocationRules:
             return None
         S, lists = self.S, self.lists
         page = pages_of(last, S)
-        fill = np.take(lists.fill, page, mode="clip")  # outside 1..P: the never-allocated page, which fails
-        if not continues_chain(last, prefix, fill, S, np.take(lists.pos, page, mode="clip")).all():
+        fill = lists.fill.take(page, mode="clip")  # outside 1..P: the never-allocated page, which fails
+        if np.count_nonzero(continues_chain(last, prefix, fill, S, lists.pos.take(page, mode="clip"))) < page.size:
             return None
-        ends = _offset(prefix, S) == 0  # last_loc is its page's last slot
-        if self._repeats(page[~ends]):
+        ends = fill == S  # last_loc is its page's last slot (the test tied fill to prefix: fill % S == prefix % S)
+        if self._repeats(page) and self._repeats(page[~ends]):  # most batches share no page at all
             self.explain_extend(prefix, prefix + 1, last)
         return page, ends, fill
 
@@ -163,7 +163,7 @@ class AllocationRules:
             return False
         idx = self._idx(pages.size)
         self._scratch[pages] = idx
-        return bool((self._scratch[pages] != idx).any())
+        return np.count_nonzero(self._scratch[pages] != idx) > 0
 
     def explain_extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> None:
         """Raise :class:`UnsupportedPagePlan` for the first broken rule of :meth:`check_extend`."""
@@ -267,7 +267,8 @@ class AllocationRules:
             np.greater(full[1:], full[:-1], out=rises[:-1])
             rises[S - 1 :: S] = True  # between rows anything goes
             head, tail = full[::S], full[S - 1 :: S]
-            if rises.all() and not (head % S).any() and (tail - head == S - 1).all():
+            if (np.count_nonzero(rises) == rises.size and not np.count_nonzero(floor_mod(head, S))
+                    and np.count_nonzero(tail - head == S - 1) == rows):
                 pg = np.concatenate([pages_of(head, S), pages_of(s[rows * S :], S)])
         if pg is None:
             pg = pages_of(s, S)
@@ -292,12 +293,14 @@ class AllocationRules:
         p = int_vector(pages, "pages")
         if p.size == 0:
             return None
-        lo, hi = int(p.min()), int(p.max())
-        if lo < 1 or hi > self.P:
-            raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
-        if not (last := self._last_of_each(p)).all():
-            raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
-        self.check_freeable(p)
+        # one test for "usable" and "allocated": outside 1..P the gather reads a page never allocated
+        if np.count_nonzero(self.lists.fill.take(p, mode="clip")) < p.size or self._repeats(p):
+            lo, hi = int(p.min()), int(p.max())
+            if lo < 1 or hi > self.P:
+                raise InvalidFree("free-out-of-range", f"page {lo if lo < 1 else hi} is not a usable page (1..{self.P})")
+            if np.count_nonzero(last := self._last_of_each(p)) < p.size:
+                raise InvalidFree("double-free", f"page {int(p[~last][0])} is given twice")
+            self.check_freeable(p)
         return p
 
     def _last_of_each(self, pages: np.ndarray) -> np.ndarray:
@@ -312,5 +315,5 @@ class AllocationRules:
         group is still allocated and passes: the group frees the union of its
         calls, as SGLang's does."""
         free = self.lists.fill[pages] == 0
-        if free.any():
+        if np.count_nonzero(free):
             raise InvalidFree("double-free", f"page {int(pages[free][0])} is not allocated (double free?)")

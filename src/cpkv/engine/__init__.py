@@ -12,12 +12,20 @@
 * :mod:`~cpkv.engine.disagg` - :func:`~cpkv.engine.disagg.run_disagg`: a prefill group and a
   decode group of other sizes and page sizes, the same scheduler on both sides, KV moved
   point to point
+
+The errors a run raises: :class:`TraceError` (a trace file), :class:`GroupTooLarge`
+(a group this machine cannot hold, before it starts), :class:`RankFailure` (a rank
+failed), :class:`DisaggFailure` and :class:`TransferAborted` (a disaggregated run).
 """
 
+from ..runtime.group import RankFailure
+from ..runtime.sizing import GroupTooLarge
 from .config import DisaggConfig, EngineConfig, RunConfig
+from .disagg import DisaggFailure, TransferAborted, format_disagg, run_disagg
 from .engine import run_engine, run_engine_threads
 from .scheduler import Scheduler, StepPlan
 from .trace import RequestSpec, TraceError, load_jsonl
 
-__all__ = ["DisaggConfig", "EngineConfig", "RequestSpec", "RunConfig", "Scheduler", "StepPlan", "TraceError",
-           "load_jsonl", "run_engine", "run_engine_threads"]
+__all__ = ["DisaggConfig", "DisaggFailure", "EngineConfig", "GroupTooLarge", "RankFailure", "RequestSpec",
+           "RunConfig", "Scheduler", "StepPlan", "TraceError", "TransferAborted", "format_disagg", "load_jsonl",
+           "run_disagg", "run_engine", "run_engine_threads"]

@@ -4,19 +4,21 @@
 splits and the trace; its defaults are the ``cpkv run`` defaults (the command
 reads them from here), so a run built in Python and the same run from the
 command line are the same run. :class:`EngineConfig` adds one CP group's size,
-:class:`DisaggConfig` a prefill group and a decode group; each adds its own
-fault injection (tests), named in :data:`FAULT_HOOKS` so reports leave it out.
+:class:`DisaggConfig` a prefill group and a decode group.
 
-The device cache is sized from memory unless ``device_pages`` is given:
-``kv_memory`` bytes per rank, or by default a budget from this machine's
-available memory (:func:`cpkv.runtime.sizing.default_kv_memory`), turned into
-pages per rank by :func:`cpkv.runtime.sizing.pages_for_memory` once, when the
-configuration is made; the ranks receive the resolved ``device_pages``.
+A configuration is a plain value: making one reads nothing of this machine.
+The run is sized at launch (:meth:`RunConfig.sized`, which every launcher
+calls once, before anything is built): the device cache from memory unless
+``device_pages`` is given (``kv_memory`` bytes per rank, or by default a
+budget from this machine's available memory,
+:func:`cpkv.runtime.sizing.default_kv_memory`, turned into pages per rank by
+:func:`cpkv.runtime.sizing.pages_for_memory`) and the data plane from the
+device unless ``kernels`` is given; the ranks receive the sized copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..models import TinyDsa, TinyLlama
 from .trace import WORKLOADS, RequestSpec, load_jsonl
@@ -28,9 +30,10 @@ class RunConfig:
 
     ``page_size`` tokens per page; ``device_pages`` KV pages per rank (per
     owner lane; lane 0 holds one fewer, page 0 being reserved): when ``None``
-    (the default) it is set at construction from ``kv_memory`` bytes per rank,
-    or, when that is ``None`` too, from this machine's available memory
-    (:meth:`memory_pages`); a given ``device_pages`` wins over ``kv_memory``.
+    (the default) it is sized at launch (:meth:`sized`) from ``kv_memory``
+    bytes per rank, or, when that is ``None`` too, from this machine's
+    available memory (:meth:`memory_pages`); a given ``device_pages`` wins
+    over ``kv_memory``.
     ``host_pages`` pages of the host tier (0: none); ``chunk``
     prefill tokens per step, all requests together; ``max_running`` requests
     at once; ``admission`` ``"lanes"`` or ``"none"``; the prefill and decode
@@ -60,7 +63,7 @@ class RunConfig:
     ``"cuda"``: each rank's KV segment on its GPU, :mod:`cpkv.runtime.device`;
     not yet run on hardware); ``kernels`` the data plane, ``"torch"``
     or ``"triton"`` (``None``: triton on a GPU, torch on the CPU, resolved at
-    construction).
+    launch).
     """
 
     page_size: int = 16
@@ -111,12 +114,27 @@ class RunConfig:
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
                                            or self.kv_memory < 1):
             raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
-        if self.device_pages is None:
-            self.device_pages = self.memory_pages()
-        if self.kernels is None:
-            from ..runtime.batch import default_kernels
 
-            self.kernels = default_kernels(self.device)
+    def sized(self, capacity=None):
+        """This run sized at launch: a copy whose ``device_pages`` is
+        :meth:`memory_pages` (``capacity``: this machine's, default now) where
+        it is ``None``, and whose ``kernels`` is the device's default
+        (:func:`~cpkv.runtime.batch.default_kernels`) where it is ``None``;
+        what is given stays. The launchers call it once, before anything is
+        built; ``ValueError`` when ``kv_memory`` holds no page."""
+        from ..runtime.batch import default_kernels
+
+        pages = self.memory_pages(capacity) if self.device_pages is None else self.device_pages
+        kernels = default_kernels(self.device) if self.kernels is None else self.kernels
+        return replace(self, device_pages=pages, kernels=kernels)
+
+    def check_sized(self) -> None:
+        """Refuse (``ValueError``) a configuration whose device cache is not
+        sized yet (``device_pages`` ``None``: :meth:`sized` sizes it at
+        launch), before a scheduler or a footprint is built from it."""
+        if self.device_pages is None:
+            raise ValueError("device_pages is None: the cache is sized at launch; launch this configuration, or "
+                             "size it first with cfg.sized()")
 
     #: Ranks whose memory the default budget is shared by (the subclasses' groups).
     world_size = 1
@@ -162,24 +180,12 @@ class RunConfig:
 
     def public(self) -> dict:
         """The fields a report shows (``asdict``, the model as its family and
-        fields), without the test-only :data:`FAULT_HOOKS`."""
-        out = {k: v for k, v in asdict(self).items() if k not in FAULT_HOOKS}
-        return {**out, "model": {"family": type(self.model).__name__, **asdict(self.model)}}
-
-
-def field_defaults(cls) -> dict:
-    """The default of every field of the configuration class ``cls``, by name,
-    without making one (making one sizes the cache from this machine's memory):
-    ``None`` for ``device_pages``, whose default is computed."""
-    from dataclasses import MISSING
-
-    return {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+        fields)."""
+        return {**asdict(self), "model": {"family": type(self.model).__name__, **asdict(self.model)}}
 
 
 #: Fewest device pages per rank the default budget gives.
 MIN_DEFAULT_PAGES = 8
-#: The test-only fault-injection fields of the configurations (left out of reports).
-FAULT_HOOKS = ("fail_rank", "kill_rank", "fail_step", "fail_transfer")
 
 
 #: The device cache's modes: one shared owner-lane cache, or a full copy on every rank (the baseline).
@@ -188,16 +194,9 @@ KV_MODES = ("shared", "replicated")
 
 @dataclass
 class EngineConfig(RunConfig):
-    """One engine run: a :class:`RunConfig` on a CP group of ``cp_size`` ranks.
-
-    Fault injection (tests): rank ``fail_rank`` raises, or rank ``kill_rank``
-    is killed by SIGKILL, at step ``fail_step``.
-    """
+    """One engine run: a :class:`RunConfig` on a CP group of ``cp_size`` ranks."""
 
     cp_size: int = 4
-    fail_rank: int | None = None
-    kill_rank: int | None = None
-    fail_step: int = 3
 
     @property
     def world_size(self) -> int:
@@ -217,8 +216,7 @@ class DisaggConfig(RunConfig):
     point-to-point transfer. ``decode_kv_dtype`` is the decode group's KV
     dtype (default ``kv_dtype``): the two groups must agree, since a transfer
     moves stored bytes, and every rank refuses a disagreement at the start,
-    before any byte moves. Fault injection (tests): world rank ``kill_rank``
-    is killed in the middle of transfer number ``fail_transfer`` (0-based).
+    before any byte moves.
     """
 
     prefill_size: int = 2
@@ -227,8 +225,6 @@ class DisaggConfig(RunConfig):
     decode_pages: int | None = None
     transfer_timeout: float = 60.0
     decode_kv_dtype: str | None = None
-    kill_rank: int | None = None
-    fail_transfer: int = 0
 
     @property
     def world_size(self) -> int:
@@ -252,11 +248,11 @@ class DisaggConfig(RunConfig):
 
     def validate(self) -> None:
         """Refuse a configuration that cannot run (``ValueError`` naming the field)."""
-        for name in ("prefill_size", "decode_size", "page_size", "device_pages", "chunk", "max_running"):
+        for name in ("prefill_size", "decode_size", "page_size", "chunk", "max_running"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("decode_page", "decode_pages"):
+        for name in ("device_pages", "decode_page", "decode_pages"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
@@ -269,8 +265,6 @@ class DisaggConfig(RunConfig):
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.replicated:
             raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
-        if self.kill_rank is not None and not 0 <= self.kill_rank < self.world_size:
-            raise ValueError(f"kill_rank {self.kill_rank} is not a rank of a world of {self.world_size}")
         if not (self.timeout > 0 and self.transfer_timeout > 0):
             raise ValueError("timeout and transfer_timeout must be > 0 seconds")
 
@@ -309,7 +303,9 @@ def engine_footprint(cfg, specs=None):
     the model, the scheduler's page table (``max_running`` rows as long as the
     longest request), the cache's bookkeeping of every page and (rank 0, with
     ``check``) the logits it keeps; the group shares the device and host KV
-    segments of every cache family. Arithmetic only: nothing is allocated."""
+    segments of every cache family. Arithmetic only: nothing is allocated.
+    ``cfg`` is sized (:meth:`RunConfig.sized`)."""
+    cfg.check_sized()
     import torch
 
     from ..models import build_adapter

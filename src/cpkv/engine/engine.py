@@ -30,7 +30,7 @@ from .check import check
 from .config import EngineConfig
 from .latency import LatencyClock, latency_report
 from .records import outputs
-from .rank import SharedBuffers, build_cache, build_rank, inject_fault, thread_buffers
+from .rank import SharedBuffers, build_cache, build_rank, thread_buffers
 from .scheduler import Scheduler
 from .step_plan import Forward, StepPlan
 from .trace import RequestSpec
@@ -97,7 +97,9 @@ class RankExecutor:
 
 def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
     """The scheduler every rank builds (same inputs, same state); ``TraceError``
-    for a trace whose requests could never fit the cache."""
+    for a trace whose requests could never fit the cache, ``ValueError`` for a
+    configuration not sized yet (:meth:`~cpkv.engine.config.RunConfig.sized`)."""
+    cfg.check_sized()
     host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
     lanes = 1 if cfg.replicated else cfg.cp_size  # a replicated copy: a plain paged allocator, no owner lanes
     return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
@@ -194,8 +196,6 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     clock = LatencyClock(t0)
     while not sched.done:
         skipped = sched.skip_idle()
-        if sched.step == cfg.fail_step and comm.rank in (cfg.fail_rank, cfg.kill_rank):
-            inject_fault(comm.rank, sched.step, kill=comm.rank == cfg.kill_rank)
         plan = sched.plan()
         if sched.complete(plan, ex.run(plan)):
             bar.set_postfix_str(f"{sched.stats.finished}/{len(sched.requests)} requests finished", refresh=False)
@@ -239,7 +239,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
     # a replicated copy holds every used page on every rank; a shared cache each lane on its rank
     peak_lane = np.full(cfg.cp_size, occ.sum(1).max()) if cfg.replicated else occ.max(0)
     return {
-        "config": cfg.public(),  # without the test-only fault hooks
+        "config": cfg.public(),
         "kernels_fallback": kernels_fallback,
         "requests": len(sched.requests),
         "finished": st.finished,
@@ -278,7 +278,9 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
 
 def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
     """The engine with its ranks as threads of this process (tests; one shared
-    model and one set of buffers, collectives through threads)."""
+    model and one set of buffers, collectives through threads); sized here
+    (:meth:`~cpkv.engine.config.RunConfig.sized`)."""
+    cfg = cfg.sized()
     adapter = adapter or build_adapter(cfg.model)
     shared = thread_buffers()
     return run_threads(cfg.cp_size, lambda comm: engine_rank(shared, comm, cfg, adapter), timeout=cfg.timeout)[0]
@@ -287,10 +289,12 @@ def run_engine_threads(cfg: EngineConfig, adapter=None) -> dict:
 def run_engine(cfg: EngineConfig) -> dict:
     """Run the engine on a CP group of ``cfg.cp_size`` processes; rank 0's report.
 
-    A run stopped by its timeout (:class:`~cpkv.runtime.group.RankFailure`)
+    The run is sized here, once (:meth:`~cpkv.engine.config.RunConfig.sized`),
+    and every rank receives the sized configuration. A run stopped by its timeout (:class:`~cpkv.runtime.group.RankFailure`)
     or by Ctrl-C (``KeyboardInterrupt``) raises with ``progress`` set on the
     exception: what it finished (:meth:`RunProgress.read`, ``None`` before
     the first step) and ``requests``, the trace's length."""
+    cfg = cfg.sized()
     cfg.model.config()
     specs = cfg.trace()
     build_scheduler(cfg, specs)  # refuse a trace that cannot run before starting any process

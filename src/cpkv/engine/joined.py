@@ -17,9 +17,9 @@ environment holds :data:`~cpkv.runtime.torchrun.TORCHRUN_ENV`; :func:`~cpkv.runt
   rendezvous ignores ``--node-rank``: the role, not the rank, says which group a node is.
 
 Each returns the run's report on the one rank that makes it (world rank 0 for the engine, the first prefill rank
-for disaggregation) and ``None`` on every other rank: print it where it is not ``None``.
-
-(This module belongs with :mod:`cpkv.engine`; it lives here until the engine package's split has landed.)
+for disaggregation) and ``None`` on every other rank: print it where it is not ``None``. Each rank sizes its
+configuration at launch (:meth:`~cpkv.engine.config.RunConfig.sized`), then every rank takes the first rank's
+sizes.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def _env(environ: Mapping[str, str] | None) -> TorchrunEnv:
 
 def _agree_on_cache(comm, cfg) -> None:
     """Every rank takes rank 0's device cache sizes: a default sized from
-    memory (``MemAvailable``, read by each rank when its configuration was
-    made) may differ between ranks, and the schedulers must be identical."""
+    memory (``MemAvailable``, read by each rank when it sized its
+    configuration at launch) may differ between ranks, and the schedulers
+    must be identical."""
     names = [n for n in ("device_pages", "decode_pages") if hasattr(cfg, n)]
     first = comm.all_gather_object({n: getattr(cfg, n) for n in names})[0]
     for n in names:
@@ -78,6 +79,7 @@ def run_engine_joined(cfg: EngineConfig, environ: Mapping[str, str] | None = Non
     from ..runtime.device import plan_devices
 
     env = _env(environ)
+    cfg = cfg.sized()
     if env.world_size != cfg.cp_size or env.local_world_size != cfg.cp_size:
         raise ValueError(f"the engine's CP group of {cfg.cp_size} ranks is one node: start torchrun with "
                          f"--nnodes 1 --nproc-per-node {cfg.cp_size} (this world has WORLD_SIZE={env.world_size}, "
@@ -122,6 +124,7 @@ def run_disagg_joined(cfg: DisaggConfig, environ: Mapping[str, str] | None = Non
         raise ValueError(f"--disagg {cfg.prefill_size}:{cfg.decode_size} needs a world of {cfg.world_size} ranks; "
                          f"this one has WORLD_SIZE={env.world_size}")
     cfg.validate()
+    cfg = cfg.sized()
     cfg.model.config()
     DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before joining
     return join(_disagg_target, cfg, timeout=cfg.timeout, environ=environ)

@@ -4,16 +4,12 @@
 * :func:`build_rank` - a rank's shared KV pool, host pool and runner (the
   runtime's :func:`~cpkv.runtime.parts.build_parts`, and the host tier);
 * :func:`thread_buffers` - the ``shared(tag, shape, dtype)`` of ranks that are threads
-  of one process (tests): one zeroed tensor per tag, made once;
-* :func:`inject_fault` - the fault a test asks a rank for (raise, or die by SIGKILL).
+  of one process (tests): one zeroed tensor per tag, made once.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -96,19 +92,3 @@ def thread_buffers() -> SharedBuffers:
 
     return shared
 
-
-#: With this environment variable set, :func:`inject_fault` first writes the time to that file.
-FAULT_MARKER_ENV = "CPKV_FAULT_MARKER"
-
-
-def inject_fault(rank: int, step: int, kill: bool) -> None:
-    """Fault injection for tests: raise ``RuntimeError`` naming ``rank`` and
-    ``step``, or (``kill``) die by SIGKILL. With the environment variable
-    ``CPKV_FAULT_MARKER`` set, first write the time to that file, so a test can
-    time the group's reaction from the fault itself. Never returns."""
-    if os.environ.get(FAULT_MARKER_ENV):
-        with open(os.environ[FAULT_MARKER_ENV], "w") as f:
-            f.write(repr(time.time()))
-    if kill:
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected fault on rank {rank} at step {step}")

@@ -25,10 +25,14 @@ validated once per batch.
 
 Triton on the CPU: importing this package on a machine without CUDA sets
 ``TRITON_INTERPRET=1`` (``os.environ.setdefault``, so an explicit setting
-wins) before triton is imported, so the ``triton`` backend runs its kernels on
-CPU tensors in Triton's interpreter (slowly, one program after another; no
-bfloat16 there: bfloat16 is GPU-only for this backend). Set the variable
-yourself if triton may be imported before this package. Without triton
+wins), the one place cpkv sets it, before triton is imported (Triton reads it
+when ``triton.language`` is imported and when a kernel is decorated), so the
+``triton`` backend runs its kernels on CPU tensors in Triton's interpreter
+(slowly, one program after another; no bfloat16 there: bfloat16 is GPU-only
+for this backend). :mod:`cpkv.models`, the one importer of ``transformers``
+(which imports triton), imports this package first; ``import cpkv`` sets
+nothing. Set the variable yourself if triton may be imported before this
+package. Without triton
 installed, ``backend="triton"`` raises ``RuntimeError`` and ``torch`` works.
 
 Dtypes: float32 and float16 inputs (bfloat16 on GPUs); float32 math is exact

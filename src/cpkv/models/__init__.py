@@ -5,10 +5,16 @@ the shared paged cache through the data plane (:mod:`cpkv.kernels`); the
 models' own attention math is :mod:`cpkv.models.attention`. One module per family:
 :mod:`~cpkv.models.llama` (GQA), :mod:`~cpkv.models.dsa` (DeepSeek-V3.2 and
 GLM-5: MLA over a latent pool, sparse attention over an indexer-key pool).
+
+Only this package imports ``transformers`` (which imports triton), and it
+imports :mod:`cpkv.kernels` first: on a machine without CUDA that sets
+``TRITON_INTERPRET=1`` before triton is imported, so the triton backend runs in
+Triton's interpreter.
 """
 
 import warnings
 
+from .. import kernels as _kernels  # noqa: F401 - first: TRITON_INTERPRET before transformers imports triton
 from .attention import absorb_query, absorbed_output, index_scores, topk_positions
 from .base import KV_DTYPES, CacheAccess, ModelAdapter
 from .dsa import DsaAdapter, DsaCacheShape, TinyDsa, glm_indexer_types, real_shape

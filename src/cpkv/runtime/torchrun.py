@@ -49,13 +49,14 @@ starts, for as long as it runs:
   ended. The rank that dies last so removes the last name, on a node of one
   rank too.
 
-Before :func:`join` starts (while the rank's script imports), the rank is the
-script's alone: it does not know its agent's pid, so it cannot tell later
-whether its parent is still the agent. A rank whose agent died before it called
-:func:`join` ends when its rendezvous gives up (the agent's store is gone:
-``timeout`` seconds for each of torch's connection attempts). cpkv's own
-launcher has no such window (:data:`cpkv.runtime.group._BOOT` sets the signal
-before any import).
+Before :func:`join` starts, while the rank imports: ``python -m cpkv`` (``torchrun
+... -m cpkv run``) asks for the same ``PR_SET_PDEATHSIG`` on its first line, before it
+imports torch or anything of cpkv (:mod:`cpkv.__main__`), so a rank whose agent dies
+while it imports ends with it; only the interpreter's own start-up comes before. Another
+script that calls :func:`join` is its own until then: a rank of it whose agent died
+before the call ends when its rendezvous gives up (the agent's store is gone:
+``timeout`` seconds for each of torch's connection attempts). cpkv's own launcher has
+no such window (:data:`cpkv.runtime.group._BOOT` sets the signal before any import).
 
 Backends: gloo on the CPU; ``device="cuda"`` as
 :func:`~cpkv.runtime.device.plan_devices` plans for the node's ranks:

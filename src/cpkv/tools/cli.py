@@ -121,9 +121,7 @@ def _add_bytes(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    from types import SimpleNamespace
-
-    from ..engine.config import EngineConfig, field_defaults
+    from ..engine.config import EngineConfig
     from ..engine.scheduler import ADMISSION
     from ..engine.trace import MAX_SCALE, TRACE_LIMITS, WORKLOADS
     from ..models import MODELS
@@ -144,7 +142,7 @@ def _add_run(sub) -> None:
         "sized from memory unless --device-pages is given. A trace file: " + TRACE_LIMITS + ". A run expected to "
         "take over a minute says so on stderr before it starts; a run stopped by --timeout or Ctrl-C says what it "
         "finished. Exits 1 if the check fails, 2 on bad arguments or a failed rank, 130 on Ctrl-C.")
-    D = SimpleNamespace(**field_defaults(EngineConfig))  # the defaults, written once in cpkv.engine.config
+    D = EngineConfig()  # the defaults, written once in cpkv.engine.config (a plain value: nothing is sized)
     from ..engine.config import KV_MODES
 
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)

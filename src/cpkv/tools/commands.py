@@ -84,7 +84,7 @@ def cmd_bench(args) -> int:
         "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
                   "out_cache_loc; arange = writing that out_cache_loc from the same pages; goal = the most "
-                  "cp8/deque may be (extend also cp8/arange <= 2)"),
+                  "cp8/deque may be (extend also cp8/arange <= 2); met = whether this run met it"),
         "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
         "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
@@ -200,7 +200,7 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     from ..engine.config import EngineConfig, engine_footprint
 
     try:
-        base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory)
+        base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory).sized()
     except ValueError:
         return
     for kv in ("shared", "replicated"):
@@ -278,8 +278,7 @@ def cmd_bytes(args) -> int:
 
 def run_config(args):
     """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
-    (``--cp`` not given: the default group size). ``ValueError`` for a
-    ``--kv-memory`` that holds no page."""
+    (``--cp`` not given: the default group size), not yet sized."""
     from ..engine.config import EngineConfig
     from ..models import model_config
 
@@ -307,20 +306,21 @@ def validate_disagg(args, parser, cfg) -> None:
     if args.plot:
         parser.error("--plot draws one group's occupancy; it does not take --disagg")
     M, N = args.disagg
-    d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page)
-    if args.device_pages is None:  # sized from memory for this world of M + N ranks
-        d = dataclasses.replace(d, device_pages=None)
+    try:  # sized here, at launch, for this world of M + N ranks
+        d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page).sized()
+    except ValueError as e:  # a --kv-memory that holds no page
+        parser.error(f"--kv-memory: {e}")
     from .refusals import refuse_sizes
 
-    refuse_sizes(parser, dataclasses.replace(cfg, cp_size=M), d.trace(), trace=False)  # before DisaggControl allocates
+    prefill = dataclasses.replace(cfg, cp_size=M, device_pages=d.device_pages, kernels=d.kernels)
+    refuse_sizes(parser, prefill, d.trace(), trace=False)  # before DisaggControl allocates
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
     except CacheTooSmall as e:
         parser.error(f"--workload: {e}; raise --kv-memory or --device-pages")
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
-    prefill = dataclasses.replace(cfg, cp_size=M)
-    decode = dataclasses.replace(cfg, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
+    decode = dataclasses.replace(prefill, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
     refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
     from .refusals import refuse_if_past_timeout
 
@@ -360,10 +360,7 @@ def validate_run(args, parser) -> None:
     if args.kv_events is not None and args.disagg is not None:
         parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
     refuse_unless_kv_events_bind(parser, args)
-    try:
-        cfg = run_config(args)
-    except ValueError as e:  # a --kv-memory that holds no page
-        parser.error(f"--kv-memory: {e}")
+    cfg = run_config(args)  # sized below, at launch (for --disagg, for its world)
     ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (cfg.cp_size, "--cp")
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
         parser.error(f"--prefill-split interleave needs --chunk >= {flag} ({ranks}): a batch of fewer tokens "
@@ -372,6 +369,10 @@ def validate_run(args, parser) -> None:
         parser.error("--kv replicated runs one CP group; --disagg moves a shared cache's pages")
     if args.disagg:
         return validate_disagg(args, parser, cfg)
+    try:
+        cfg = cfg.sized()
+    except ValueError as e:  # a --kv-memory that holds no page
+        parser.error(f"--kv-memory: {e}")
     try:
         specs = cfg.trace()
     except (TraceError, OSError) as e:
@@ -405,10 +406,6 @@ def cmd_run(args) -> int:
                 return EXIT_OK
         else:
             r = run_disagg(args.config)
-        if args.json and isinstance(r.get("config"), dict):  # without the test-only fault hooks
-            from ..engine.config import FAULT_HOOKS
-
-            r = {**r, "config": {k: v for k, v in r["config"].items() if k not in FAULT_HOOKS}}
         print(json.dumps({k: v for k, v in r.items() if k != "sequences"}, indent=2) if args.json
               else format_disagg(r))
         if args.print_tokens and not args.json:
@@ -443,11 +440,11 @@ def cmd_run(args) -> int:
 def default_cp_size() -> int:
     """``--cp`` when not given: the world's size under torchrun (every rank of
     a one-node world is one CP group), else the run configuration's default."""
-    from ..engine.config import EngineConfig, field_defaults
+    from ..engine.config import EngineConfig
     from ..runtime.torchrun import torchrun_env
 
     env = torchrun_env()
-    return env.world_size if env is not None else field_defaults(EngineConfig)["cp_size"]
+    return env.world_size if env is not None else EngineConfig().cp_size
 
 
 def check_exit(r: dict, args) -> int:

@@ -44,7 +44,7 @@ those reports.
 
 The package, one job a module: :mod:`.control` (both schedulers and the
 hand-offs, identical on every rank), :mod:`.link` (one rank's end of the
-transfers, its fault injection and abort report), :mod:`.driver` (one rank's
+transfers and its abort report), :mod:`.driver` (one rank's
 loop and the two launchers), :mod:`.figures` (the run's report and its table).
 The configuration is :class:`~cpkv.engine.config.DisaggConfig`, a
 :class:`~cpkv.engine.config.RunConfig` shared with the engine and ``cpkv run``.

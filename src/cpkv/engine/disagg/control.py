@@ -36,10 +36,11 @@ class DisaggControl:
 
     ``families`` (the model's cache families) are needed only to count bytes.
     Raises ``TraceError`` for a trace whose requests could never fit either
-    group's cache.
+    group's cache, ``ValueError`` for a configuration not sized yet.
     """
 
     def __init__(self, cfg: DisaggConfig, specs: list[RequestSpec], families=None):
+        cfg.check_sized()
         M, N = cfg.prefill_size, cfg.decode_size
         common = dict(chunk=cfg.chunk, max_running=cfg.max_running, admission=cfg.admission)
         host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None

@@ -181,6 +181,8 @@ def run_disagg_sweep(cfgs: list[DisaggConfig]) -> list[dict]:
         raise ValueError("no configuration to run")
     for cfg in cfgs:
         cfg.validate()
+    cfgs = [cfg.sized() for cfg in cfgs]  # at launch, once: every rank receives the sized configurations
+    for cfg in cfgs:
         cfg.model.config()
         DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before starting any process
     reaper = reaper_mod.reaper()
@@ -197,8 +199,9 @@ def run_disagg_sweep(cfgs: list[DisaggConfig]) -> list[dict]:
 def run_disagg_threads(cfg: DisaggConfig, adapter=None) -> dict:
     """The same run with every rank of both groups a thread of this process
     (tests; one shared model, one set of buffers per group, collectives and
-    messages through threads)."""
+    messages through threads); sized here."""
     cfg.validate()
+    cfg = cfg.sized()
     DisaggControl(cfg, cfg.trace())  # refuse a trace that cannot run before starting any thread
     adapter = adapter or build_adapter(cfg.model)
     M, W = cfg.prefill_size, cfg.world_size

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import numpy as np
 
 from ..config import DisaggConfig
@@ -29,7 +27,7 @@ def disagg_report(cfg: DisaggConfig, ctl: DisaggControl, ranks: list[dict], seco
     P, D = ctl.prefill.stats, ctl.decode.stats
     dec = [x for x in ranks if x["side"] == "decode"]
     return {
-        "config": {**asdict(cfg), "model": {"family": type(cfg.model).__name__, **asdict(cfg.model)}},
+        "config": cfg.public(),
         "prefill_ranks": M, "decode_ranks": N, "prefill_page": cfg.page_size, "decode_page": cfg.d_page,
         "units": sorted(ctl.units),
         "kv_dtype": cfg.kv_dtype,

@@ -1,8 +1,7 @@
-"""One rank's end of the KV transfers: post or receive, count, inject the configured fault, report an abort."""
+"""One rank's end of the KV transfers: post or receive, count, report an abort."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -10,7 +9,6 @@ import time
 from ...consumers.kv_pool import SharedKVPool
 from ...consumers.transfer import receive_transfer, send_transfer
 from ..config import DisaggConfig
-from ..rank import inject_fault
 from ..scheduler import StepPlan
 from .control import DisaggControl, DisaggStep
 
@@ -22,7 +20,7 @@ class TransferAborted(RuntimeError):
 
 class TransferLink:
     """One rank's end of the transfers: posts or receives, counts bytes and
-    time, and injects the configured fault."""
+    time."""
 
     def __init__(self, cfg: DisaggConfig, world_rank: int, side: str, pool: SharedKVPool, transport):
         self.cfg, self.rank, self.side, self.pool, self.transport = cfg, world_rank, side, pool, transport
@@ -32,23 +30,12 @@ class TransferLink:
         self.seconds = 0.0
         self.step: DisaggStep | None = None
 
-    def _fault(self) -> None:
-        if self.cfg.kill_rank == self.rank and self.step.index == self.cfg.fail_transfer:
-            inject_fault(self.rank, self.step.decode.step, kill=True)  # tests time the other group from here
-
     def send(self):
         """Prefill rank: post this step's messages (``None`` when nothing moves)."""
         tp = self.step.transfer
         if tp is None:
             return None
         t0 = time.perf_counter()
-        if self.cfg.kill_rank == self.rank and self.step.index == self.cfg.fail_transfer:
-            first = tp.destinations_of(self.pool.rank)[:1]  # mid-transfer: one message goes, then the rank dies
-            if first:
-                sub = dataclasses.replace(tp, pair_slots=tp.pair_slots * 0)
-                sub.pair_slots[self.pool.rank, first[0]] = tp.pair_slots[self.pool.rank, first[0]]
-                send_transfer(sub, self.pool, self.transport, lambda b: self.M + b)
-            self._fault()
         pending, sent = send_transfer(tp, self.pool, self.transport, lambda b: self.M + b)
         self._account(sent, t0)
         return pending
@@ -65,7 +52,6 @@ class TransferLink:
         tp = self.step.transfer
         if tp is None or plan is not self.step.decode:
             raise AssertionError("the executor's arrivals are not this step's transfer")
-        self._fault()
         t0 = time.perf_counter()
         self._account(receive_transfer(tp, self.pool, self.transport, lambda a: a), t0)
 

@@ -118,6 +118,7 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if ranks not in RANKS:
         raise ValueError(f"unknown ranks {ranks!r}; choose from {RANKS}")
+    base = base.sized()  # at launch: kv_memory's pages, the same in both modes
     out, cfgs = {}, {mode: dataclasses.replace(base, kv=mode, check=True, host_pages=0) for mode in MODES}
     specs = _trace(base, documents, trace_scale)
     for mode in MODES:  # before any rank starts

@@ -28,7 +28,7 @@ from ...contract.layout import SharedKVLayout
 from ...kernels import get
 from ...kernels.backend import LayerView, WriteIndex
 
-#: decode sizes of the issue: batch x context
+#: the decode sizes timed: batch x context
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 64), (32768, 131072)
 _DRY = dict(batches=(1, 2), contexts=(40,), prefill=40, topk=24, store=16)
 
