@@ -22,10 +22,17 @@ def llama():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device; tests marked ``slow``
+    (past the suite's time budget, each with its measured cost in its docstring) unless
+    ``CPKV_SLOW_TESTS=1``."""
     import pytest
     import torch
 
+    if os.environ.get("CPKV_SLOW_TESTS") != "1":
+        slow = pytest.mark.skip(reason="slow (past the suite's time budget): CPKV_SLOW_TESTS=1 runs it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu): on a machine with one, python3 -m pytest -m gpu "

@@ -13,22 +13,39 @@ prints a summary and the tail of every failed step's output; exits 1 if any
 step failed (2 for a misuse of this script).
 
 Steps, in order, each in a process of its own with a deadline (a hung CUDA call
-cannot stall the rest), the whole run within :data:`TOTAL_S` seconds:
+or a CUDA error cannot stall or poison the rest; one at a time on a GPU, two at
+a time in the dry run: :data:`LANES`), the whole run within
+:data:`TOTAL_S` seconds, every later step keeping its reserve of it:
 
 1. ``versions``: Python, torch (its CUDA), triton, transformers, the GPU(s);
 2. ``kernels``: every Triton kernel compiled on CUDA against the torch
    reference, float32/float16/bfloat16, small and real shapes (GQA Hkv 8 D 128,
-   MLA latent 512 + 64, indexer 64 x 128, page 64), and the read through the
-   group's base table against the same bytes in one buffer;
-3. ``bandwidth``: store and decode attention, bytes per second as a fraction of
-   a device-to-device copy timed in the same rounds;
+   MLA latent 512 + 64, indexer 64 x 128, page 64), the FP8 caches at the real
+   shapes, and the read through a segment table (the group's memory as N
+   segments) against the same bytes in one buffer (several processes at once:
+   compiling is what takes the time);
+3. the kernels' speed (:mod:`cpkv.tools.bench.kernels`, issue #28's figures,
+   each against a baseline timed in the same step): ``decode`` (bytes per
+   second at batch 1, 8, 64 x 32K, 128K as a fraction of a device-to-device
+   copy), ``sparse_mla`` and ``indexer`` (DeepSeek-V3.2's shapes, the same
+   fraction), ``store`` (the same fraction), ``prefill`` (32K tokens against
+   torch's SDPA, flash), ``lse_split`` (each rank's decode under the
+   log-sum-exp split at N 1, 2, 4 on one GPU);
 4. ``engine``: ``cpkv run --device cuda --check`` for Llama and DeepSeek-V3.2 at
    N 1, 2 and 4 on one GPU (every split among them), one of each model with a
-   device cache small enough to evict to the host tier and load back, and
-   ``--kv replicated``;
+   device cache small enough to evict to the host tier and load back (whether
+   the host tier was page-locked, ``host_pinned``), and ``--kv replicated``;
 5. ``ipc``: N = 2, 3, 4 ranks on one GPU: own segments, CUDA IPC, the fence,
    reads through the view round after round, and a read through the view
    timed against a local read of the same bytes.
+
+The budget, first run (cold Triton compiles) on one H200: versions ~10 s;
+kernels ~40 s (about 90 compiled kernels of 1-5 s, 8 processes); the six timed
+steps ~15 s each (a process and its CUDA context, 1-5 kernels compiled, the
+timing itself under a second: CUDA-graph replays, a few milliseconds a round);
+engine ~100 s (7 runs, 4 at a time, each its rank processes importing
+transformers and compiling their kernels); ipc ~50 s. About 300 s expected
+against :data:`TOTAL_S` = 460; deadlines and reserves bound a slow step.
 
 A step is one function ``step_NAME(dry) -> dict`` (its results section, with
 ``ok``) and one :class:`Step` entry in :data:`STEPS`: adding a benchmark is
@@ -44,7 +61,6 @@ import json
 import os
 import platform
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -120,11 +136,75 @@ def step_kernels(dry: bool) -> dict:
     return kernels_section("cpu" if dry else "cuda", dry)
 
 
-def step_bandwidth(dry: bool) -> dict:
-    """Store and decode bytes/s against a device copy (:func:`cpkv.tools.gpu_probe.bandwidth_section`)."""
-    from cpkv.tools.gpu_probe import bandwidth_section
+def _bench(fn, dry: bool, goal: str | None = None, met=None, **sizes) -> dict:
+    """A timed kernel section of :mod:`cpkv.tools.bench.kernels` as a step's
+    section: on the GPU at ``sizes``, dry at its own tiny sizes; ``ok`` when
+    every figure is a positive finite number; ``goal`` (issue #28's) and
+    whether ``met(section)`` meets it, recorded, not judged."""
+    section = fn(dry_run=True) if dry else fn(device="cuda", **sizes)
+    figures = [v for row in section["rows"] for k, v in row.items()
+               if k.endswith(("seconds", "per_second", "fraction_of_copy", "ratio", "vs_one_rank"))]
+    bad = [v for v in figures if not (isinstance(v, (int, float)) and 0 < v < float("inf"))]
+    section["ok"] = bool(figures) and not bad
+    if bad:
+        section["error"] = f"figures that are not positive and finite: {bad[:5]}"
+    if goal:
+        section["goal"], section["goal_met"] = goal, (None if dry else bool(met(section)))
+    return section
 
-    return bandwidth_section("cpu" if dry else "cuda", dry)
+
+def _fractions(section: dict) -> list[float]:
+    return [r["fraction_of_copy"] for r in section["rows"]]
+
+
+def step_decode(dry: bool) -> dict:
+    """Paged GQA decode (bfloat16, Hkv 8 x D 128, 32 heads, page 64) at batch 1, 8, 64 x contexts 32K, 128K:
+    K/V bytes per second as a fraction of a device-to-device copy timed in the same step."""
+    from cpkv.tools.bench.kernels import bench_decode
+
+    return _bench(bench_decode, dry, "at least 0.7 of the copy at every size",
+                  lambda s: min(_fractions(s)) >= 0.7, repeats=10)
+
+
+def step_sparse_mla(dry: bool) -> dict:
+    """DeepSeek-V3.2's sparse MLA decode (latent 512 + 64, top-k 2048, 16 and 128 heads) at batch 1, 8, 64."""
+    from cpkv.tools.bench.kernels import bench_sparse_mla
+
+    return _bench(bench_sparse_mla, dry, "at least 0.7 of the copy at batch 64",
+                  lambda s: min(r["fraction_of_copy"] for r in s["rows"] if r["batch"] == 64) >= 0.7, repeats=10)
+
+
+def step_indexer(dry: bool) -> dict:
+    """DeepSeek-V3.2's lightning indexer (64 heads x 128) at batch 1, 8, 64 x contexts 32K, 128K."""
+    from cpkv.tools.bench.kernels import bench_indexer
+
+    return _bench(bench_indexer, dry, "at least 0.7 of the copy at every size",
+                  lambda s: min(_fractions(s)) >= 0.7, repeats=10)
+
+
+def step_store(dry: bool) -> dict:
+    """The store of 64 (a decode batch) and 32,768 (a prefill chunk) entries of K or V: bytes read and written."""
+    from cpkv.tools.bench.kernels import bench_store
+
+    return _bench(bench_store, dry, "at least 0.5 of the copy at 32K tokens",
+                  lambda s: s["rows"][-1]["fraction_of_copy"] >= 0.5, repeats=10)
+
+
+def step_prefill(dry: bool) -> dict:
+    """A 32K-token causal prefill: the Triton extend kernel over the paged cache against torch's flash SDPA."""
+    from cpkv.tools.bench.kernels import bench_prefill
+
+    return _bench(bench_prefill, dry, "within 1.5x of SDPA (flash)", lambda s: s["rows"][0]["ratio"] <= 1.5,
+                  repeats=5)
+
+
+def step_lse_split(dry: bool) -> dict:
+    """Decode under the log-sum-exp split at N 1, 2, 4 on one GPU (batch 8 x 128K): the slowest rank's time."""
+    from cpkv.tools.bench.kernels import bench_lse_split
+
+    return _bench(bench_lse_split, dry, "the slowest rank's time falls with N",
+                  lambda s: all(a["slowest_rank_seconds"] > b["slowest_rank_seconds"]
+                                for a, b in zip(s["rows"], s["rows"][1:])), repeats=10)
 
 
 @dataclass(frozen=True)
@@ -138,12 +218,13 @@ class Run:
 
 def engine_runs(dry: bool) -> list[Run]:
     """The engine runs: Llama and DeepSeek-V3.2 at N 1, 2, 4 on one device with
-    every split among them, one evicting run per model, the replicated cache
-    (the dry run: the two evicting runs)."""
+    every split among them, one evicting run per model, the replicated cache.
+    The dry run checks every one's command line and runs one, the evicting
+    Llama at N 2 (:func:`step_engine` says how)."""
     common = ("--scale", "0.06", "--chunk", "40", "--page", "16")
     llama, dsa = ("--model", "llama", "--requests", "4"), ("--model", "deepseek-v3.2", "--requests", "3")
     evict = ("--device-pages", "5", "--host-pages", "48")  # 5 pages a lane: backups and host loads (measured)
-    runs = [
+    return [
         Run("llama-n1", (*llama, *common, "--cp", "1", "--device-pages", "64")),
         Run("llama-n2-evict-lse", (*llama, *common, "--cp", "2", *evict, "--decode-split", "lse"), evicts=True),
         Run("llama-n4-interleave", (*llama, *common, "--cp", "4", "--device-pages", "64", "--prefill-split",
@@ -154,9 +235,16 @@ def engine_runs(dry: bool) -> list[Run]:
         Run("dsa-n4", (*dsa, *common, "--cp", "4", "--device-pages", "64")),
         Run("llama-n2-replicated", (*llama, *common, "--cp", "2", "--device-pages", "64", "--kv", "replicated")),
     ]
-    if dry:  # the two evicting runs (each rank process imports torch and transformers: seconds each)
-        runs = [r for r in runs if r.evicts]
-    return runs
+
+
+#: The run the dry run runs (the others' command lines it checks).
+DRY_RUN = "llama-n2-evict-lse"
+
+
+def _argv(run: Run, dry: bool, timeout: float) -> list[str]:
+    """``cpkv run``'s command line of ``run``."""
+    return ["run", *run.flags, "--device", "cpu" if dry else "cuda", "--check", "--json", "--no-progress",
+            "--timeout", str(int(timeout))]
 
 
 def time_left(margin: float = 10.0) -> float:
@@ -167,11 +255,11 @@ def time_left(margin: float = 10.0) -> float:
 
 
 def _engine_run(run: Run, dry: bool, timeout: float) -> dict:
+    """``python -m cpkv run`` of ``run`` in a process of its own, judged (:func:`_judge`)."""
     timeout = min(timeout, time_left() - 20)
     if timeout < 10:
         return {"ok": False, "command": " ".join(run.flags), "error": "not run: the step's deadline is too close"}
-    cmd = [sys.executable, "-m", "cpkv", "run", *run.flags, "--device", "cpu" if dry else "cuda", "--check",
-           "--json", "--no-progress", "--timeout", str(int(timeout))]
+    cmd = [sys.executable, "-m", "cpkv", *_argv(run, dry, timeout)]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 20, env=_env(), cwd=ROOT)
@@ -186,14 +274,40 @@ def _engine_run(run: Run, dry: bool, timeout: float) -> dict:
     except ValueError:
         out.update(ok=False, error=f"exit {p.returncode}, no JSON report")
         return out
+    return _judge(run, r, out, dry)
+
+
+def _engine_here(run: Run, timeout: float) -> dict:
+    """The dry run's engine run: ``cpkv run``'s command line of ``run`` through
+    the command's own parser and checks (the configuration it would run), then
+    that configuration with its ranks as threads of this process (no process
+    that imports transformers again), the report as the command prints it
+    (JSON), judged (:func:`_judge`)."""
+    from cpkv.engine import run_engine_threads
+    from cpkv.tools.cli import parse_command
+
+    t0 = time.perf_counter()
+    cfg = parse_command(_argv(run, True, timeout)).config
+    r = json.loads(json.dumps({k: v for k, v in run_engine_threads(cfg).items()
+                               if k not in ("occupancy", "host_occupancy", "sequences")}, default=str))
+    return _judge(run, r, {"command": "cpkv " + " ".join(_argv(run, True, timeout)) + "  (ranks as threads)",
+                           "rc": 0, "seconds": time.perf_counter() - t0, "output": ""}, True)
+
+
+def _judge(run: Run, r: dict, out: dict, dry: bool) -> dict:
+    """``out`` (the run's command, exit code, seconds, output) with ``r``'s
+    figures (the report ``cpkv run --json`` prints) and ``ok``: exit 0, exact
+    against transformers, every request finished, the eviction round trip
+    where ``run`` evicts, the triton kernels on a GPU."""
     c = r.get("check") or {}
     out.update(kernels=r["config"].get("kernels"), device=r["config"].get("device"), requests=r["requests"],
                max_abs_diff=c.get("max_abs_diff"), requests_matched=c.get("requests_matched"),
                logits_checked=c.get("logits_checked"), backup_pages=r["backup_pages"], load_pages=r["load_pages"],
-               evicted_pages=r["evicted_pages"], engine_seconds=r["seconds"])
+               evicted_pages=r["evicted_pages"], engine_seconds=r["seconds"],
+               host_pinned=[x.get("host_pinned") for x in r.get("ranks", [])])
     problems = []
-    if p.returncode != 0:
-        problems.append(f"exit {p.returncode}")
+    if out["rc"] != 0:
+        problems.append(f"exit {out['rc']}")
     if not (c.get("max_abs_diff", 1.0) < 1e-4 and c.get("requests_matched") == r["requests"] == r["finished"]):
         problems.append("not exact against transformers")
     if run.evicts and not (r["backup_pages"] > 0 and r["load_pages"] > 0):
@@ -206,16 +320,50 @@ def _engine_run(run: Run, dry: bool, timeout: float) -> dict:
     return out
 
 
+def _command_line(run: Run) -> dict:
+    """The dry run's check of a run it does not run: its command line as
+    ``cpkv run`` parses it (flag names and values; the model-dependent checks
+    run with the one it runs)."""
+    from cpkv.tools.cli import build_parser
+
+    try:
+        build_parser().parse_args(_argv(run, True, 60))
+        return {"ok": True, "command": "cpkv " + " ".join(_argv(run, False, 60)), "checked": "parsed, not run"}
+    except SystemExit as e:
+        return {"ok": False, "command": " ".join(run.flags), "error": f"cpkv run refuses it (exit {e.code})"}
+
+
 def step_engine(dry: bool) -> dict:
-    """``cpkv run --device cuda --check`` for every :func:`engine_runs` run, a few at a time."""
+    """``cpkv run --device cuda --check`` for every :func:`engine_runs` run, four
+    at a time. The dry run: every run's command line parsed, and one run
+    (:data:`DRY_RUN`) through :func:`_engine_here` (the command's own process
+    and its rank processes are what ``tests/tools`` and ``tests/engine`` run)."""
     runs = engine_runs(dry)
-    timeout = 300.0 if dry else 180.0
-    with ThreadPoolExecutor(max_workers=2 if dry else 4) as pool:
-        results = dict(zip([r.name for r in runs], pool.map(lambda r: _engine_run(r, dry, timeout), runs)))
+    if dry:
+        results = {r.name: (_engine_here(r, 300.0) if r.name == DRY_RUN else _command_line(r)) for r in runs}
+    else:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = dict(zip([r.name for r in runs], pool.map(lambda r: _engine_run(r, dry, 180.0), runs)))
     for name, r in results.items():  # the runs' own output, into the log
         print(f"--- {name}: {r.get('command')}\n{r.get('output', '')}")
-    return {"ok": all(r["ok"] for r in results.values()),
+    return {"ok": all(r["ok"] for r in results.values()), "host_tier": host_tier(results.values(), dry),
             "runs": {n: {k: v for k, v in r.items() if k != "output"} for n, r in results.items()}}
+
+
+def host_tier(runs, dry: bool) -> str:
+    """Whether the host tier's shared memory was page-locked for CUDA
+    (``cudaHostRegister``, portable) in the runs that had one: a refusal only
+    warns and leaves it pageable (copies then stage through pinned memory),
+    so the run passes either way and this line tells which it was."""
+    pins = [p for r in runs for p in (r.get("host_pinned") or []) if p is not None]
+    if not pins:
+        return "no host tier ran"
+    if dry:
+        return "not page-locked: no CUDA in the dry run"
+    if all(pins):
+        return f"page-locked (cudaHostRegister took) on all {len(pins)} rank(s) that had one"
+    return (f"pageable on {pins.count(False)} of {len(pins)} rank(s): cudaHostRegister was refused (see the runs' "
+            "output for its error); copies staged through pinned memory")
 
 
 def step_ipc(dry: bool) -> dict:
@@ -246,8 +394,13 @@ class Step:
 
 STEPS = [
     Step("versions", step_versions, 30, 90, reserve_s=10),
-    Step("kernels", step_kernels, 150, 180, reserve_s=60),
-    Step("bandwidth", step_bandwidth, 40, 90, reserve_s=20),
+    Step("kernels", step_kernels, 120, 180, reserve_s=45),
+    Step("decode", step_decode, 45, 90, reserve_s=15),
+    Step("sparse_mla", step_sparse_mla, 60, 90, reserve_s=20),
+    Step("indexer", step_indexer, 40, 90, reserve_s=15),
+    Step("store", step_store, 30, 90, reserve_s=10),
+    Step("prefill", step_prefill, 40, 90, reserve_s=15),
+    Step("lse_split", step_lse_split, 40, 90, reserve_s=15),
     Step("engine", step_engine, 240, 360, reserve_s=120),
     Step("ipc", step_ipc, 100, 180, reserve_s=60),
 ]
@@ -270,37 +423,86 @@ def _child(name: str, dry: bool, result: str) -> int:
     return 0
 
 
-def _children_cpu() -> float:
-    """CPU seconds (user and system) of every ended child process this process waited for, and theirs."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+#: Steps run at once: one on a GPU (each step's figures are taken alone on it), two in the dry run (the CPU
+#: steps are independent; two cores halve its wall time).
+LANES, DRY_LANES = 1, 2
 
 
-def _run_step(step: Step, dry: bool, limit: float, tmp: Path) -> tuple[dict, str]:
-    """Run ``step`` in its own process group, killed at ``limit`` seconds; its record and its output."""
+@dataclass
+class _Running:
+    """A step's process while it runs: its pid, start, deadline (monotonic), files."""
+
+    step: Step
+    pid: int
+    limit: float
+    started: float
+    end: float
+    result: Path
+    log: Path
+
+
+def _start_step(step: Step, dry: bool, limit: float, tmp: Path) -> _Running:
+    """Start ``step`` in a process of its own (a fork of this one, which has
+    imported torch once: a step's process starts warm, and CUDA starts in it,
+    never here), its own process group (its children with it), its output
+    into a log, to be killed with its group at ``limit`` seconds
+    (:func:`_poll_step`)."""
     result, log = tmp / f"{step.name}.json", tmp / f"{step.name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--result", str(result)]
-    cmd += ["--dry-run"] if dry else []
-    t0, cpu0 = time.perf_counter(), _children_cpu()
-    with open(log, "w") as f:
-        env = {**_env(), DEADLINE_ENV: str(time.time() + limit)}
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    pid = os.fork()
+    if pid == 0:  # the step's process
+        rc = 1
         try:
-            rc = p.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            rc = None
-    seconds = time.perf_counter() - t0
-    text = log.read_text(errors="replace")
-    record = {"ok": False, "seconds": round(seconds, 2), "deadline_s": round(limit, 1),
-              "cpu_seconds": round(_children_cpu() - cpu0, 2)}
+            os.setsid()
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.chdir(ROOT)
+            os.environ[DEADLINE_ENV] = str(time.time() + limit)
+            sys.stdout.reconfigure(line_buffering=True)
+            sys.stderr.reconfigure(line_buffering=True)
+            rc = _child(step.name, dry, str(result))
+        except BaseException:  # noqa: BLE001 - into the log; the parent sees no result
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    os.close(fd)
+    now = time.monotonic()
+    return _Running(step, pid, limit, now, now + limit, result, log)
+
+
+def _poll_step(run: _Running, origin: float) -> tuple[dict, str] | None:
+    """``None`` while ``run``'s process runs within its deadline; else its
+    record (``ok``, when it started and ended in seconds after ``origin``
+    (monotonic), seconds, deadline, CPU seconds of the step and the processes it waited
+    for, its section or its error) and its output, the process group killed
+    when the deadline passed."""
+    done, status, usage = os.wait4(run.pid, os.WNOHANG)
+    if done:
+        rc = os.waitstatus_to_exitcode(status)
+    elif time.monotonic() > run.end:
+        os.killpg(run.pid, signal.SIGKILL)
+        _, _, usage = os.wait4(run.pid, 0)
+        rc = None
+    else:
+        return None
+    text = run.log.read_text(errors="replace")
+    ended = time.monotonic()
+    record = {"ok": False, "started_s": round(run.started - origin, 2), "ended_s": round(ended - origin, 2),
+              "seconds": round(ended - run.started, 2), "deadline_s": round(run.limit, 1),
+              "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2)}
     if rc is None:
-        record["error"] = f"past its deadline of {limit:.0f} s: stopped"
-    elif not result.exists():
+        record["error"] = f"past its deadline of {run.limit:.0f} s: stopped"
+    elif not run.result.exists():
         record["error"] = f"its process exited {rc} without a result"
     else:
-        section = json.loads(result.read_text())
+        section = json.loads(run.result.read_text())
         record.update(ok=bool(section.get("ok")) and rc == 0, section=section)
         if "error" in section:
             record["error"] = section["error"]
@@ -323,17 +525,26 @@ def _failures(section: dict, path: str = "") -> list[str]:
     return out
 
 
+def _write(results: dict, done: dict[str, tuple[dict, str]], todo: list[Step], start: float, out: Path) -> list[str]:
+    """``results.json`` and ``log.txt`` in ``out`` with the steps ``done`` so
+    far (name -> record, output), in the steps' order; the log's sections."""
+    results["steps"] = {s.name: done[s.name][0] for s in todo if s.name in done}
+    logs = [f"===== {n}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s\n{done[n][1]}"
+            for n, r in results["steps"].items()]
+    results["seconds"] = round(time.monotonic() - start, 2)
+    results["ok"] = bool(results["steps"]) and all(r["ok"] for r in results["steps"].values())
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "log.txt").write_text("\n".join(logs))
+    return logs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every step into ``OUT`` (see the module docstring); the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", help="output folder: results.json and log.txt are written there")
     ap.add_argument("--dry-run", action="store_true", help="every step on the CPU at tiny sizes")
     ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all, in order)")
-    ap.add_argument("--step", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.step:
-        return _child(args.step, args.dry_run, args.result)
     if not args.out:
         ap.error("give the output folder")
     names = [s.name for s in STEPS]
@@ -345,27 +556,40 @@ def main(argv: list[str] | None = None) -> int:
     results = {"tool": "tools/gpu_check.py", "dry_run": args.dry_run,
                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "total_budget_s": DRY_TOTAL_S if args.dry_run else TOTAL_S, "ok": False, "steps": {}}
-    logs, start = [], time.monotonic()
+    start = time.monotonic()
     todo = [s for s in STEPS if s.name in only]
+    os.environ.update(_env())  # what every step's process and the processes it starts run with
+    try:  # once, here: every step's process is a fork of this one and starts with torch imported (CUDA never here)
+        import torch  # noqa: F401
+    except Exception:  # noqa: BLE001 - the versions step names what does not import
+        pass
+    done: dict[str, tuple[dict, str]] = {}
+    lanes, waiting, running = DRY_LANES if args.dry_run else LANES, list(todo), []
     with tempfile.TemporaryDirectory(prefix="cpkv_gpu_check_") as tmp:
-        for i, step in enumerate(todo):
-            later = 0.0 if args.dry_run else sum(s.reserve_s for s in todo[i + 1:])
-            left = results["total_budget_s"] - (time.monotonic() - start) - later
-            if left < 5:
-                record, text = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
-            else:
-                record, text = _run_step(step, args.dry_run, min(step.deadline(args.dry_run), left), Path(tmp))
-            results["steps"][step.name] = record
-            logs.append(f"===== {step.name}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s\n{text}")
-            results["seconds"] = round(time.monotonic() - start, 2)
-            results["ok"] = all(r["ok"] for r in results["steps"].values())
-            (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-            (out / "log.txt").write_text("\n".join(logs))
+        while waiting or running:
+            while waiting and len(running) < lanes:  # start the next step in order
+                step = waiting.pop(0)
+                later = 0.0 if args.dry_run else sum(s.reserve_s for s in waiting)
+                left = results["total_budget_s"] - (time.monotonic() - start) - later
+                if left < 5:
+                    done[step.name] = {"ok": False, "error": "not run: the total budget is spent", "seconds": 0.0}, ""
+                else:
+                    running.append(_start_step(step, args.dry_run, min(step.deadline(args.dry_run), left), Path(tmp)))
+            ended = {r.step.name: got for r in running if (got := _poll_step(r, start)) is not None}
+            if running and not ended:
+                time.sleep(0.05)
+                continue
+            running = [r for r in running if r.step.name not in ended]
+            done.update(ended)
+            logs = _write(results, done, todo, start, out)  # after every step, in the steps' order
+        logs = _write(results, done, todo, start, out)
     print(f"gpu_check{' (dry run)' if args.dry_run else ''}: {'ok' if results['ok'] else 'FAILED'} in "
           f"{results['seconds']} s; {out / 'results.json'}, {out / 'log.txt'}")
     for name, r in results["steps"].items():
         print(f"  {name:10s} {'ok    ' if r['ok'] else 'FAILED'} {r['seconds']:7.1f} s"
               + (f"  {r['error']}" if r.get("error") else ""))
+        if "host_tier" in r.get("section", {}):
+            print(f"      host tier: {r['section']['host_tier']}")
         for where in _failures(r.get("section", {}))[:10]:
             print(f"      {where}")
     for text, (name, r) in zip(logs, results["steps"].items()):

@@ -35,6 +35,17 @@ def test_a_longer_chain_copies_only_the_pages_the_host_lacks():
     assert torch.equal(d, torch.arange(58, 62)) and h.numel() == 4 and host.used_pages() == 3
 
 
+def test_a_chain_longer_than_the_host_leaves_the_older_chains_found():
+    """A Mooncake slice's 2,720-token request against 64 host pages of 16 raised exceeds-capacity on a rank: the
+    long chain is not backed up (its evicted pages cannot be held), and what the host held is still found."""
+    host = HostTier(3, S)
+    host.backup((9,) * 4, torch.arange(4))
+    assert host.backup(tuple(range(22)), torch.arange(100, 122)) is None  # 5 whole pages against 3
+    device = PrefixCache(OwnerLaneAllocator(64, S, 2))
+    assert host.lookup(tuple(range(22)), device.lookup(tuple(range(22)))) == 0
+    assert host.lookup((9,) * 5, device.lookup((9,) * 5)) == 4  # the older chain, its one page
+
+
 def test_a_chain_longer_than_the_whole_tier_is_not_backed_up_and_changes_nothing():
     """A tier of 3 pages and an evicted chain of 4 whole pages: no room, ever; backup says so (``None``),
     as it does for a full tier, instead of the allocator's exceeds-capacity refusal."""

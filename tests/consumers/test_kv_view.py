@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cpkv import ContractViolation, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers, kv_families
-from cpkv.consumers.kv_view import OFFSET_ALIGN, KVView, LayerView
+from cpkv.consumers.kv_view import OFFSET_ALIGN_BYTES, KVView, SegmentTable
 
 
 def _split(whole: torch.Tensor, N: int) -> list[torch.Tensor]:
@@ -29,12 +29,14 @@ def test_reads_through_separate_segments_equal_one_buffer(N, spr, layers, seed, 
     for layer in range(layers):
         assert torch.equal(seg.read(rows, layer), whole[layer, rows])
         lv = seg.layer(layer)
-        assert isinstance(lv, LayerView) and seg.layer(layer) is lv  # made once
+        assert isinstance(lv, SegmentTable) and seg.layer(layer) is lv  # made once
+        assert lv.offsets is seg.layer(0).offsets  # one table for every layer
         assert torch.equal(lv[rows.view(-1, 1)], whole[layer, rows].view(-1, 1, 2, 3))
         assert lv.shape == whole[layer].shape and lv.dtype == whole.dtype and lv.num_ranks == N
         assert torch.equal(lv.offsets, torch.tensor([s.data_ptr() - lv.base.data_ptr() for s in lv.segments])
                            // lv.base.element_size())
-        assert bool((lv.offsets % OFFSET_ALIGN == 0).all())
+        assert bool((lv.offsets * lv.base.element_size() % OFFSET_ALIGN_BYTES == 0).all())
+        assert torch.equal(lv.offsets_in(1), lv.offsets * lv.base.element_size())  # in bytes
         assert one.layer(layer).data_ptr() == whole[layer].data_ptr()  # one buffer: a plain tensor view
 
 
@@ -48,11 +50,13 @@ def test_segments_that_do_not_fit_together_are_refused():
         KVView.of_segments([a, torch.zeros(2, 4, 3, dtype=torch.float16)])
     with pytest.raises(ValueError, match="rows must be contiguous"):
         KVView.of_segments([a, torch.zeros(2, 4, 6)[..., ::2]])
+    with pytest.raises(ValueError, match="segment 1 has strides"):  # layer l would lie elsewhere in each
+        KVView.of_segments([a, torch.zeros(2, 5, 3)[:, :4]])
     with pytest.raises(ValueError, match="not \\[layers, 3"):
         KVView.of_buffer(torch.zeros(2, 8, 3), 3)
-    big = torch.zeros(2 * 4 * 3 * 2 + 1)
-    odd = [big[:24].view(2, 4, 3), big[25:49].view(2, 4, 3)]  # the second starts 25 elements on: unaligned
-    with pytest.raises(ValueError, match="multiples of 16 elements"):
+    big = torch.zeros(2 * 4 * 3 * 2 + 4)
+    odd = [big[:24].view(2, 4, 3), big[28:52].view(2, 4, 3)]  # the second starts 112 bytes on: unaligned
+    with pytest.raises(ValueError, match="multiples of 64 bytes"):
         KVView.of_segments(odd).layer(0)
 
 
@@ -88,7 +92,7 @@ def test_a_pool_over_separate_segments_writes_only_its_own_and_reads_everyones()
     for r in range(3):
         assert one[r].copy_slots(src, dst) == sep[r].copy_slots(src, dst)
     assert all(torch.equal(whole[n], torch.cat(segs[n].segments, 1)) for n in whole)
-    assert sep[0].page_bytes == one[0].page_bytes and isinstance(sep[0].view("k", 0), LayerView)
+    assert sep[0].page_bytes == one[0].page_bytes and isinstance(sep[0].view("k", 0), SegmentTable)
     with pytest.raises(ValueError, match="has 3 segments for a group of 2"):
         SharedKVPool(SharedKVLayout(2, 4, 6), 0, fams, {n: KVView.of_segments(  # 48 slots either way
             [torch.zeros(2, 16, 2, 3) for _ in range(3)]) for n in segs})

@@ -37,6 +37,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
+from cpkv.consumers.radix_tree import lane_mask
 from cpkv.consumers.kv_events import key_bytes
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse, PrefixMatch
 from cpkv.contract.layout import lane_base_from_prefix
@@ -214,6 +215,7 @@ class CacheComponent(Component):
             assert not own & pages, "a page in two nodes"
             pages |= own
             per_lane = np.bincount(np.array(sorted(own)) % N, minlength=N)
+            assert n.lanes.tolist() == per_lane.tolist() and n.mask == lane_mask(per_lane), "a node's lanes or mask stale"
             lanes += per_lane
             if n.ref == 0:
                 free_lanes += per_lane

@@ -2,19 +2,23 @@
 through their KV events (vLLM 0.33's wire, with replay), and at several points of the runs its matched
 tokens for every request's prompt equal what cpkv's own caches match, on the device and on the host.
 
-Two workers (a CP group of 2 and one of 1) run traces that share a system prompt, with follow-up turns,
-evictions to the host tier and loads back; worker 1 is registered as soon as its run has bound its
-sockets, worker 2 a few batches into its run (the indexer replays both from seq 0: its SUB, unlike
-libzmq's, does not reconnect to an endpoint that was not bound yet, so a worker is registered once up). The runs are paused (SIGSTOP to each whole process
-group) when the test's own subscriber has heard enough batches; then every request's prompt is asked of
-the indexer and compared with the caches' matches after that batch, which the test recomputes by
-replaying the worker's scheduler with the tokens its run generated (``--json``), the replay's events
-checked byte for byte against the run's. The same content hashes alike in both CP groups: the system
-prompt's blocks are one prefix in the indexer for both workers. [[RFC-0001:C-KV-EVENTS]]
+Two workers (a CP group of 2 through cpkv's launcher, and one of 1 run as a world of one that torchrun
+would make, so in one process) run traces that share a system prompt, with follow-up turns, evictions to
+the host tier and loads back; worker 1 is registered as soon as its run has bound its sockets, worker 2 a
+few batches into its run (the indexer replays both from seq 0: its SUB, unlike libzmq's, does not
+reconnect to an endpoint that was not bound yet, so a worker is registered once up). Worker 2, which
+starts sooner, waits stopped from its registration until worker 1 runs. The runs are paused (SIGSTOP to
+each whole process group, every process of it seen stopped in ``/proc``) when the test's own subscriber
+has heard enough batches; then every request's prompt is asked of the indexer and compared with the
+caches' matches after that batch, which the test recomputes by replaying the worker's scheduler with the
+tokens its run generated (``--json``), the replay's events checked byte for byte against the run's. The
+same content hashes alike in both CP groups: the system prompt's blocks are one prefix in the indexer for
+both workers. [[RFC-0001:C-KV-EVENTS]]
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,7 +47,7 @@ from cpkv.engine.engine import build_scheduler, connect_kv_events, run_engine_th
 S = 16
 SYSTEM = [(11 * j + 3) % 256 for j in range(3 * S)]  # three pages every conversation starts with
 WORKERS = {1: dict(cp=2, device_pages=6), 2: dict(cp=1, device_pages=12)}
-PAUSE_AT = (8, 12, 16)  # worker 1's batches heard before each pause
+PAUSE_AT = {1: (8, 12, 16), 2: (8, 14)}  # a pause when either worker has had this many batches heard
 REGISTER_2_AT = 3  # worker 2's batches heard before it is registered
 
 
@@ -121,12 +125,35 @@ def replay(cfg: EngineConfig, generated: dict[str, list[int]], prompts: dict[str
 
 
 def start_worker(w: int, workload: str, ep: str, replay_ep: str, out_path: Path) -> subprocess.Popen:
-    """``cpkv run`` for worker ``w`` in its own process group (so a pause stops every rank of it)."""
+    """``cpkv run`` for worker ``w`` in its own process group (so a pause stops every rank of it). Worker 1
+    (CP 2) through cpkv's own launcher, its ranks spawned; worker 2 (CP 1) as the one rank of a world of one
+    that torchrun would make (its environment set here): ``cpkv run`` then runs the engine in its own process
+    (:mod:`cpkv.engine.joined`), the same run with one interpreter's start-up fewer."""
     c = WORKERS[w]
     argv = [sys.executable, "-m", "cpkv", "run", "--cp", str(c["cp"]), "--page", str(S), "--device-pages",
             str(c["device_pages"]), "--host-pages", "48", "--chunk", "40", "--workload", workload, "--json",
             "--timeout", "120", "--kv-events", ep, "--kv-events-replay", replay_ep]
-    return subprocess.Popen(argv, stdout=open(out_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ)
+    if c["cp"] == 1:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+    return subprocess.Popen(argv, stdout=open(out_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+
+
+def group_pids(procs) -> list[int]:
+    """Every living process of the workers' process groups (the launcher, its ranks, their helpers)."""
+    groups, out = {p.pid for p in procs}, []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) in groups and fields[0] != "Z":
+                out.append(int(d))
+    return out
 
 
 def signal_group(procs, sig) -> None:
@@ -136,6 +163,31 @@ def signal_group(procs, sig) -> None:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def pause(procs, timeout_s: float = 10.0) -> None:
+    """SIGSTOP to every worker's process group, returning once each of their processes is stopped (polled in
+    ``/proc``): from then on no batch is published until :func:`signal_group` sends SIGCONT."""
+    signal_group(procs, signal.SIGSTOP)
+    end = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for pid in group_pids(procs):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in "Tt":
+                        running.append(pid)
+            except OSError:
+                pass
+        if not running:
+            return
+        assert time.monotonic() < end, f"processes {running} did not stop"
+        time.sleep(0.005)
+
+
+def replayed(log: str) -> set[int]:
+    """The workers the indexer's log says it replayed (``Replay complete``, its colours taken out)."""
+    return {int(w) for w in re.findall(r"Replay complete .*?worker_id=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", log))}
 
 
 def wait_equal(indexer, prompts, truth_of, timeout_s: float = 5.0):
@@ -150,7 +202,7 @@ def wait_equal(indexer, prompts, truth_of, timeout_s: float = 5.0):
                 want[w, rid] = truth_of[w][rid]
         if got == want or time.monotonic() > end:
             return got, want
-        time.sleep(0.1)
+        time.sleep(0.02)
 
 
 def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
@@ -178,7 +230,7 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
                         assert h == doc_block_hash(parent, page), (w, h)
                         stored[h], parent = page, h
         assert set(doc_hashes(SYSTEM, S)) <= set(stored), f"worker {w} never announced the system prompt's blocks"
-    assert len(payloads[1]) > PAUSE_AT[-1] + 2, "worker 1's trace is too short for its pauses"
+    assert all(len(payloads[w]) > PAUSE_AT[w][-1] + 2 for w in WORKERS), "a trace is too short for its pauses"
 
     eps = {w: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for w in WORKERS}
     procs, heard, checks = {}, {w: {} for w in WORKERS}, []
@@ -187,30 +239,50 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
         try:
             for w in WORKERS:
                 procs[w] = start_worker(w, workloads[w], *eps[w], tmp_path / f"worker{w}.out")
-            registered, pauses = {}, list(PAUSE_AT)
+            registered, pauses, hold, ready = {}, {w: list(PAUSE_AT[w]) for w in WORKERS}, "not yet", False
 
-            def hear(timeout_s):
-                for w, sub in subs.items():
-                    while (got := sub.recv(timeout_s)) is not None:
-                        heard[w][got[0]] = got[1]
-                        timeout_s = 0.001
+            def hear(quiet_s, until=None):
+                """Take what the subscribers have until none came for ``quiet_s`` (or ``until()`` holds)."""
+                last = time.monotonic()
+                while True:
+                    for w, sub in subs.items():
+                        while (got := sub.recv(0.002)) is not None:
+                            heard[w][got[0]] = got[1]
+                            last = time.monotonic()
+                    if (until and until()) or time.monotonic() - last >= quiet_s:
+                        return
 
             deadline = time.monotonic() + 240
             while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-                hear(0.02)
+                for w, sub in subs.items():  # one batch a worker at a time: the decisions below come in time
+                    if (got := sub.recv(0.005)) is not None:
+                        heard[w][got[0]] = got[1]
                 # the indexer's SUB does not reconnect to an endpoint not yet bound: a worker is registered once
                 # its run has bound (worker 1 at its first batch, worker 2 a few batches in); both replay from 0
                 for w, after in ((1, 0), (2, REGISTER_2_AT)):
                     if w not in registered and heard[w] and max(heard[w]) >= after:
                         indexer.register(w, *eps[w], block_size=S)
                         registered[w] = max(heard[w])
-                ready = len(registered) == 2 and all(max(heard[w]) > registered[w] + 1 for w in WORKERS)
-                if pauses and ready and heard[1] and max(heard[1]) >= pauses[0]:
-                    pauses.pop(0)
-                    signal_group(procs.values(), signal.SIGSTOP)
+                # worker 2 (one process) starts sooner than worker 1 (a launcher and its ranks): it waits, stopped,
+                # from its registration until worker 1 runs, so that the pauses find both in the middle of their runs
+                worker_1_runs = bool(heard[1]) and max(heard[1]) >= 2
+                if hold == "not yet" and 2 in registered and not worker_1_runs:
+                    signal_group([procs[2]], signal.SIGSTOP)
+                    hold = "held"
+                elif hold == "held" and worker_1_runs:
+                    signal_group([procs[2]], signal.SIGCONT)
+                    hold = "released"
+                # the indexer has caught up with a worker once it replayed its missed batches (from seq 0): a pause
+                # before that would stop the replay's answer too
+                ready = ready or (len(registered) == 2 and replayed(indexer.log()) == set(WORKERS))
+                due = [w for w in WORKERS if pauses[w] and heard[w] and max(heard[w]) >= pauses[w][0]]
+                if ready and due:
+                    for w in WORKERS:
+                        while pauses[w] and heard[w] and max(heard[w]) >= pauses[w][0]:
+                            pauses[w].pop(0)
                     try:
-                        time.sleep(0.3)
-                        hear(0.3)  # everything the paused publishers had sent
+                        pause(procs.values())
+                        hear(0.1)  # everything the paused publishers had sent
                         last = {w: max(heard[w]) for w in WORKERS}
                         got, want = wait_equal(indexer, prompts, {w: truth[w][last[w]] for w in WORKERS})
                         checks.append((last, got == want))
@@ -219,7 +291,8 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
                         signal_group(procs.values(), signal.SIGCONT)
             for w, p in procs.items():
                 assert p.wait(60) == 0, (tmp_path / f"worker{w}.out").read_text()[-3000:]
-            hear(0.5)
+            # the publishers have closed: every batch they sent comes (the test fails below if one is missing)
+            hear(5, until=lambda: all(len(heard[w]) >= len(payloads[w]) for w in WORKERS))
             last = {w: max(heard[w]) for w in WORKERS}
             got, want = wait_equal(indexer, prompts, {w: truth[w][last[w]] for w in WORKERS})
             checks.append((last, got == want))
@@ -232,7 +305,12 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
                 p.wait(10)
             for sub in subs.values():
                 sub.close()
-    assert len(checks) >= 4, checks  # three pauses and the end
+        end = time.monotonic() + 10  # a killed rank is gone a moment after its launcher
+        while (left := group_pids(procs.values())) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not left, f"processes {left} of the workers outlived the test"
+    assert indexer.proc.poll() is not None, "the indexer outlived the test"
+    assert len(checks) >= 4, checks  # three pauses or more, and the end
     for w in WORKERS:
         text = (tmp_path / f"worker{w}.out").read_text()
         out = json.loads(text[text.index("{"):text.rindex("}") + 1])
@@ -242,5 +320,6 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
         assert [body(encode_batch(heard[w][i])) for i in sorted(heard[w])] == [body(p) for p in payloads[w]]
     assert "Failed to find parent block" not in log and "ERROR" not in log, log[-3000:]
     assert "decode" not in log.lower(), log[-3000:]  # no batch the indexer could not read
-    assert "Replay complete" in log  # worker 2 was replayed from seq 0
-    print(f"interop: {len(checks)} checks, {time.perf_counter() - t0:.1f} s")
+    assert replayed(log) == set(WORKERS)  # both were replayed from seq 0, worker 2 a few batches into its run
+    print(f"interop: {len(checks)} checks at batches {[c[0] for c in checks]} of {[len(payloads[w]) for w in WORKERS]}, "
+          f"{time.perf_counter() - t0:.1f} s")

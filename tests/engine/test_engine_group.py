@@ -39,6 +39,7 @@ def test_engine_on_a_process_group_with_the_host_tier(model, cp, page, split):
     c = r["check"]
     assert c["requests_matched"] == c["requests"] == r["finished"] and c["max_abs_diff"] < 1e-4
     assert r["load_pages"] > 0 and r["backup_pages"] > 0 and r["evicted_pages"] > 0
+    assert [x["host_pinned"] for x in r["ranks"]] == [False] * cp  # on the CPU: not page-locked, not asked
     backed = [x["backed_up"] for x in r["ranks"]]
     assert backed[0] == r["backup_pages"] * page and not any(backed[1:])  # only the IO rank copies to the host
     loaded = [x["loaded"] for x in r["ranks"]]

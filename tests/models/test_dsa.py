@@ -18,6 +18,7 @@ from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers
 from cpkv.kernels.reference import attend
 from cpkv.models import (DsaAdapter, LlamaAdapter, TinyDsa, TinyLlama, absorb_query, absorbed_output,
                          glm_indexer_types, real_shape, topk_positions)
+from cpkv.models.round_trip import RunRecord, run_reference
 from cpkv.runtime.parts import build_parts
 
 from support.groups import run_group as support_run_group
@@ -80,34 +81,38 @@ WORST = {}  # max |logit diff| per (model, config), printed at the end of the ru
     (4, 1, "zigzag", "owner"), (4, 16, "page", "owner"), (4, 16, "zigzag", "lse"),
 ])
 def test_every_split_matches_transformers_and_selects_its_top_k(adapters, kind, N, S, prefill, decode):
-    """Logits within 1e-4 of transformers' full forward, greedy tokens equal, and
-    every query's selected positions equal to the ones transformers' indexer
-    selects (its picks past the query's position masked out), for prefill
-    (mid-page and page-aligned continuations) and decode across page ends.
-    [[RFC-0001:C-MLA-LATENT-POOL]] [[RFC-0001:C-INDEXER-POOL]]"""
+    """Every query's selected positions the ones transformers' indexer
+    selects (its picks past the query's position masked out) up to a
+    near-tie within float32's noise, and, at those selections, logits within
+    1e-4 of transformers' full forward and greedy tokens equal, for prefill
+    (mid-page and page-aligned continuations) and decode across page ends: the
+    check of :mod:`cpkv.engine.exactness`.
+    [[RFC-0001:C-MLA-LATENT-POOL]] [[RFC-0001:C-INDEXER-POOL]] [[RFC-0001:C-EXACTNESS]]"""
     ad = adapters[kind]
     prompts, results, picks = run_group(ad, N, S, prefill, decode)
     logits, gen, _ = results[0]
     for other in results[1:]:
         assert other[1] == gen
-    refs, worst = {}, 0.0
-    for r, p in enumerate(prompts):
-        seq = torch.cat([p, torch.tensor(gen[r])])
-        ref, refs[r] = reference(ad.model, seq)
-        worst = max(worst, float((logits[r] - ref[: logits[r].shape[0]]).abs().max()))
-        assert ref[p.numel() - 1 : -1].argmax(-1).tolist() == gen[r]
-    WORST[(kind, N, S, prefill, decode)] = worst
-    assert worst < 1e-4
-    k = ad.index_topk
+    k, layers = ad.index_topk, list(ad.index_layers)
     queries = {(layer, r, p) for layer, r, p, _ in picks}
     n_tokens = sum(n + 4 for _, n in REQUESTS)  # every position of every request computed, in some forward
-    assert len(queries) == len(ad.index_layers) * n_tokens
-    for layer, r, p, sel in picks:
-        ours = set(sel[sel >= 0].tolist())
-        theirs = {t for t in refs[r][layer][p].tolist() if t <= p}
-        assert ours == theirs, (layer, r, p)
-        assert len(ours) == min(k, p + 1)
+    assert len(queries) == len(layers) * n_tokens
     assert sum(p + 1 > k for _, _, p, _ in picks) > 0  # the selection really is sparse here
+    worst, ties = 0.0, 0
+    for r, p in enumerate(prompts):
+        seq = torch.cat([p, torch.tensor(gen[r])])
+        pins = torch.full((seq.numel(), len(layers), k), -1, dtype=torch.int64)
+        for layer, rr, pos, sel in picks:
+            if rr == r:
+                pins[pos, layers.index(layer), : sel.numel()] = sel
+        every = torch.ones(seq.numel(), dtype=torch.bool)
+        ref, agree = run_reference(ad.model, seq, {}, RunRecord({}, {}, pins, every))
+        assert agree.rows == len(layers) * seq.numel() and agree.mismatches == 0, agree  # top-k up to a near-tie
+        ties += agree.near_ties
+        worst = max(worst, float((logits[r] - ref[: logits[r].shape[0]]).abs().max()))
+        assert ref[p.numel() - 1 : -1].argmax(-1).tolist() == gen[r]
+    WORST[(kind, N, S, prefill, decode)] = worst, ties
+    assert worst < 1e-4
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
@@ -128,9 +133,9 @@ def test_lse_decode_scores_each_query_once(adapters, kind):
 
 def test_report_worst_diffs():
     """Prints the worst logit difference of each configuration above (for the report)."""
-    for key, v in sorted(WORST.items()):
-        print("max |logit diff|", key, f"{v:.2e}")
-    assert all(v < 1e-4 for v in WORST.values())
+    for key, (v, ties) in sorted(WORST.items()):
+        print("max |logit diff|", key, f"{v:.2e}", "near-ties", ties)
+    assert all(v < 1e-4 for v, _ in WORST.values())
 
 
 @pytest.mark.parametrize("kind", list(SPECS))

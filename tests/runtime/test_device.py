@@ -222,6 +222,7 @@ def test_the_engine_on_one_gpu_evicts_to_the_host_tier_and_loads_back_exactly(mo
     r = _engine(model, 2, requests=4 if model == "llama" else 3, device_pages=5, host_pages=48,
                 prefill_split=split[0], decode_split=split[1])
     assert r["backup_pages"] > 0 and r["load_pages"] > 0
+    assert all(isinstance(x["host_pinned"], bool) for x in r["ranks"])  # a refused registration only warns
     assert_exact(r)
 
 

@@ -85,3 +85,31 @@ def test_a_memory_too_small_for_the_trace_is_one_short_line_naming_the_memory_to
     assert "\n" not in err and len(err) < 250 and "give --kv-memory 120.0 KiB or more" in err
     assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "120KiB"]) == 2  # the shared cache's need
     assert "the replicated cache can never hold" in capsys.readouterr().err
+
+
+def test_a_mooncake_slice_is_the_trace_both_modes_run(monkeypatch, capsys, tmp_path):
+    """``--workload`` (a Mooncake trace): its slice, scaled, is what each mode's rounds run; a memory too small
+    for it is refused before any rank starts, naming the memory to give."""
+    import json
+
+    from cpkv.tools.bench import capacity
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 40 * i, "input_length": 1000, "output_length": 64,
+                                        "hash_ids": [0, i + 1]}) + "\n" for i in range(6)))
+    seen = []
+    monkeypatch.setattr(capacity, "_run_specs", lambda cfg, specs, ranks: seen.append((cfg.kv, specs)) or {})
+    monkeypatch.setattr(capacity, "_checked", lambda r, tol: r)
+    monkeypatch.setattr(capacity, "_same_schedule", lambda mode, traces: None)
+    monkeypatch.setattr(capacity, "capacity_rows", lambda m: [{"figure": "f"}])
+    argv = ["bench", "capacity", "--cp", "2", "--workload", f"mooncake:{path}", "--requests", "4", "--max-output", "2",
+            "--repeats", "1"]
+    assert main(argv + ["--kv-memory", "128KiB"]) == 0
+    traces = [specs for _, specs in seen if len(specs) > 1]
+    assert len(traces) == 2 and traces[0] == traces[1]  # both modes, the same slice
+    assert [(s.id, len(s.tokens), s.max_new_tokens, s.arrival) for s in traces[0]] == \
+        [("line1", 32, 2, 0), ("line2", 32, 2, 0), ("line3", 32, 2, 0), ("line4", 32, 2, 0)]
+    assert "m.jsonl, its first 4 requests at 16 tokens a block" in capsys.readouterr().out
+    seen.clear()
+    assert main(argv + ["--kv-memory", "16KiB"]) == 2 and not seen
+    assert "can never hold 4 of the trace's 4 requests" in capsys.readouterr().err

@@ -45,6 +45,7 @@ BAD = [
     (["simulate", "--plot", "/no/such/folder/x.png"], "--plot"),
     (["simulate", "--json=yes"], "--json"),
     (["simulate", "--no-progress=yes"], "--no-progress"),
+    (["simulate", "--no-prefix-wait=1"], "--no-prefix-wait"),
     (["run", "--cp", "0"], "--cp"),
     (["run", "--ranks", "two"], "--ranks"),
     (["run", "--timeout", "0"], "--timeout"),
@@ -87,6 +88,7 @@ BAD = [
     (["run", "--plot", "occupancy.jpg"], "--plot"),
     (["run", "--json=1"], "--json"),
     (["run", "--no-progress=1"], "--no-progress"),
+    (["run", "--no-prefix-wait=yes"], "--no-prefix-wait"),
     # cross-flag rules, checked after parsing and before anything runs
     (["run", "--prefill-split", "interleave", "--cp", "4", "--chunk", "3"], "--chunk"),
     (["run", "--device-pages", "1"], "--device-pages"),  # a request that could never fit the cache
@@ -135,6 +137,35 @@ BAD = [
     (["run", "--device", "tpu"], "--device"),
     (["bench", "kv", "--kernels", "cuda"], "--kernels"),
     (["bench", "plan", "--device", "cuda"], "--device"),  # refused without CUDA, and bench plan is CPU-only
+    # Mooncake traces: cpkv run's slice of one, cpkv simulate's replay (its flags refused with built-in traces)
+    (["run", "--workload", "mooncake:/no/such/trace.jsonl"], "--workload"),
+    (["run", "--block-tokens", "0"], "--block-tokens"),
+    (["run", "--block-tokens", "513"], "--block-tokens"),
+    (["run", "--window", "0"], "--window"),
+    (["run", "--max-output", "-1"], "--max-output"),
+    (["run", "--step-ms", "0"], "--step-ms"),
+    (["simulate", "--kv", "copied"], "--kv"),
+    (["simulate", "--kv-memory", "1XB"], "--kv-memory"),
+    (["simulate", "--kv-dtype", "float32"], "--kv-dtype"),
+    (["simulate", "--host-memory", "0,lots"], "--host-memory"),
+    (["simulate", "--decode-split", "page"], "--decode-split"),
+    (["simulate", "--chunk", "0"], "--chunk"),
+    (["simulate", "--max-running", "0"], "--max-running"),
+    (["simulate", "--requests", "0"], "--requests"),
+    (["simulate", "--rate", "0"], "--rate"),
+    (["simulate", "--gpu-results", "/no/such/results.json"], "--gpu-results"),
+    (["simulate", "--markdown=1"], "--markdown"),
+    (["simulate", "--block-tokens", "0"], "--block-tokens"),
+    (["simulate", "--window", "x"], "--window"),
+    (["simulate", "--max-output", "0"], "--max-output"),
+    (["simulate", "--workload", "longdoc", "--kv", "shared"], "--kv"),  # a replay flag with a built-in trace
+    (["bench", "capacity", "--workload", "multiturn"], "--workload"),  # bench takes a Mooncake trace only
+    (["bench", "alloc", "--workload", "README.md"], "--workload"),
+    (["bench", "capacity", "--requests", "0"], "--requests"),
+    (["bench", "capacity", "--block-tokens", "1000"], "--block-tokens"),
+    (["bench", "capacity", "--window", "0"], "--window"),
+    (["bench", "capacity", "--max-output", "0"], "--max-output"),
+    (["bench", "capacity", "--step-ms", "-1"], "--step-ms"),
 ]
 
 

@@ -172,6 +172,15 @@ class HostPool:
         slots = (host_pages + 1) * page_size
         return {f.name: make(f"host_{f.name}", (len(f.layers), slots, *f.row_shape), f.dtype) for f in families}
 
+    def pinned(self) -> bool:
+        """Whether every host buffer is page-locked for CUDA (a
+        ``cudaHostRegister`` that took, :func:`cpkv.runtime.device.pin_host`;
+        where it was refused the tier stays pageable and works, its copies
+        staged through pinned memory): ``False`` without CUDA. One question to
+        the driver per buffer (which makes a CUDA context where there was
+        none: ask it on a GPU run)."""
+        return all(b.is_pinned() for b in self.buffers.values())
+
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page over every family and layer."""
         return page_size * sum(f.slot_bytes() for f in self.families.values())

@@ -55,6 +55,9 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_TILE = 128  # values per fp32 scale in DeepSeek's FP8 cache formats
 BF16_MAX = torch.finfo(torch.bfloat16).max  # a bf16 tail saturates here rather than turn inf
 PLAIN_DTYPES = (torch.float32, torch.bfloat16)
+FP8_ROUNDING = 2.0**-4  # half an ulp of e4m3 (3 mantissa bits), relative, for normal numbers
+FP8_SUBNORMAL = 2.0**-10  # half the e4m3 subnormal step (2^-9), in units of the tile's scale
+BF16_ROUNDING = 2.0**-8  # half an ulp of bfloat16 (7 mantissa bits), relative
 
 
 class KVFormat(ABC):
@@ -102,6 +105,22 @@ class KVFormat(ABC):
             raise ValueError(f"{self}: values must be finite (a NaN or inf would poison its tile's scale)")
         lead = x.shape[: x.dim() - len(self.shape)]
         return self._encode(x.reshape(-1, self.values).float()).view(*lead, self.bytes_per_slot)
+
+    def rounding(self, x: torch.Tensor) -> torch.Tensor:
+        """The format's rounding bound of each value of ``x [..., *shape]``:
+        ``|decode(encode(x)) - x| <= rounding(x)`` elementwise (float32, the
+        shape of ``x``), within the ranges the module doc states. Two values
+        that differ by less than float32's own rounding may round to
+        neighbouring stored values: their stored forms then differ by at most
+        ``2 * rounding(x)`` (one step of the format)."""
+        if x.dim() < len(self.shape) or tuple(x.shape[x.dim() - len(self.shape):]) != self.shape:
+            raise ValueError(f"{self}: values of shape {tuple(x.shape)} do not end in {self.shape}")
+        lead = x.shape[: x.dim() - len(self.shape)]
+        return self._rounding(x.reshape(-1, self.values).float()).view(*lead, *self.shape)
+
+    @abstractmethod
+    def _rounding(self, flat: torch.Tensor) -> torch.Tensor:
+        """``float32 [N, values]`` -> the bound of each, ``float32 [N, values]``."""
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:
         """``raw uint8 [..., bytes_per_slot]`` -> ``float32 [..., *shape]`` (a new
@@ -158,6 +177,10 @@ class TorchFormat(KVFormat):
     def _decode(self, raw):
         return _from_bytes(raw, self.dtype).float()
 
+    def _rounding(self, flat):
+        """0 for float32 (stored as given); half a bf16 ulp, ``2^-8 |x|``, for bfloat16."""
+        return flat.abs() * (BF16_ROUNDING if self.dtype == torch.bfloat16 else 0.0)
+
 
 @dataclass(frozen=True)
 class ScaledFp8Format(KVFormat):
@@ -212,6 +235,17 @@ class ScaledFp8Format(KVFormat):
         if not self.tail:
             return body
         return torch.cat([body, _from_bytes(raw[:, b + 4 * t :], torch.bfloat16).float()], 1)
+
+
+    def _rounding(self, flat):
+        """``2^-4 |x| + 2^-10 s`` over the body (tile scale ``s``, as
+        :meth:`_encode` computes it; float32's own rounding of the division
+        and the product adds ``2^-22 |x|``), ``2^-8 |x|`` over the bf16 tail."""
+        n, pad = flat.shape[0], self.tiles * self.tile - self.body
+        body = F.pad(flat[:, : self.body], (0, pad)).view(n, self.tiles, self.tile)
+        scale = body.abs().amax(-1, keepdim=True) / FP8_MAX
+        bound = (body.abs() * (FP8_ROUNDING + 2.0**-22) + scale * FP8_SUBNORMAL).view(n, -1)[:, : self.body]
+        return torch.cat([bound, flat[:, self.body :].abs() * BF16_ROUNDING], 1)
 
 
 def _check_shape(shape):

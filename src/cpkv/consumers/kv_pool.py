@@ -30,7 +30,7 @@ from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
 from . import placement
 from .kv_format import KVFormat
-from .kv_view import KVView, LayerView
+from .kv_view import KVView, SegmentTable
 
 
 @dataclass(frozen=True)
@@ -257,11 +257,11 @@ class SharedKVPool:
         ``[slots_per_rank, *row_shape]``, a view (what the store kernel writes)."""
         return self._own[name][self.row(name, layer)]
 
-    def view(self, name: str, layer: int) -> torch.Tensor | LayerView:
+    def view(self, name: str, layer: int) -> torch.Tensor | SegmentTable:
         """The whole group's buffer of family ``name`` at model ``layer``,
         rank-major: ``[cp_size * slots_per_rank, *row_shape]`` (what the
         attention kernels read): a tensor view over one buffer, a
-        :class:`~cpkv.consumers.kv_view.LayerView` (a table of the ranks'
+        :class:`~cpkv.consumers.kv_view.SegmentTable` (a table of the ranks'
         segment bases) over per-rank segments. [[RFC-0001:C-READ-PATH]]"""
         return self.views[name].layer(self.row(name, layer))
 

@@ -10,8 +10,8 @@ of rank r ([[RFC-0001:C-READ-PATH]]). Two ways to lay the segments out:
   slices of it and a layer's view is a plain tensor (:attr:`KVView.whole`);
 * **separate allocations** (the GPU: each rank allocates its own segment on
   its own device, the others open it over CUDA IPC; see
-  :mod:`cpkv.runtime.device`): a layer's view is a :class:`LayerView`, a
-  table of N base offsets. Kernels load the owner's base and add the local
+  :mod:`cpkv.runtime.device`): a layer's view is a :class:`SegmentTable`, a
+  table of N segment bases. Kernels load the owner's base and add the local
   row; the torch reference gathers owner by owner.
 
 Either way the owner writes only its own segment ([[RFC-0001:C-DIRECT-WRITE]]).
@@ -25,35 +25,45 @@ import torch
 
 from . import placement
 
-#: Every base offset of a :class:`LayerView` is a multiple of this many elements (kernels may assume it:
-#: a row starting at an aligned base stays as aligned as the buffer's own rows).
-OFFSET_ALIGN = 16
+#: Every segment of a :class:`SegmentTable` starts a multiple of this many bytes from segment 0 (torch's CPU
+#: allocator and shared-memory mappings align 64 bytes or more, CUDA's caching allocator 512): 16 elements of up
+#: to 4 bytes, so a kernel may take every table entry as a multiple of 16 elements of the type it reads
+#: (float32 rows of a byte format included).
+OFFSET_ALIGN_BYTES = 64
 
 
-class LayerView:
+class SegmentTable:
     """One layer of a family over separately allocated segments: the rank-major
-    rows ``[N * slots_per_rank, *row]``, read through a table.
+    rows ``[N * slots_per_rank, *row]`` as a table of N segment bases.
 
     ``segments[r] [slots_per_rank, *row]`` is rank r's segment of this layer
     (rows contiguous, every segment alike); ``base`` is ``segments[0]``;
     ``offsets`` (int64 ``[N]``, on the base's device) the element offset of
-    rank r's row 0 from the base's row 0, each a multiple of
-    :data:`OFFSET_ALIGN`. Row ``r * slots_per_rank + local`` of the view is
-    element ``offsets[r] + local * base.stride(0)`` from the base: what a
-    kernel reads. ``view[rows]`` (any int shape) gathers the rows in torch,
-    owner by owner (the reference read). Built by :meth:`KVView.layer`.
+    rank r's row 0 from the base's row 0, each starting a multiple of
+    :data:`OFFSET_ALIGN_BYTES` from it. Row ``r * slots_per_rank + local`` of
+    the view is element ``offsets[r] + local * base.stride(0)`` from the base:
+    what a kernel reads. ``table[rows]`` (any int shape) gathers the rows in
+    torch, owner by owner (the reference read). Built by :meth:`KVView.layer`;
+    ``offsets`` may be given (the same for every layer of one family: layer
+    l of each segment lies the same distance into it), else it is measured.
     """
 
-    def __init__(self, segments: Sequence[torch.Tensor]):
+    def __init__(self, segments: Sequence[torch.Tensor], offsets: torch.Tensor | None = None):
         self.segments = tuple(segments)
         self.base = self.segments[0]
-        esize = self.base.element_size()
-        gaps = [s.data_ptr() - self.base.data_ptr() for s in self.segments]
-        if any(g % (OFFSET_ALIGN * esize) for g in gaps):
-            raise ValueError(f"segments start {gaps} bytes from segment 0: not multiples of {OFFSET_ALIGN} elements "
-                             f"of {esize} bytes, which the kernels' base table needs")
-        self.offsets = torch.tensor([g // esize for g in gaps], dtype=torch.int64).to(self.base.device)
+        if offsets is None:
+            offsets = segment_offsets(self.segments)
+        self.offsets = offsets
         self.slots_per_rank = self.base.shape[0]
+        self._as: dict[int, torch.Tensor] = {self.base.element_size(): offsets}
+
+    def offsets_in(self, element_size: int) -> torch.Tensor:
+        """:attr:`offsets` in elements of ``element_size`` bytes (a kernel that
+        reads the segments' bytes as another type, e.g. float32 rows of a byte
+        format), computed once."""
+        if element_size not in self._as:
+            self._as[element_size] = self.offsets * self.base.element_size() // element_size
+        return self._as[element_size]
 
     @property
     def num_ranks(self) -> int:
@@ -86,6 +96,20 @@ class LayerView:
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``[*rows.shape, *row]`` at rank-major ``rows`` (int, any shape, inside the view)."""
         return gather_rows(self.segments, rows)
+
+
+def segment_offsets(segments: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The element offsets ``[N]`` (int64, on ``segments[0]``'s device) of each
+    segment's first element from ``segments[0]``'s. ``ValueError`` when one is
+    not a multiple of :data:`OFFSET_ALIGN_BYTES` bytes (the kernels' table
+    needs it). One host-to-device copy: make it once per family."""
+    base = segments[0]
+    gaps = [s.data_ptr() - base.data_ptr() for s in segments]
+    if any(g % OFFSET_ALIGN_BYTES for g in gaps):
+        raise ValueError(f"segments start {gaps} bytes from segment 0: not multiples of {OFFSET_ALIGN_BYTES} bytes, "
+                         "which the kernels' base table needs")
+    esize = base.element_size()
+    return torch.tensor([g // esize for g in gaps], dtype=torch.int64).to(base.device)
 
 
 def gather_rows(segments: Sequence[torch.Tensor], rows: torch.Tensor, axis: int = 0) -> torch.Tensor:
@@ -121,8 +145,8 @@ class KVView:
     Build it with :meth:`of_buffer` (one rank-major buffer ``[L, N *
     slots_per_rank, *row]``, :attr:`whole` then set) or :meth:`of_segments`
     (separate allocations, one per rank, :attr:`whole` ``None``). Segments
-    must agree in shape, dtype and device and keep their rows contiguous;
-    ``ValueError`` otherwise.
+    must agree in shape, strides, dtype and device and keep their rows
+    contiguous; ``ValueError`` otherwise.
     """
 
     def __init__(self, segments: Sequence[torch.Tensor], whole: torch.Tensor | None = None):
@@ -138,8 +162,11 @@ class KVView:
                                  f"{tuple(s0.shape)} {s0.dtype} on {s0.device}")
             if s.stride(-1) != 1 or not s[0, 0].is_contiguous():
                 raise ValueError(f"segment {r}'s rows must be contiguous, got strides {s.stride()}")
+            if s.stride() != s0.stride():  # so layer l lies equally far into every segment: one offset table
+                raise ValueError(f"segment {r} has strides {s.stride()}; segment 0 has {s0.stride()}")
         self.segments, self.whole = segments, whole
-        self._layers: dict[int, LayerView] = {}
+        self._layers: dict[int, SegmentTable] = {}
+        self._offsets: torch.Tensor | None = None
 
     @classmethod
     def of_buffer(cls, buffer: torch.Tensor, cp_size: int) -> "KVView":
@@ -179,13 +206,17 @@ class KVView:
         """Rank ``rank``'s segment ``[L, slots_per_rank, *row]``: what that rank writes."""
         return self.segments[rank]
 
-    def layer(self, layer: int) -> torch.Tensor | LayerView:
+    def layer(self, layer: int) -> torch.Tensor | SegmentTable:
         """Row ``layer`` of the view, ``[N * slots_per_rank, *row]``: a tensor over
-        one buffer, else a :class:`LayerView` (made once, then kept)."""
+        one buffer, else a :class:`SegmentTable` (made once, then kept; every
+        layer shares one offset table, measured on the first)."""
         if self.whole is not None:
             return self.whole[layer]
         if layer not in self._layers:
-            self._layers[layer] = LayerView([s[layer] for s in self.segments])
+            segs = [s[layer] for s in self.segments]
+            if self._offsets is None:
+                self._offsets = segment_offsets(segs)
+            self._layers[layer] = SegmentTable(segs, self._offsets)
         return self._layers[layer]
 
     def read(self, rows: torch.Tensor, layer: int | None = None) -> torch.Tensor:

@@ -41,6 +41,13 @@ class _Node:
     last_access: int = 0
     ns: bytes = b""  # the namespace (request key) of the chain: one root per namespace
     partials: int = 0  # children that are partial leaves (shorter than a page)
+    mask: int = 0  # bit i set when the node has a page in lane i (kept with ``lanes``: what eviction asks)
+
+
+def lane_mask(lanes: np.ndarray) -> np.ndarray | int:
+    """The lanes with a page as a bit mask (bit i: lane i), of one ``lanes`` [N] or of each row of [B, N]."""
+    bits = (np.asarray(lanes) > 0).astype(np.int64) << np.arange(np.shape(lanes)[-1], dtype=np.int64)
+    return int(bits.sum()) if bits.ndim == 1 else bits.sum(-1)
 
 
 @dataclass
@@ -94,7 +101,7 @@ class RadixTree:
         pages = page_of(slots[:: self.S], self.S)  # a node's slots are a page chain from a page start
         lanes = np.bincount(owner_of(pages, self.N), minlength=self.N)
         self._serial += 1
-        return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now)
+        return _Node(key, slots, parent, lanes, pages, self._serial, last_access=self.now, mask=lane_mask(lanes))
 
     def root_of(self, ns: bytes, create: bool = False) -> _Node | None:
         """The root of namespace ``ns`` (made when ``create``; else ``None`` if absent)."""
@@ -160,19 +167,28 @@ class RadixTree:
         """The unreferenced leaf to evict next for the lanes ``short`` [N] bool:
         the least recently used one that frees a page in a short lane, else the
         least recently used one whose removal exposes an unreferenced ancestor
-        that does; ``None`` when nothing evictable helps."""
-        best, best_key = None, None
+        that does; ``None`` when nothing evictable helps. One pass over the
+        leaves comparing each node's lane mask (a cache evicting under a long
+        trace holds thousands of leaves); the walk up only when no leaf helps."""
+        want = lane_mask(short)
+        best = None
         for leaf in self.leaves:
+            if leaf.ref or not leaf.mask & want:
+                continue
+            if best is None or (leaf.last_access, leaf.serial) < (best.last_access, best.serial):
+                best = leaf
+        if best is not None:
+            return best
+        best_key = None
+        for leaf in self.leaves:  # rank 1: a leaf whose removal exposes an ancestor that helps
             if leaf.ref:
                 continue
-            helps, rank = bool(leaf.lanes[short].any()), 0
-            if not helps:
-                rank, up = 1, leaf.parent
-                while up.parent is not None and up.ref == 0 and len(up.children) == 1 and not helps:
-                    helps = bool(up.lanes[short].any())
-                    up = up.parent
-            key = (rank, leaf.last_access, leaf.serial)
-            if helps and (best_key is None or key < best_key):
+            up, helped = leaf.parent, False
+            while up.parent is not None and up.ref == 0 and len(up.children) == 1 and not helped:
+                helped = bool(up.mask & want)
+                up = up.parent
+            key = (leaf.last_access, leaf.serial)
+            if helped and (best_key is None or key < best_key):
                 best, best_key = leaf, key
         return best
 
@@ -288,6 +304,7 @@ class RadixTree:
         first_page = np.cumsum(per_run) - per_run
         nodes, ref, leaves, raw, w = [None] * B, int(held), self.leaves, tokens.tobytes(), tokens.itemsize
         ends, page_ends = (starts + counts).tolist(), (first_page + per_run).tolist()
+        masks = lane_mask(lanes).tolist()
         for i, (parent, a, b, p, q, lane) in enumerate(zip(parents, starts.tolist(), ends, first_page.tolist(), page_ends,
                                                             lanes)):
             k = raw[a * w : min(a + S, b) * w]  # page_key: a partial run's key ends with the run
@@ -300,7 +317,7 @@ class RadixTree:
                 t = ticks[i]
                 self.now = max(self.now, t)
             node = nodes[i] = _Node(tokens[a:b], slots[a:b], parent, lane, pages[p:q], self._serial, {}, ref, t,
-                                    parent.ns)
+                                    parent.ns, mask=masks[i])
             parent.children[k] = node
             if b - a < S:
                 parent.partials += 1
@@ -333,6 +350,7 @@ class RadixTree:
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         node.pages = node.pages[pages:]  # in chain order
         node.lanes = np.bincount(owner_of(node.pages, self.N), minlength=self.N)
+        node.mask = lane_mask(node.lanes)
         upper.children[page_key(node.key, self.S)] = node
         return upper
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..models import TinyDsa, TinyLlama
+from .mooncake import load_mooncake, mooncake_path
 from .trace import WORKLOADS, RequestSpec, load_jsonl
 
 
@@ -40,8 +41,16 @@ class RunConfig:
     splits (:data:`~cpkv.runtime.batch.PREFILL_SPLITS`, ``DECODE_SPLITS``);
     ``kv_dtype`` what the caches store (:data:`~cpkv.models.KV_DTYPES`:
     ``"float32"``, ``"bfloat16"`` or ``"fp8"``, the model's FP8 formats;
-    pools, host tier and transfers alike); ``workload`` a built-in trace or a JSONL path, with ``requests`` and
-    ``scale`` for the built-in ones; ``check`` compares with ``transformers``;
+    pools, host tier and transfers alike); ``workload`` a built-in trace, a JSONL path or a Mooncake trace
+    (``mooncake:PATH``, or a file recognised by its fields: :mod:`cpkv.engine.mooncake`), with ``requests`` and
+    ``scale`` for the built-in ones; a Mooncake trace takes its first ``requests``, those arriving in its first
+    ``window_ms`` (None: all), at ``block_tokens`` tokens a hash id (its lengths scaled with them), outputs
+    capped at ``max_output`` (None: none), each arriving at step ``timestamp // step_ms``;
+    ``check`` compares with ``transformers``;
+    ``wait_for_prefix`` the scheduler's in-batch prefix rule (a request waits
+    for the pages of a prefix another running request is computing, then hits
+    them: :class:`~cpkv.engine.scheduler.Scheduler`; ``False`` computes them
+    again, the same tokens);
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
@@ -80,6 +89,10 @@ class RunConfig:
     requests: int = 8
     scale: float = 0.1
     seed: int = 0
+    block_tokens: int = 16
+    window_ms: int | None = None
+    max_output: int | None = None
+    step_ms: float = 1000.0
     model: TinyLlama | TinyDsa = field(default_factory=TinyLlama)
     check: bool = False
     check_plans: bool = False
@@ -91,6 +104,7 @@ class RunConfig:
     kv_events_buffer: int = 10_000
     device: str = "cpu"
     kernels: str | None = None
+    wait_for_prefix: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -111,6 +125,8 @@ class RunConfig:
     def __post_init__(self):
         if self.kv not in KV_MODES:
             raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
+        if not isinstance(self.wait_for_prefix, bool):
+            raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)
                                            or self.kv_memory < 1):
             raise ValueError(f"kv_memory must be None or an int >= 1 (bytes per rank), got {self.kv_memory!r}")
@@ -167,10 +183,15 @@ class RunConfig:
         return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page), page)
 
     def trace(self) -> list[RequestSpec]:
-        """The requests of this run (``TraceError``/``OSError`` for a bad JSONL file)."""
+        """The requests of this run (``TraceError``/``OSError`` for a bad JSONL or Mooncake file,
+        ``ValueError`` for a Mooncake slice with no request)."""
         vocab = self.model.vocab
         if self.workload in WORKLOADS:
             return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
+        path = mooncake_path(self.workload)
+        if path is not None:
+            return load_mooncake(path, block=self.block_tokens, requests=self.requests, window_ms=self.window_ms,
+                                 max_output=self.max_output, step_ms=self.step_ms, vocab=vocab).specs
         return load_jsonl(self.workload, vocab=vocab)
 
     def run_fields(self) -> dict:

@@ -4,9 +4,10 @@ Every rank builds the same scheduler over the same trace and runs the same
 steps; a step's plan is carried out by :class:`RankExecutor` (backups, loads,
 copies, then the step's forward through :class:`~cpkv.runtime.runner.CPRunner`), and
 the greedy tokens, all-gathered, close the step on every rank alike. With
-``check``, rank 0 keeps every computed logit and compares each finished
-request with ``transformers``' own forward of its full sequence and its greedy
-tokens (:mod:`.check`).
+``check``, rank 0 keeps every computed logit, every DSA selection and each
+request's stored context, and compares each finished request with
+``transformers``' own forward of its full sequence at those values and
+selections and its greedy tokens (:mod:`.check`, :mod:`.exactness`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class RankExecutor:
         self.runner, self.host, self.check, self.receive = runner, host, check, receive
         self.pool: SharedKVPool = runner.pool
         self.logits: dict[int, dict[int, torch.Tensor]] = {}  # request index -> position -> logits (check only)
+        self.selected: dict[int, dict[int, torch.Tensor]] = {}  # the same -> sparse selection (check, DSA only)
+        self.stored: dict[int, dict[str, torch.Tensor]] = {}  # request index -> family -> what it read (check)
         self.copied = self.backed_up = self.loaded = 0  # slots this rank moved
 
     def run(self, plan: StepPlan) -> list[list[int]]:
@@ -78,6 +81,8 @@ class RankExecutor:
     def _forward(self, b: Forward) -> list[int]:
         run, a = self.runner, b.alloc
         idx, logits = run.forward(b.rows, a, b.ids, decode=b.decode, table=b.table)
+        if self.check and run.comm.rank == 0:  # before the all-gather below: until rank 0 joins, no rank moves on
+            self._read_context(b, b.table)
         last = a.extend_start_loc + a.extend_lens - 1  # each request's last new token
         where = torch.full((a.out_cache_loc.numel(),), -1, dtype=torch.int64)
         where[idx] = torch.arange(idx.numel())
@@ -87,12 +92,36 @@ class RankExecutor:
         for req, tok in run.comm.all_gather_object(picks):
             tokens[req] = tok
         if self.check:
-            full = run.collect(a.out_cache_loc.numel(), idx, logits)
+            n = a.out_cache_loc.numel()
+            full = run.collect(n, idx, logits)
+            sel = None if run.selected is None else run.collect(n, idx, run.selected.cpu())
             if run.comm.rank == 0:
                 pos, rows = a.positions.tolist(), a.request_of_token.tolist()
                 for j, (p, i) in enumerate(zip(pos, rows)):
-                    self.logits.setdefault(b.requests[i].index, {})[p] = full[j]
+                    req = b.requests[i].index
+                    self.logits.setdefault(req, {})[p] = full[j]
+                    if sel is not None:
+                        self.selected.setdefault(req, {})[p] = sel[j]
         return tokens.tolist()
+
+    def _read_context(self, b: Forward, table) -> None:
+        """Rank 0, with check, after a forward's closing fence and before the
+        step's all-gather: for each request
+        whose last forward this is (it samples its last token), the values of
+        its whole context as the pool holds them, through the shared view and
+        decoded, ``self.stored[index] = {name: [len(layers), S, *shape]}``
+        (float32, host). What a request read stays in its pages until it
+        finishes (a page it holds is never written, and a cached ancestor of
+        a page outlives it), so this is what every logit it computed read;
+        :mod:`.check` gives it to the reference."""
+        for i, r in enumerate(b.requests):
+            if not b.sample[i] or len(r.generated) + 1 < r.spec.max_new_tokens:
+                continue
+            n = int(b.alloc.seq_lens[i])
+            slots = table.req_to_token[int(b.rows[i]), :n]
+            self.stored[r.index] = {
+                name: (rows if (f := self.pool.families[name]).format is None else f.format.decode(rows)).float().cpu()
+                for name, rows in self.pool.read_all_layers(slots).items()}
 
 
 def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
@@ -103,7 +132,8 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
     host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
     lanes = 1 if cfg.replicated else cfg.cp_size  # a replicated copy: a plain paged allocator, no owner lanes
     return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
-                     max_running=cfg.max_running, admission=cfg.admission, host=host)
+                     max_running=cfg.max_running, admission=cfg.admission, host=host,
+                     wait_for_prefix=cfg.wait_for_prefix)
 
 
 def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
@@ -216,7 +246,11 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
                                     # at the end of the trace, before the cache is drained: the pages this rank
                                     # holds, by the allocator and by what this rank wrote into its segment
-                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held)})
+                                    "pages_allocated": int(held.size), "pages_written": pool.written_pages(held),
+                                    # the host tier page-locked for CUDA: None without one, False on the CPU
+                                    # (not asked: asking makes a CUDA context) or where cudaHostRegister refused
+                                    "host_pinned": None if parts.host is None else
+                                    pool.device.type == "cuda" and parts.host.pinned()})
     sched.drain()
     if events is not None:
         events.flush()

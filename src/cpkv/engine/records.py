@@ -177,6 +177,7 @@ class Stats:
     load_pages: int = 0
     preemptions: int = 0
     refusals: int = 0
+    prefix_waits: int = 0  # steps a due request waited for a prefix another request was computing (per request)
     evicted_nodes: int = 0  # device prefix-cache evictions under memory pressure
     evicted_pages: int = 0
     served_tokens: int = 0  # cached prefixes matched, tokens prefilled and decoded

@@ -26,7 +26,14 @@ Each step:
    requests and it still need (free plus evictable pages, less a headroom);
    then the prefix is taken (a mid-page match is copied into a private page
    before the first forward). A longer prefix in the host tier is loaded into
-   new device pages, allocated as a continuation with owner lanes;
+   new device pages, allocated as a continuation with owner lanes. A request
+   whose prompt shares at least one whole page more than the caches hold with
+   a running request still prefilling those pages (one admitted in the same
+   step, typically: a burst with one system prompt) waits, and later requests
+   go ahead of it, until that request's pages enter the cache; then it hits
+   them instead of computing them again (``wait_for_prefix``; SGLang's
+   in-batch prefix check defers such a request one round, this waits as long
+   as the pages are being computed, a long prefix's chunks included);
 3. decode: one token for every request past its prefill. A refused decode
    allocation (even after lane-aware eviction) preempts the most recently
    admitted request: its pages are freed and it is requeued to recompute;
@@ -90,7 +97,10 @@ class Scheduler:
     allocator's own by default; the simulator's owner-oblivious baseline runs
     one lane and reports ``page % N``). ``remote_prefill`` and
     ``hold_finished`` are the disaggregation hooks of the module docstring
-    (a remote-prefill scheduler keeps no host tier). Raises ``ValueError``
+    (a remote-prefill scheduler keeps no host tier). ``wait_for_prefix``: a
+    due request waits for the pages of a prefix a running request is
+    computing (the module docstring, step 2; never in a remote-prefill
+    scheduler, whose KV is computed elsewhere). Raises ``ValueError``
     for a bad setting and :class:`~cpkv.engine.trace.TraceError` (a
     :class:`~cpkv.engine.trace.CacheTooSmall` naming every such request) for
     a trace that could never fit the cache.
@@ -98,7 +108,7 @@ class Scheduler:
 
     def __init__(self, specs: list[RequestSpec], cache: PrefixCache, *, chunk: int = 512, max_running: int = 64,
                  admission: str = "lanes", headroom: float = 0.0, host=None, report_lanes: int | None = None,
-                 remote_prefill: bool = False, hold_finished: bool = False):
+                 remote_prefill: bool = False, hold_finished: bool = False, wait_for_prefix: bool = True):
         if admission not in ADMISSION:
             raise ValueError(f"unknown admission {admission!r}; choose from {ADMISSION}")
         if chunk < 1 or max_running < 1:
@@ -106,7 +116,10 @@ class Scheduler:
         if remote_prefill and host is not None:
             raise ValueError("a remote-prefill scheduler keeps no host tier: its KV arrives from the prefill group")
         self.chunk, self.max_running, self.admission, self.headroom = chunk, max_running, admission, headroom
+        if not isinstance(wait_for_prefix, bool):
+            raise ValueError(f"wait_for_prefix must be a bool, got {wait_for_prefix!r}")
         self.remote_prefill, self.hold_finished = remote_prefill, hold_finished
+        self.wait_for_prefix = wait_for_prefix and not remote_prefill
         self.held: dict[int, Request] = {}  # hold_finished: finished requests whose KV pages are kept
         validate(specs)
         self.cache, self.host = cache, host
@@ -210,18 +223,59 @@ class Scheduler:
             return
         reserved = self._reserved() if self.admission == "lanes" else None
         headroom = int(self.headroom * int(self.cache.alloc.lane_pages.min()))
+        leaders = self._prefilling() if self.wait_for_prefix else None
         for r in due:
             if self.remote_prefill and not r.ready:
                 continue  # its KV is still being computed elsewhere
             if len(self.running) >= self.max_running:
                 break
             adm = self.cache.can_allocate(r.ids(), r.final_len, self.host, key=r.key)
+            if leaders and self._waits(r, leaders, max(adm.hit.length, adm.host_len)):
+                self.stats.prefix_waits += 1
+                continue  # the pages it would compute are being computed: it hits them once they are cached
             if reserved is not None and self.running and not adm.fits(reserved + headroom):
                 break
             if not self._start(p, r, adm):
                 break
             if reserved is not None:
                 reserved = reserved + self.cache.chain_need(r.last_loc, r.computed, r.final_len)
+            if leaders is not None and r.prefilling:
+                self._lead(leaders, r)
+
+    def _prefilling(self) -> dict:
+        """The running requests still prefilling, by their first page (and
+        namespace): the requests a due one may wait for (:meth:`_waits`)."""
+        leaders: dict = {}
+        for r in self.running:
+            if r.prefilling:
+                self._lead(leaders, r)
+        return leaders
+
+    def _lead(self, leaders: dict, r: Request) -> None:
+        if r.target > self.S:
+            leaders.setdefault((r.key, r.ids(0, self.S).tobytes()), []).append(r)
+
+    def _waits(self, r: Request, leaders: dict, hit: int) -> bool:
+        """Whether ``r`` (whose prefix the caches hold for ``hit`` tokens)
+        shares with a request of ``leaders`` at least one whole page more,
+        that request has yet to compute: once computed, those pages are cached
+        (:meth:`complete`) and ``r``'s lookup finds them. O(1) without a
+        request of the same first page, else one vectorised comparison each."""
+        S, end = self.S, r.length - 1  # the last token is always computed (a match stops before it)
+        if end < hit + S:
+            return False
+        same = leaders.get((r.key, r.ids(0, S).tobytes()))
+        if not same:
+            return False
+        mine = r.ids(0, end)
+        for lead in same:
+            theirs = lead.ids(0, min(lead.target, end))
+            n = theirs.size
+            diff = np.flatnonzero(mine[:n] != theirs)
+            shared = (int(diff[0]) if diff.size else n) // S * S
+            if shared >= hit + S and lead.computed < shared:
+                return True
+        return False
 
     def _start(self, p: StepPlan, r: Request, adm: Admission) -> bool:
         """Take the admission (the prefix match), a page-table row, and plan

@@ -35,6 +35,15 @@ nothing. Set the variable yourself if triton may be imported before this
 package. Without triton
 installed, ``backend="triton"`` raises ``RuntimeError`` and ``torch`` works.
 
+The group's view of a layer (``k_view``, ``v_view``, ``latent_view``) is a
+rank-major tensor ``[N * slots_per_rank, *row]`` when one buffer holds the
+group's memory, or a :class:`~cpkv.consumers.kv_view.SegmentTable` when it is
+N segments (each rank's its own allocation, on GPUs): the torch backend then
+gathers owner by owner, a Triton kernel loads the owner's base from the table
+and adds the local row (:func:`~cpkv.kernels.triton_common.row_offset`; the
+contract is in :mod:`cpkv.runtime.device`). Both read the same values, to the
+bit.
+
 Dtypes: float32 and float16 inputs (bfloat16 on GPUs); float32 math is exact
 (IEEE products), 16-bit operands use tensor cores with float32 accumulation.
 Outputs in the query's dtype, log-sum-exps float32. Index tensors int32 or
@@ -52,7 +61,8 @@ if not torch.cuda.is_available():  # before any triton import: kernels then run 
 
 from ..consumers.kv_format import KVFormat  # noqa: E402
 from ..contract.errors import ContractViolation  # noqa: E402
-from .backend import Backend, LayerView, WriteIndex  # noqa: E402
+from ..consumers.kv_view import SegmentTable  # noqa: E402
+from .backend import Backend, CacheView, WriteIndex  # noqa: E402
 from .checks import (check_dim, check_float, check_index, check_layout, check_rank, check_same_device,  # noqa: E402
                      check_slots, check_view)
 from .reference import TorchBackend  # noqa: E402
@@ -91,14 +101,14 @@ def get(backend: str, device: torch.device | str | None = None) -> Backend:
     return _BOUND["torch"] if backend == "torch" else _triton()
 
 
-def _cache(name: str, view: torch.Tensor, fmt: KVFormat | None, layout, axes: int) -> LayerView:
+def _cache(name: str, view: torch.Tensor | SegmentTable, fmt: KVFormat | None, layout, axes: int) -> CacheView:
     """Check one cache view (``axes`` value axes per slot) and wrap it."""
-    if not isinstance(view, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(view).__name__}")
+    if not isinstance(view, (torch.Tensor, SegmentTable)):
+        raise TypeError(f"{name} must be a torch.Tensor or a SegmentTable, got {type(view).__name__}")
     check_view(name, view, layout)
     if fmt is None:
-        check_float(name, view, 1 + axes)
-        return LayerView(view, None, tuple(view.shape[1:]))
+        check_float(name, view.base if isinstance(view, SegmentTable) else view, 1 + axes)
+        return CacheView(view, None, tuple(view.shape[1:]))
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
     if view.dtype != torch.uint8 or view.dim() != 2 or view.shape[1] != fmt.bytes_per_slot:
@@ -106,10 +116,10 @@ def _cache(name: str, view: torch.Tensor, fmt: KVFormat | None, layout, axes: in
                          f"{view.dtype} {tuple(view.shape)}")
     if len(fmt.shape) != axes:
         raise ValueError(f"{name}: format {fmt} has {len(fmt.shape)} value axes, expected {axes}")
-    return LayerView(view, fmt, tuple(fmt.shape))
+    return CacheView(view, fmt, tuple(fmt.shape))
 
 
-def _same_dtype(q: torch.Tensor, **views: LayerView) -> None:
+def _same_dtype(q: torch.Tensor, **views: CacheView) -> None:
     """A float view shares q's dtype (a byte format is decoded to q's dtype in the kernel)."""
     for n, v in views.items():
         if v.fmt is None and v.data.dtype != q.dtype:
@@ -161,7 +171,7 @@ def store(buffer: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, layou
         raise ValueError(f"buffer's trailing axes must be contiguous, got strides {buffer.stride()}")
     report = torch.zeros(2, dtype=torch.int32, device=buffer.device)
     report[1] = slots.numel()  # a fill on the device, not a host-to-device copy
-    get(backend, buffer.device).store(LayerView(buffer, fmt, shape), values, WriteIndex(slots), layout, rank,
+    get(backend, buffer.device).store(CacheView(buffer, fmt, shape), values, WriteIndex(slots), layout, rank,
                                       report)
     if check:
         raise_refused(report, slots, layout, rank)
@@ -208,8 +218,9 @@ def paged_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
     """Causal GQA attention of queries over the shared paged cache, with log-sum-exp.
 
     ``q [T, H, D]``; ``k_view [N * slots_per_rank, Hkv, D]`` and ``v_view
-    [N * slots_per_rank, Hkv, Dv]``: one layer of the rank-major view, in
-    q's dtype (``H`` a multiple of ``Hkv``), or with ``fmt`` (a
+    [N * slots_per_rank, Hkv, Dv]``: one layer of the rank-major view (a
+    tensor, or a :class:`~cpkv.consumers.kv_view.SegmentTable` over per-rank
+    segments; see the module docstring), in q's dtype (``H`` a multiple of ``Hkv``), or with ``fmt`` (a
     :class:`~cpkv.consumers.kv_format.KVFormat` of shape ``(Hkv, D)``, both
     views) ``uint8`` rows of that format; ``table [B, L]`` logical slots of
     each request by position (``-1``: padding, masked); ``q_req [T]`` the
@@ -268,7 +279,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k_view: torch.Tensor, t
 
     ``q [T, Hi, Di]``, ``weights [T, Hi]`` (signed, already scaled by the
     model), ``k_view [N * slots_per_rank, Di]`` (one layer of the indexer-key
-    family, q's dtype; or uint8 rows of ``fmt``), ``table``, ``q_req``,
+    family, a tensor or a segment table, q's dtype; or uint8 rows of ``fmt``), ``table``, ``q_req``,
     ``q_pos`` as in :func:`paged_attention`. Returns ``[T, L]`` float32:
     ``sum_h weights[t, h] * relu(scale * q[t, h] . key(table[q_req[t], l]))``
     (:func:`cpkv.kernels.reference.indexer_scores`), and ``-inf`` where
@@ -298,8 +309,8 @@ def sparse_mla_attention(q: torch.Tensor, latent_view: torch.Tensor, slots: torc
     """Absorbed MLA attention of each query over its selected logical slots.
 
     ``q [T, H, r + dr]`` (``[q_nope W_UK | q_rope]``), ``latent_view
-    [N * slots_per_rank, r + dr]`` (one layer of the latent family: latent
-    ``c`` then rope key, q's dtype; or uint8 rows of ``fmt``, e.g.
+    [N * slots_per_rank, r + dr]`` (one layer of the latent family, a tensor or
+    a segment table: latent ``c`` then rope key, q's dtype; or uint8 rows of ``fmt``, e.g.
     :func:`~cpkv.consumers.kv_format.mla_latent_fp8`), ``slots [T, K]``
     logical slots each query selected (``-1``: padding), ``value_dims = r``:
     keys are the whole row, values its first r entries. ``only_rank``: only
@@ -328,5 +339,5 @@ def sparse_mla_attention(q: torch.Tensor, latent_view: torch.Tensor, slots: torc
     return b.selected(plan, q, lat, slots, scaling, value_dims, splits=splits)
 
 
-__all__ = ["BACKENDS", "Backend", "LayerView", "get", "store", "raise_refused", "paged_attention", "merge_lse",
+__all__ = ["BACKENDS", "Backend", "CacheView", "get", "store", "raise_refused", "paged_attention", "merge_lse",
            "index_scores", "sparse_mla_attention"]

@@ -16,10 +16,13 @@ every layer of it. Like FlashInfer's ``plan``/``run`` and SGLang's
   :meth:`~Backend.index_scores` (DSA's indexer) and :meth:`~Backend.merge`
   (partials over disjoint key sets).
 
-Caches arrive as :class:`LayerView`: one layer of one family in the rank-major
+Caches arrive as :class:`CacheView`: one layer of one family in the rank-major
 view, with its stored format, so a backend reads a float tensor, bfloat16
 bytes or scaled FP8 rows alike (decoded in the kernel, or on the gather of the
-torch backend). A new kernel is one run method of each backend.
+torch backend), and the group's memory as one buffer or as N per-rank
+segments alike (a :class:`~cpkv.consumers.kv_view.SegmentTable` of their
+bases: a kernel adds the owner's base, the torch backend gathers owner by
+owner). A new kernel is one run method of each backend.
 
 Two backends: :class:`cpkv.kernels.reference.TorchBackend` (the definition
 every kernel must equal, any device) and
@@ -34,24 +37,39 @@ from dataclasses import dataclass
 import torch
 
 from ..consumers.kv_format import KVFormat
+from ..consumers.kv_view import SegmentTable
 from ..contract.layout import SharedKVLayout
 
 
 @dataclass(frozen=True)
-class LayerView:
-    """One layer of one cache family: ``data [rows, *row_shape]`` (the
-    rank-major view of every rank's segment for a read, this rank's own
-    segment for a store), stored as ``fmt`` (``None``: a float tensor of
-    ``shape`` values per slot; else ``uint8`` rows of ``fmt.bytes_per_slot``)."""
+class CacheView:
+    """One layer of one cache family as a backend reads or writes it, with its format.
 
-    data: torch.Tensor
+    ``data``: the rows ``[rows, *row_shape]``: for a read, the group's
+    rank-major view of every rank's segment, either one tensor (one buffer
+    holds the group's memory) or a :class:`~cpkv.consumers.kv_view.SegmentTable`
+    (the group's memory is N segments, one allocation per rank: the table of
+    their bases); for a store, this rank's own segment (a tensor). ``fmt``:
+    ``None``, a float tensor of ``shape`` values per slot; else ``uint8`` rows
+    of ``fmt.bytes_per_slot``. [[RFC-0001:C-READ-PATH]]"""
+
+    data: torch.Tensor | SegmentTable
     fmt: KVFormat | None
     shape: tuple[int, ...]
 
+    @property
+    def table(self) -> SegmentTable | None:
+        """The segment table when the group's memory is N segments, else ``None``."""
+        return self.data if isinstance(self.data, SegmentTable) else None
+
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
-        """The values at row index ``rows`` (any shape, no padding):
-        ``[*rows.shape, *shape]``, decoded to float32 when formatted."""
-        got = self.data.index_select(0, rows.reshape(-1))
+        """The values at rank-major row index ``rows`` (any shape, no padding):
+        ``[*rows.shape, *shape]``, decoded to float32 when formatted. One
+        ``index_select`` of one tensor; over a segment table, owner by owner
+        (:func:`~cpkv.consumers.kv_view.gather_rows`: one host read of the
+        owners' counts)."""
+        flat = rows.reshape(-1)
+        got = self.data[flat] if isinstance(self.data, SegmentTable) else self.data.index_select(0, flat)
         if self.fmt is not None:
             got = self.fmt.decode(got)
         return got.view(*rows.shape, *self.shape)
@@ -189,7 +207,7 @@ class Backend(ABC):
         given. May synchronise: call it once per batch."""
 
     @abstractmethod
-    def store(self, segment: LayerView, values: torch.Tensor, write: WriteIndex, layout: SharedKVLayout, rank: int,
+    def store(self, segment: CacheView, values: torch.Tensor, write: WriteIndex, layout: SharedKVLayout, rank: int,
               report: torch.Tensor) -> None:
         """Write ``values [W, *shape]`` (float, any dtype: cast or encoded to
         the segment's format) at ``write`` into rank ``rank``'s ``segment``;
@@ -198,7 +216,7 @@ class Backend(ABC):
         index; the caller initialises it to ``[0, W]``)."""
 
     @abstractmethod
-    def dense(self, plan: QueryPlan, q: torch.Tensor, k: LayerView, v: LayerView, scaling: float,
+    def dense(self, plan: QueryPlan, q: torch.Tensor, k: CacheView, v: CacheView, scaling: float,
               value_dims: int | None = None, *, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Causal attention of ``q [T, H, D]`` over each query's context in
         ``k [.., Hkv, D]`` / ``v [.., Hkv, Dv]`` (the first ``value_dims`` of
@@ -209,7 +227,7 @@ class Backend(ABC):
         default the backend's)."""
 
     @abstractmethod
-    def selected(self, plan: QueryPlan, q: torch.Tensor, kv: LayerView, slots: torch.Tensor, scaling: float,
+    def selected(self, plan: QueryPlan, q: torch.Tensor, kv: CacheView, slots: torch.Tensor, scaling: float,
                  value_dims: int, *, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed attention of ``q [T, H, r + dr]`` over the logical ``slots
         [T, K]`` each query selected (``-1``: none), keys the whole row of
@@ -217,7 +235,7 @@ class Backend(ABC):
         slots when set. Returns ``out [T, H, value_dims]``, ``lse [T, H]``."""
 
     @abstractmethod
-    def index_scores(self, plan: QueryPlan, q: torch.Tensor, weights: torch.Tensor, keys: LayerView, scale: float,
+    def index_scores(self, plan: QueryPlan, q: torch.Tensor, weights: torch.Tensor, keys: CacheView, scale: float,
                      *, splits: int | None = None) -> torch.Tensor:
         """DSA's indexer: ``sum_h weights[t, h] * relu(scale * q[t, h] . key)``
         over each query's visible context, ``[T, L]`` float32, ``-inf`` where
@@ -228,7 +246,7 @@ class Backend(ABC):
         """Exact merge of ``outs [R, T, H, D]``, ``lses [R, T, H]`` (float32)
         over disjoint key sets: ``(out [T, H, D], lse [T, H])``."""
 
-    def context(self, plan: QueryPlan, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+    def context(self, plan: QueryPlan, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query's whole context in ``view``, gathered: ``(values [T, L,
         *shape], visible [T, L])`` (positions ``0 .. q_pos``), the input of a
         score callable that no kernel computes. The same on every backend."""
@@ -240,5 +258,5 @@ class Backend(ABC):
         return values, torch.arange(L, device=plan.q_pos.device)[None, :] <= plan.q_pos[:, None]
 
 
-__all__ = ["Backend", "ContextIndex", "LayerView", "QueryPlan", "WriteIndex", "owned_positions", "pack_left",
+__all__ = ["Backend", "ContextIndex", "CacheView", "QueryPlan", "WriteIndex", "owned_positions", "pack_left",
            "plan_fields"]

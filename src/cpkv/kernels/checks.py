@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..consumers.kv_view import LayerView
+from ..consumers.kv_view import SegmentTable
 from ..contract.layout import SharedKVLayout
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,9 +26,8 @@ def check_layout(layout) -> SharedKVLayout:
 
 
 def check_float(name: str, x: torch.Tensor, dim: int | None = None) -> None:
-    """``x`` is a float32/float16/bfloat16 tensor with ``dim`` axes (any if None)
-    (or the group's view of one layer, a :class:`~cpkv.consumers.kv_view.LayerView`)."""
-    if not isinstance(x, (torch.Tensor, LayerView)):
+    """``x`` is a float32/float16/bfloat16 tensor with ``dim`` axes (any if None)."""
+    if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOATS:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
@@ -61,11 +60,11 @@ def check_dim(name: str, got: int, want: int, what: str) -> None:
         raise ValueError(f"{name}: {what} is {got}, expected {want}")
 
 
-def check_view(name: str, view: torch.Tensor, layout: SharedKVLayout) -> None:
+def check_view(name: str, view: torch.Tensor | SegmentTable, layout: SharedKVLayout) -> None:
     """``view`` is the rank-major view of all segments: ``cp_size * slots_per_rank``
     rows, unit stride on its last axis (kernels read rows in place); a
-    :class:`~cpkv.consumers.kv_view.LayerView` has one segment per rank."""
-    if isinstance(view, LayerView):
+    :class:`~cpkv.consumers.kv_view.SegmentTable` has one segment per rank."""
+    if isinstance(view, SegmentTable):
         check_dim(name, view.num_ranks, layout.cp_size, "segments (cp_size)")
     check_dim(name, view.shape[0], layout.cp_size * layout.slots_per_rank, "rows (cp_size * slots_per_rank)")
     if view.stride(-1) != 1:

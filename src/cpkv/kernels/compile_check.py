@@ -9,7 +9,9 @@ spills (any local memory) or does not compile fails the check.
 Each :class:`Variant` is one kernel at the real shapes of the models cpkv
 serves: paged GQA at ``Hkv`` 8, ``D`` 128, 32 query heads, page 64; DSA's MLA
 at latent 512 + 64 rope, 16 and 128 heads, top-k 2048; the indexer at 64 heads
-x 128; in float32, bfloat16 and the FP8 cache formats. Its launches are the
+x 128; in float32, bfloat16 and the FP8 cache formats; every reading kernel
+also with the group's memory as N segments read through a table of their
+bases (``, segment table``: what a GPU group runs). Its launches are the
 ones the Triton backend makes (:mod:`.triton_backend`), built from meta
 tensors at batch 1 and 64 and contexts 32K and 128K, so the reported grid is
 the one a run launches; the kernel compiles once for all of them (per-batch
@@ -83,19 +85,25 @@ def _programs() -> int:
     return PROGRAMS_PER_SM * DEFAULT_SMS
 
 
-def _cache(rows: int, shape: tuple, dtype: torch.dtype, fmt_name: str):
-    """A meta cache view of ``rows`` slots of ``shape`` values, as the kernel reads it."""
+def _cache(rows: int, shape: tuple, dtype: torch.dtype, fmt_name: str, seg: int = 0):
+    """A meta cache view of ``rows`` slots of ``shape`` values as the kernel
+    reads it: ``(tensor, format, offsets)``; with ``seg`` ranks, the group's
+    memory as that many segments (the tensor one segment of ``rows // seg``
+    slots, ``offsets`` its segment table), else one buffer (``offsets`` None)."""
     from ..consumers.kv_format import gqa_fp8, indexer_key_fp8, mla_latent_fp8
     from .triton_common import kernel_view
 
+    n = rows // seg if seg else rows
     if fmt_name == "plain":
-        return kernel_view(_meta(rows, *shape, dtype=dtype), None)
-    fmt = {"gqa": lambda: gqa_fp8(*shape), "mla": lambda: mla_latent_fp8(MLA["r"], MLA["dr"]),
-           "index": lambda: indexer_key_fp8(shape[0])}[fmt_name]()
-    return kernel_view(_meta(rows, fmt.bytes_per_slot, dtype=torch.uint8), fmt)
+        t, f, _ = kernel_view(_meta(n, *shape, dtype=dtype), None)
+    else:
+        fmt = {"gqa": lambda: gqa_fp8(*shape), "mla": lambda: mla_latent_fp8(MLA["r"], MLA["dr"]),
+               "index": lambda: indexer_key_fp8(shape[0])}[fmt_name]()
+        t, f, _ = kernel_view(_meta(n, fmt.bytes_per_slot, dtype=torch.uint8), fmt)
+    return t, f, (_meta(seg, dtype=torch.int64) if seg else None)
 
 
-def _decode(dtype, fmt="plain", own=False):
+def _decode(dtype, fmt="plain", own=False, seg=False):
     def build(batch, ctx):
         from .triton_attention import DECODE_CONFIG, decode_launch
         from .triton_backend import chunks
@@ -103,7 +111,7 @@ def _decode(dtype, fmt="plain", own=False):
         g = GQA
         lay = _layout(batch * ctx, g["page"], g["cp"])
         rows = lay.cp_size * lay.slots_per_rank
-        k, kf = _cache(rows, (g["hkv"], g["d"]), dtype, "gqa" if fmt == "fp8" else "plain")
+        k, kf, ko = _cache(rows, (g["hkv"], g["d"]), dtype, "gqa" if fmt == "fp8" else "plain", seg and g["cp"])
         kh = k.stride(1) if k.dim() == 3 else g["d"]
         width = -(-ctx // g["cp"]) if own else ctx
         n, chunk = chunks(batch * g["hkv"], width, DECODE_CONFIG[dtype][0], _programs())
@@ -115,25 +123,25 @@ def _decode(dtype, fmt="plain", own=False):
         lens = _meta(batch, dtype=torch.int32) if own else None
         idx, req = _meta(batch, dtype=torch.int32), _meta(batch, dtype=torch.int64)
         return [decode_launch(q, k, kf, kh, k, kf, kh, g["hkv"], g["d"], table, tpos, lens, idx, req, req, out, lse,
-                              lay, g["d"] ** -0.5, n, chunk)]
+                              lay, g["d"] ** -0.5, n, chunk, k_off=ko, v_off=ko)]
     return build
 
 
-def _extend(dtype, fmt="plain"):
+def _extend(dtype, fmt="plain", seg=False):
     def build(batch, ctx):
         from .triton_attention import PLAN_M, extend_launch
 
         g = GQA
         lay = _layout(batch * ctx, g["page"], g["cp"])
         rows = lay.cp_size * lay.slots_per_rank
-        k, kf = _cache(rows, (g["hkv"], g["d"]), dtype, "gqa" if fmt == "fp8" else "plain")
+        k, kf, ko = _cache(rows, (g["hkv"], g["d"]), dtype, "gqa" if fmt == "fp8" else "plain", seg and g["cp"])
         kh = k.stride(1) if k.dim() == 3 else g["d"]
         T = batch * min(ctx, EXTEND_CHUNK)
         q, out = _meta(T, g["heads"], g["d"], dtype=dtype), _meta(T, g["heads"], g["d"], dtype=dtype)
         blocks = _meta(-(-T // PLAN_M), 3, dtype=torch.int32)
         return [extend_launch(q, k, kf, kh, k, kf, kh, g["hkv"], g["d"], _meta(batch, ctx, dtype=torch.int64), blocks,
                               _meta(T, dtype=torch.int64), out, _meta(T, g["heads"], dtype=torch.float32), lay,
-                              g["d"] ** -0.5)]
+                              g["d"] ** -0.5, k_off=ko, v_off=ko)]
     return build
 
 
@@ -151,14 +159,15 @@ def _merge(dtype, d):
     return build
 
 
-def _sparse_mla(dtype, fmt="plain"):
+def _sparse_mla(dtype, fmt="plain", seg=False):
     def build(batch, ctx):
         from .triton_backend import chunks
         from .triton_dsa import MLA_CONFIG, sparse_mla_launch
 
         m = MLA
         lay = _layout(batch * ctx, 64, 8)
-        lat, lf = _cache(lay.cp_size * lay.slots_per_rank, (m["r"] + m["dr"],), dtype, "mla" if fmt == "fp8" else "plain")
+        lat, lf, lo = _cache(lay.cp_size * lay.slots_per_rank, (m["r"] + m["dr"],), dtype,
+                             "mla" if fmt == "fp8" else "plain", seg and lay.cp_size)
         out = []
         for H in m["heads"]:
             bh, bk = MLA_CONFIG[dtype][:2]
@@ -166,23 +175,26 @@ def _sparse_mla(dtype, fmt="plain"):
             q = _meta(batch, H, m["r"] + m["dr"], dtype=dtype)
             o = _meta(n, batch, H, m["r"], dtype=torch.float32) if n > 1 else _meta(batch, H, m["r"], dtype=dtype)
             out.append(sparse_mla_launch(q, lat, lf, _meta(batch, min(m["topk"], ctx), dtype=torch.int64), o,
-                                         _meta(*o.shape[:-1], dtype=torch.float32), lay, 0.1, m["r"], -1, n, chunk))
+                                         _meta(*o.shape[:-1], dtype=torch.float32), lay, 0.1, m["r"], -1, n, chunk,
+                                         lat_off=lo))
         return out
     return build
 
 
-def _index(dtype, fmt="plain"):
+def _index(dtype, fmt="plain", seg=False):
     def build(batch, ctx):
         from .triton_backend import chunks
         from .triton_dsa import INDEX_CONFIG, index_launch
 
         i = INDEX
         lay = _layout(batch * ctx, 64, 8)
-        k, kf = _cache(lay.cp_size * lay.slots_per_rank, (i["dim"],), dtype, "index" if fmt == "fp8" else "plain")
+        k, kf, ko = _cache(lay.cp_size * lay.slots_per_rank, (i["dim"],), dtype, "index" if fmt == "fp8" else "plain",
+                           seg and lay.cp_size)
         n, chunk = chunks(batch, ctx, INDEX_CONFIG[dtype][0], _programs())
         return [index_launch(_meta(batch, i["heads"], i["dim"], dtype=dtype), _meta(batch, i["heads"], dtype=torch.float32),
                              k, kf, _meta(batch, ctx, dtype=torch.int64), _meta(batch, dtype=torch.int64),
-                             _meta(batch, dtype=torch.int64), _meta(batch, ctx, dtype=torch.float32), lay, 0.1, n, chunk)]
+                             _meta(batch, dtype=torch.int64), _meta(batch, ctx, dtype=torch.float32), lay, 0.1, n, chunk,
+                             k_off=ko)]
     return build
 
 
@@ -192,7 +204,7 @@ def _store(dtype, fmt="plain"):
 
         lay = _layout(batch * ctx, 64, 8)
         shape = (MLA["r"] + MLA["dr"],) if fmt == "mla" else (GQA["hkv"], GQA["d"])
-        seg, sf = _cache(lay.slots_per_rank, shape, dtype, fmt)
+        seg, sf, _ = _cache(lay.slots_per_rank, shape, dtype, fmt)
         width = shape[0] * (shape[1] if len(shape) > 1 else 1)
         return [store_launch(seg, sf, _meta(batch, width, dtype=dtype), _meta(batch, dtype=torch.int64),
                              _meta(2, dtype=torch.int32), lay, 0, width)]
@@ -220,6 +232,21 @@ VARIANTS = (
     Variant("store fp32", "store", F32, "plain", _store(F32)),
     Variant("store fp8 (K/V)", "store", BF16, "gqa", _store(BF16, "gqa")),
     Variant("store fp8 (MLA latent)", "store", BF16, "mla", _store(BF16, "mla")),
+    # the group's memory as N segments, read through the table of their bases (GPUs: one allocation per rank)
+    Variant("decode bf16, segment table", "decode", BF16, "plain", _decode(BF16, seg=True)),
+    Variant("decode fp32, segment table", "decode", F32, "plain", _decode(F32, seg=True)),
+    Variant("decode bf16, fp8 cache, segment table", "decode", BF16, "fp8", _decode(BF16, "fp8", seg=True)),
+    Variant("decode bf16, own slots (lse), segment table", "decode", BF16, "plain", _decode(BF16, own=True, seg=True)),
+    Variant("extend bf16, segment table", "extend", BF16, "plain", _extend(BF16, seg=True)),
+    Variant("extend fp32, segment table", "extend", F32, "plain", _extend(F32, seg=True)),
+    Variant("extend bf16, fp8 cache, segment table", "extend", BF16, "fp8", _extend(BF16, "fp8", seg=True)),
+    Variant("sparse MLA bf16, segment table", "sparse_mla", BF16, "plain", _sparse_mla(BF16, seg=True), 2),
+    Variant("sparse MLA fp32, segment table", "sparse_mla", F32, "plain", _sparse_mla(F32, seg=True), 2),
+    Variant("sparse MLA bf16, fp8 latent, segment table", "sparse_mla", BF16, "fp8", _sparse_mla(BF16, "fp8", seg=True),
+            2),
+    Variant("indexer bf16, segment table", "index", BF16, "plain", _index(BF16, seg=True)),
+    Variant("indexer fp32, segment table", "index", F32, "plain", _index(F32, seg=True)),
+    Variant("indexer bf16, fp8 keys, segment table", "index", BF16, "fp8", _index(BF16, "fp8", seg=True)),
 )
 
 

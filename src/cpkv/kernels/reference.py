@@ -2,7 +2,7 @@
 equal, and the data plane of a forward on any device torch runs on.
 
 Reads gather the rows of each query's context through the rank-major view
-(:class:`~cpkv.kernels.backend.LayerView.decode`: a byte format decoded to
+(:class:`~cpkv.kernels.backend.CacheView.decode`: a byte format decoded to
 float32 on the gather) and attend in float32 math:
 
 * :func:`attend` - each query over its own key set, with the log-sum-exp (the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..contract.layout import SharedKVLayout, ranges
-from .backend import Backend, LayerView, QueryPlan, WriteIndex, owned_positions, pack_left, plan_fields
+from .backend import Backend, CacheView, QueryPlan, WriteIndex, owned_positions, pack_left, plan_fields
 
 #: a part of a batch's queries or context rows: a slice when they lie contiguous (a view, no copy), else
 #: the int64 indices
@@ -326,7 +326,7 @@ def _heads(x: torch.Tensor, lead: int) -> torch.Tensor:
     return x.unsqueeze(-2) if x.dim() == lead + 1 else x
 
 
-def _kv(k: LayerView, v: LayerView, rows: torch.Tensor, value_dims: int | None):
+def _kv(k: CacheView, v: CacheView, rows: torch.Tensor, value_dims: int | None):
     """Keys and values at rank-major ``rows`` with a head axis (the view's
     dtype, float32 when decoded from a byte format)."""
     kk = _heads(k.decode(rows), rows.dim())
@@ -361,7 +361,7 @@ class TorchBackend(Backend):
                 groups = query_groups(c.inv, q_pos, c.read.shape[0], L)
         return TorchPlan(**f, groups=groups)
 
-    def store(self, segment: LayerView, values, write: WriteIndex, layout, rank, report) -> None:
+    def store(self, segment: CacheView, values, write: WriteIndex, layout, rank, report) -> None:
         """See :meth:`Backend.store`. Planned (``write.local`` given): one
         ``index_copy_``; else the owned entries are selected here (a boolean
         index: a host synchronisation on a GPU) and the others reported."""

@@ -1,6 +1,10 @@
 """Triton paged GQA attention over the rank-major view, logical slots translated
 in the kernel ([[RFC-0001:C-READ-PATH]]), and the log-sum-exp merge.
 
+Every reading kernel takes the group's memory as one rank-major buffer or as N
+segments, a table of their bases (``KSEG``/``VSEG``:
+:func:`~.triton_common.row_offset`), one constexpr apart.
+
 * :func:`decode_launch` - one query of a request per program row block
   (the ``G`` query heads of one KV head together), the context split into
   chunks (flash-decoding): a launch holds ``queries x kv heads x splits``
@@ -26,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import Launch, ViewFormat, block, dot_precision, load_values, owner_and_local, usable
+from .triton_common import Launch, ViewFormat, block, dot_precision, load_values, owner_and_local, row_offset, usable
 
 #: (BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel, by query dtype
 DECODE_CONFIG = {torch.float32: (16, 4, 2), torch.float16: (64, 4, 3), torch.bfloat16: (64, 4, 3)}
@@ -39,7 +43,7 @@ _PER_BATCH = ["T", "L", "st_b", "CHUNK", "SPLITS", "CAP", "SPR"]
 
 
 @triton.jit(do_not_specialize=_PER_BATCH)
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr, req_ptr, pos_ptr, out_ptr, lse_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, koff_ptr, voff_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr, req_ptr, pos_ptr, out_ptr, lse_ptr,
                    sq_t, sq_h, sk_n, kh, sv_n, vh, st_b, so_s, so_t, so_h, sl_s, sl_t,
                    T, L, CHUNK, SPLITS, SPR, CAP, scaling,
                    N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
@@ -47,7 +51,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, OWN: tl.constexpr,
                    KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
                    KPART: tl.constexpr, VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr,
-                   VTAIL: tl.constexpr, VPART: tl.constexpr):
+                   VTAIL: tl.constexpr, VPART: tl.constexpr, KSEG: tl.constexpr, VSEG: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     g = (pid // SPLITS) % HKV
@@ -78,8 +82,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
         if OWN:
             ok = ok & (tl.load(tpos_ptr + req * st_b + offs, mask=inr, other=0) <= qp)
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
-        row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
+        k_at = row_offset(koff_ptr, owner, local, SPR, sk_n, KSEG)  # the owner's segment, its local row
+        k = load_values(k_ptr, k_at[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :],
                         KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scaling
         sc = tl.where(ok[None, :], sc, float("-inf"))
@@ -88,7 +92,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_values(v_ptr, row[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
+        v_at = row_offset(voff_ptr, owner, local, SPR, sv_n, VSEG)
+        v = load_values(v_ptr, v_at[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :],
                         VFMT, VBODY, VTILE, VTAIL, VPART)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
@@ -101,21 +106,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tpos_ptr, lens_ptr, qidx_ptr,
 
 
 def decode_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv: int, dv: int, table, tpos, lens,
-                  qidx, req, pos, out, lse, layout, scaling: float, splits: int, chunk: int) -> Launch:
+                  qidx, req, pos, out, lse, layout, scaling: float, splits: int, chunk: int, *,
+                  k_off=None, v_off=None) -> Launch:
     """The decode launch of ``qidx [Td]`` (int32: which queries of ``q [T, H,
     D]``) over ``table [B, L]`` rows (``tpos [B, L]`` their positions and
     ``lens [B]`` their lengths under the log-sum-exp split, else ``None``):
     ``splits`` chunks of ``chunk`` keys each, into the partials ``out
     [splits, Td, H, dv]`` and ``lse [splits, Td, H]`` (float32) that
     :func:`merge_launch` merges into the queries' rows (also for one split:
-    one compiled kernel for every batch, the merge a pass over ``Td x H x dv``). ``k``/``v`` as :func:`~.triton_common.kernel_view`
-    gives them, ``kh``/``vh`` the stride of one head in a row's flat values."""
+    one compiled kernel for every batch, the merge a pass over ``Td x H x dv``).
+    ``k``/``v`` and ``k_off``/``v_off`` (their segment tables, or ``None``)
+    as :func:`~.triton_common.kernel_view` gives them, ``kh``/``vh`` the
+    stride of one head in a row's flat values."""
     Td = qidx.shape[0]
     H, D = q.shape[1], q.shape[2]
     Hkv, G = hkv, H // hkv
     bn, warps, stages = DECODE_CONFIG[q.dtype]
     own = tpos is not None
-    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, table_ptr=table, tpos_ptr=tpos if own else table,
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, koff_ptr=k if k_off is None else k_off,
+                voff_ptr=v if v_off is None else v_off, table_ptr=table, tpos_ptr=tpos if own else table,
                 lens_ptr=lens if own else table, qidx_ptr=qidx, req_ptr=req, pos_ptr=pos, out_ptr=out, lse_ptr=lse,
                 sq_t=q.stride(0), sq_h=q.stride(1), sk_n=k.stride(0), kh=kh, sv_n=v.stride(0), vh=vh,
                 st_b=table.stride(0), so_s=out.stride(0), so_t=out.stride(1), so_h=out.stride(2),
@@ -123,12 +132,13 @@ def decode_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv
                 CHUNK=chunk, SPLITS=splits, SPR=layout.slots_per_rank, CAP=layout.capacity, scaling=float(scaling))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HKV=Hkv, G=G, D=D, DV=dv,
                  BLOCK_G=block(G), BLOCK_N=bn, BLOCK_D=block(D), BLOCK_DV=block(dv), PREC=dot_precision(q.dtype),
-                 OWN=own, **kf.read("K", 0, kh, Hkv, D, block(D)), **vf.read("V", 0, vh, Hkv, dv, block(dv)))
+                 OWN=own, **kf.read("K", 0, kh, Hkv, D, block(D)), **vf.read("V", 0, vh, Hkv, dv, block(dv)),
+                 KSEG=k_off is not None, VSEG=v_off is not None)
     return Launch(_decode_kernel, (Td * Hkv * splits,), args, const, warps, stages, "decode")
 
 
 @triton.jit(do_not_specialize=["T", "L", "st_b", "CAP", "SPR"])
-def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, lse_ptr,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, koff_ptr, voff_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, lse_ptr,
                    sq_t, sq_h, sk_n, kh, sv_n, vh, st_b, so_t, so_h,
                    T, L, SPR, CAP, scaling,
                    N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
@@ -137,7 +147,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
                    PREC: tl.constexpr,
                    KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
                    KPART: tl.constexpr, VFMT: tl.constexpr, VBODY: tl.constexpr, VTILE: tl.constexpr,
-                   VTAIL: tl.constexpr, VPART: tl.constexpr):
+                   VTAIL: tl.constexpr, VPART: tl.constexpr, KSEG: tl.constexpr, VSEG: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     g = pid % HKV
     sub = (pid // HKV) % SUBS
@@ -166,8 +176,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
         s = tl.load(table_ptr + req * st_b + offs, mask=inr, other=PAD).to(tl.int64)
         ok = usable(s, PAD, CAP) & inr
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
-        row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :], sk_n,
+        k_at = row_offset(koff_ptr, owner, local, SPR, sk_n, KSEG)  # the owner's segment, its local row
+        k = load_values(k_ptr, k_at[:, None], g * kh, d[None, :], ok[:, None] & (d < D)[None, :],
                         KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scaling
         sc = tl.where(ok[None, :] & (offs[None, :] <= qp[:, None]), sc, float("-inf"))
@@ -176,7 +186,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_values(v_ptr, row[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :], sv_n,
+        v_at = row_offset(voff_ptr, owner, local, SPR, sv_n, VSEG)
+        v = load_values(v_ptr, v_at[:, None], g * vh, dv[None, :], ok[:, None] & (dv < DV)[None, :],
                         VFMT, VBODY, VTILE, VTAIL, VPART)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
@@ -189,12 +200,13 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, blk_ptr, pos_ptr, out_ptr, ls
 
 
 def extend_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv: int, dv: int, table, blocks,
-                  pos, out, lse, layout, scaling: float) -> Launch:
+                  pos, out, lse, layout, scaling: float, *, k_off=None, v_off=None) -> Launch:
     """The extend launch of ``blocks [nb, 3]`` (int32 rows ``(table row,
     first query, queries)``, at most :data:`PLAN_M` queries of one request
     each) over ``table [B, L]``: each program takes ``BLOCK_M`` of a block's
     queries and one KV head's ``G`` query heads, causal per query. Writes
-    ``out [T, H, dv]`` and ``lse [T, H]`` at the blocks' queries."""
+    ``out [T, H, dv]`` and ``lse [T, H]`` at the blocks' queries. The caches
+    as in :func:`decode_launch`."""
     H, D = q.shape[1], q.shape[2]
     G = H // hkv
     rows, bn, warps, stages = EXTEND_CONFIG[q.dtype]
@@ -203,14 +215,15 @@ def extend_launch(q, k, kf: ViewFormat, kh: int, v, vf: ViewFormat, vh: int, hkv
     if bm * bg < 16:
         bm = 16 // bg
     subs = -(-PLAN_M // bm)
-    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, table_ptr=table, blk_ptr=blocks, pos_ptr=pos, out_ptr=out, lse_ptr=lse,
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, koff_ptr=k if k_off is None else k_off,
+                voff_ptr=v if v_off is None else v_off, table_ptr=table, blk_ptr=blocks, pos_ptr=pos, out_ptr=out, lse_ptr=lse,
                 sq_t=q.stride(0), sq_h=q.stride(1), sk_n=k.stride(0), kh=kh, sv_n=v.stride(0), vh=vh,
                 st_b=table.stride(0), so_t=out.stride(0), so_h=out.stride(1), T=q.shape[0], L=table.shape[1],
                 SPR=layout.slots_per_rank, CAP=layout.capacity, scaling=float(scaling))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HKV=hkv, G=G, D=D, DV=dv,
                  SUBS=subs, BLOCK_M=bm, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=block(D), BLOCK_DV=block(dv),
                  PREC=dot_precision(q.dtype), **kf.read("K", 0, kh, hkv, D, block(D)),
-                 **vf.read("V", 0, vh, hkv, dv, block(dv)))
+                 **vf.read("V", 0, vh, hkv, dv, block(dv)), KSEG=k_off is not None, VSEG=v_off is not None)
     return Launch(_extend_kernel, (blocks.shape[0] * subs * hkv,), args, const, warps, stages, "extend")
 
 

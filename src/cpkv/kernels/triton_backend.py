@@ -8,7 +8,9 @@ extend in blocks of up to :data:`~.triton_attention.PLAN_M` queries of one
 request; under the log-sum-exp split each request's row becomes the slots
 the rank owns, packed left, with their positions, so a rank walks only its
 own slots. Every run method launches kernels only: no host synchronisation,
-no host-to-device copy (sizes come from the plan and from shapes).
+no host-to-device copy (sizes come from the plan and from shapes). A cache
+whose group memory is N segments is read through its segment table
+(:func:`~.triton_common.kernel_view`): the same kernels, one constexpr apart.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``) launches are serialised
 across threads: the interpreter patches module state while a kernel runs.
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from ..contract.layout import SharedKVLayout
-from .backend import Backend, LayerView, QueryPlan, WriteIndex, owned_positions, plan_fields
+from .backend import Backend, CacheView, QueryPlan, WriteIndex, owned_positions, plan_fields
 from .triton_attention import DECODE_CONFIG, PLAN_M, decode_launch, extend_launch, merge_launch
 from .triton_common import PROGRAMS_PER_SM, Launch, block, interpreting, kernel_view, launchable, sm_count, \
     split_chunks, unreadable
@@ -96,12 +98,13 @@ def chunks(work: int, length: int, tile: int, programs: int, splits: int | None 
     return splits, -(-max(1, -(-length // splits)) // tile) * tile
 
 
-def _head_view(view: LayerView):
-    """``(tensor, format, kv heads, head dim, head stride)`` of a cache view as a kernel reads it."""
-    t, f = kernel_view(view.data, view.fmt)
+def _head_view(view: CacheView):
+    """``(tensor, format, segment table or None, kv heads, head dim, head stride)``
+    of a cache view as a kernel reads it."""
+    t, f, off = kernel_view(view.data, view.fmt)
     hkv, D = (view.shape if len(view.shape) == 2 else (1, view.shape[0]))
     head = t.stride(1) if f.FMT == 0 and t.dim() == 3 else D
-    return t, f, hkv, D, head
+    return t, f, off, hkv, D, head
 
 
 def _operand(q: torch.Tensor, *views) -> torch.Tensor:
@@ -140,9 +143,9 @@ class TritonBackend(Backend):
         return TritonPlan(**f, qidx=torch.from_numpy(qidx).to(dev), blocks=torch.from_numpy(blocks).to(dev),
                           ctx=table.contiguous(), reach=max(0, min(reach, table.shape[1])), programs=programs)
 
-    def store(self, segment: LayerView, values, write: WriteIndex, layout, rank, report) -> None:
+    def store(self, segment: CacheView, values, write: WriteIndex, layout, rank, report) -> None:
         """See :meth:`Backend.store`: one launch, slots translated in the kernel."""
-        buf, bf = kernel_view(segment.data, segment.fmt)
+        buf, bf, _ = kernel_view(segment.data, segment.fmt)  # this rank's own segment: one tensor
         W = write.slots.numel()
         width = int(np.prod(segment.shape))
         vals = values.reshape(W, width)
@@ -154,8 +157,8 @@ class TritonBackend(Backend):
     def dense(self, plan: TritonPlan, q, k, v, scaling, value_dims=None, *, splits=None):
         """See :meth:`Backend.dense`: the decode kernel (split-KV, merged) on
         the plan's ``qidx``, the extend kernel on its blocks."""
-        kt, kf, hkv, D, kh = _head_view(k)
-        vt, vf, _, Dv, vh = _head_view(v)
+        kt, kf, ko, hkv, D, kh = _head_view(k)
+        vt, vf, vo, _, Dv, vh = _head_view(v)
         dv = Dv if value_dims is None else value_dims
         qc = _operand(q, (kt, kf), (vt, vf)).contiguous()
         launchable(qc, kt, vt)
@@ -169,17 +172,17 @@ class TritonBackend(Backend):
             o = torch.empty((n, Td, H, dv), dtype=torch.float32, device=q.device)
             s = torch.empty((n, Td, H), dtype=torch.float32, device=q.device)
             run(decode_launch(qc, kt, kf, kh, vt, vf, vh, hkv, dv, plan.ctx, plan.ctx_pos, plan.ctx_len, plan.qidx,
-                              plan.q_req, plan.q_pos, o, s, plan.layout, scaling, n, chunk))
+                              plan.q_req, plan.q_pos, o, s, plan.layout, scaling, n, chunk, k_off=ko, v_off=vo))
             run(merge_launch(o, s, out, lse, plan.qidx))
         if plan.blocks.shape[0]:
             run(extend_launch(qc, kt, kf, kh, vt, vf, vh, hkv, dv, plan.ctx, plan.blocks, plan.q_pos, out, lse,
-                              plan.layout, scaling))
+                              plan.layout, scaling, k_off=ko, v_off=vo))
         return out.to(q.dtype), lse
 
     def selected(self, plan, q, kv, slots, scaling, value_dims, *, splits=None):
         """See :meth:`Backend.selected`: the sparse MLA kernel, its selection
         split into chunks when the queries alone do not fill the GPU."""
-        lt, lf = kernel_view(kv.data, kv.fmt)
+        lt, lf, lo = kernel_view(kv.data, kv.fmt)
         qc = _operand(q, (lt, lf)).contiguous()
         slots = slots.contiguous()
         launchable(qc, lt, slots)
@@ -194,7 +197,8 @@ class TritonBackend(Backend):
         n, chunk = chunks(T * hb, K, bk, plan.programs, splits)
         o, s = (out, lse) if n == 1 else (torch.empty((n, T, H, value_dims), dtype=torch.float32, device=q.device),
                                           torch.empty((n, T, H), dtype=torch.float32, device=q.device))
-        run(sparse_mla_launch(qc, lt, lf, slots, o, s, plan.layout, scaling, value_dims, plan.own_rank, n, chunk))
+        run(sparse_mla_launch(qc, lt, lf, slots, o, s, plan.layout, scaling, value_dims, plan.own_rank, n, chunk,
+                              lat_off=lo))
         if n > 1:
             run(merge_launch(o, s, out, lse))
         return out.to(q.dtype), lse
@@ -202,7 +206,7 @@ class TritonBackend(Backend):
     def index_scores(self, plan, q, weights, keys, scale, *, splits=None):
         """See :meth:`Backend.index_scores`: each query's block loaded once, its
         context in as many chunks as fill the GPU."""
-        kt, kf = kernel_view(keys.data, keys.fmt)
+        kt, kf, ko = kernel_view(keys.data, keys.fmt)
         qc = _operand(q, (kt, kf)).contiguous()
         launchable(qc, weights, kt)
         T = q.shape[0]
@@ -214,7 +218,7 @@ class TritonBackend(Backend):
         bl = INDEX_CONFIG[qc.dtype][0]
         n, chunk = chunks(T, reach, bl, plan.programs, splits)
         run(index_launch(qc, weights.contiguous(), kt, kf, plan.table.contiguous(), plan.q_req, plan.q_pos, out,
-                         plan.layout, scale, n, chunk))
+                         plan.layout, scale, n, chunk, k_off=ko))
         return out
 
     def merge(self, outs, lses):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..consumers.kv_format import KVFormat, ScaledFp8Format, TorchFormat
+from ..consumers.kv_view import SegmentTable
 
 #: Programs a launch should hold at least, per streaming multiprocessor: two, so
 #: that a decode at batch 1 still fills the GPU (flash-decoding).
@@ -52,6 +53,21 @@ def owner_and_local(s, N: tl.constexpr, S: tl.constexpr):
 
 
 @device_fn
+def row_offset(off_ptr, owner, local, SPR, stride, SEG: tl.constexpr):
+    """Element offset, from the tensor a kernel is launched with, of rank-major
+    row ``owner * SPR + local`` (``stride``: elements per row). ``SEG``
+    false: one rank-major buffer, ``(owner * SPR + local) * stride``. ``SEG``
+    true: the group's memory is N segments, the launched tensor segment 0
+    (:class:`~cpkv.consumers.kv_view.SegmentTable`), and ``off_ptr [N]`` the
+    offset of each segment from it (a multiple of 16 elements:
+    :data:`~cpkv.consumers.kv_view.OFFSET_ALIGN_BYTES`): the owner's base plus
+    its local row, ``off_ptr[owner] + local * stride``. [[RFC-0001:C-READ-PATH]]"""
+    if SEG:
+        return tl.multiple_of(tl.load(off_ptr + owner), 16) + local * stride
+    return (owner * SPR + local) * stride
+
+
+@device_fn
 def usable(s, PAD: tl.constexpr, CAP):
     """Entries of ``s`` that name a slot: not padding and inside ``[0, CAP)``."""
     return (s != PAD) & (s >= 0) & (s < CAP)
@@ -64,13 +80,13 @@ def bf16_bits_to_f32(b):
 
 
 @device_fn
-def load_values(ptr, row, c0, cols, mask, stride, FMT: tl.constexpr, BODY: tl.constexpr, TILE: tl.constexpr,
+def load_values(ptr, at, c0, cols, mask, FMT: tl.constexpr, BODY: tl.constexpr, TILE: tl.constexpr,
                 TAIL: tl.constexpr, PART: tl.constexpr):
-    """Values at flat index ``c0 + cols`` of the cache rows ``row``
-    (rank-major; ``row [K, 1]``, ``cols [1, C]``, ``c0`` a scalar), decoded
-    where ``mask`` (0 elsewhere): ``FMT`` 0 a float tensor read as it is
-    (``stride`` its row stride in elements, its dtype kept); 1 bfloat16 bytes
-    (uint8 rows of ``stride`` bytes, float32 out); 2 scaled FP8
+    """Values at flat index ``c0 + cols`` of the cache rows that start at
+    element ``at`` of ``ptr`` (:func:`row_offset`; ``at [K, 1]``, ``cols [1,
+    C]``, ``c0`` a scalar), decoded where ``mask`` (0 elsewhere): ``FMT`` 0 a
+    float tensor read as it is (its dtype kept); 1 bfloat16 bytes (uint8
+    rows, float32 out); 2 scaled FP8
     (:class:`~cpkv.consumers.kv_format.ScaledFp8Format`: ``BODY`` e4m3 bytes,
     one float32 scale per ``TILE`` of them, then ``TAIL`` bfloat16 values;
     float32 out). ``PART`` (FP8 only) says what the columns are, so that a
@@ -81,19 +97,19 @@ def load_values(ptr, row, c0, cols, mask, stride, FMT: tl.constexpr, BODY: tl.co
     bytes (:func:`unreadable`). [[RFC-0001:C-KV-FORMAT]]"""
     col = c0 + cols
     if FMT == 0:
-        x = tl.load(ptr + row * stride + col, mask=mask, other=0.0)
+        x = tl.load(ptr + at + col, mask=mask, other=0.0)
     elif FMT == 1:
         half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-        x = bf16_bits_to_f32(tl.load(half + row * (stride // 2) + col, mask=mask, other=0))
+        x = bf16_bits_to_f32(tl.load(half + at // 2 + col, mask=mask, other=0))
     elif PART == 3:
         half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-        at = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
-        x = bf16_bits_to_f32(tl.load(half + row * (stride // 2) + at + (col - BODY), mask=mask, other=0))
+        tail = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
+        x = bf16_bits_to_f32(tl.load(half + at // 2 + tail + (col - BODY), mask=mask, other=0))
     else:
         body = col < BODY
-        b = tl.load(ptr + row * stride + col, mask=mask & body, other=0)
+        b = tl.load(ptr + at + col, mask=mask & body, other=0)
         x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scales = ptr.to(tl.pointer_type(tl.float32), bitcast=True) + row * (stride // 4) + BODY // 4
+        scales = ptr.to(tl.pointer_type(tl.float32), bitcast=True) + at // 4 + BODY // 4
         if PART == 1:  # rows outside the mask read row 0's scale (in bounds) and are zeroed
             x = tl.where(mask, x * tl.load(scales + c0 // TILE), 0.0)
         elif PART == 2:
@@ -105,8 +121,8 @@ def load_values(ptr, row, c0, cols, mask, stride, FMT: tl.constexpr, BODY: tl.co
             x = x * tl.load(scales + col // TILE, mask=mask & body, other=0.0)
             if TAIL > 0:
                 half = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-                at = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
-                t = tl.load(half + row * (stride // 2) + at + (col - BODY), mask=mask & (col >= BODY), other=0)
+                tail = (BODY + 4 * ((BODY + TILE - 1) // TILE)) // 2
+                t = tl.load(half + at // 2 + tail + (col - BODY), mask=mask & (col >= BODY), other=0)
                 x = tl.where(body, x, bf16_bits_to_f32(t))
     return x
 
@@ -213,22 +229,33 @@ class ViewFormat:
         return {**self.const(prefix), f"{prefix}PART": fp8_part(self, start, step, count, width, block)}
 
 
-def kernel_view(view: torch.Tensor, fmt: KVFormat | None) -> tuple[torch.Tensor, ViewFormat]:
-    """The tensor a kernel reads for a cache ``view`` stored in ``fmt``
-    (``None``: a float tensor, read as it is) and its :class:`ViewFormat`:
-    float32 bytes are read through a float32 view of their rows, bfloat16
-    bytes and scaled FP8 rows as the uint8 rows they are. ``ValueError`` for
-    a format no kernel reads (:func:`unreadable`)."""
+def kernel_view(view: torch.Tensor | SegmentTable,
+                fmt: KVFormat | None) -> tuple[torch.Tensor, ViewFormat, torch.Tensor | None]:
+    """What a kernel reads for a cache ``view`` stored in ``fmt`` (``None``: a
+    float tensor, read as it is): ``(tensor, format, offsets)``. ``tensor``
+    is the one launched: the rank-major rows, or over a
+    :class:`~cpkv.consumers.kv_view.SegmentTable` its segment 0 (the base),
+    with ``offsets`` the table (int64 ``[N]``, each segment's offset from the
+    base in ``tensor``'s elements; ``None`` for one tensor: :func:`row_offset`).
+    Float32 bytes are read through a float32 view of their rows, bfloat16
+    bytes and scaled FP8 rows as the uint8 rows they are. ``ValueError`` for a
+    format no kernel reads (:func:`unreadable`)."""
+    table = view if isinstance(view, SegmentTable) else None
+    t = view if table is None else table.base
     if fmt is None:
-        return view, ViewFormat(0)
-    why = unreadable(fmt)
-    if why:
-        raise ValueError(why)
-    if isinstance(fmt, TorchFormat):
-        if fmt.dtype == torch.float32:
-            return view.view(torch.float32), ViewFormat(0)
-        return view, ViewFormat(1)
-    return view, ViewFormat(2, fmt.body, fmt.tile, fmt.tail)
+        vf = ViewFormat(0)
+    else:
+        why = unreadable(fmt)
+        if why:
+            raise ValueError(why)
+        if isinstance(fmt, TorchFormat):
+            if fmt.dtype == torch.float32:
+                t, vf = t.view(torch.float32), ViewFormat(0)
+            else:
+                vf = ViewFormat(1)
+        else:
+            vf = ViewFormat(2, fmt.body, fmt.tile, fmt.tail)
+    return t, vf, (None if table is None else table.offsets_in(t.element_size()))
 
 
 def unreadable(fmt: KVFormat | None) -> str | None:
@@ -290,4 +317,4 @@ class Launch:
 
 __all__ = ["DEFAULT_SMS", "Launch", "device_fn", "fp8_part", "PROGRAMS_PER_SM", "ViewFormat", "bf16_bits_to_f32", "block", "dot_precision",
            "f32_to_bf16_bits", "f32_to_e4m3_bits", "interpreting", "launchable", "load_values", "owner_and_local",
-           "kernel_view", "sm_count", "split_chunks", "unreadable", "usable", "tl"]
+           "kernel_view", "row_offset", "sm_count", "split_chunks", "unreadable", "usable", "tl"]

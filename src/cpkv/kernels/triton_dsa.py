@@ -11,6 +11,9 @@ translated in the kernel, byte formats decoded in it:
   chunk of its selection, partials merged by
   :func:`~cpkv.kernels.triton_attention.merge_launch`.
 
+Both read the group's memory as one rank-major buffer or as N segments through
+a table of their bases (``KSEG``/``LSEG``: :func:`~.triton_common.row_offset`).
+
 Grids are one-dimensional (at most ``2**31 - 1`` programs, the hardware's x
 limit; the y and z limits of 65,535 never apply).
 """
@@ -21,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import Launch, ViewFormat, block, dot_precision, fp8_part, load_values, owner_and_local, usable
+from .triton_common import Launch, ViewFormat, block, dot_precision, fp8_part, load_values, owner_and_local, row_offset, \
+    usable
 
 #: (BLOCK_L keys per tile, num_warps, num_stages) of the indexer, by query dtype
 INDEX_CONFIG = {torch.float32: (32, 8, 1), torch.float16: (64, 4, 2), torch.bfloat16: (64, 4, 2)}
@@ -30,12 +34,12 @@ MLA_CONFIG = {torch.float32: (16, 16, 8, 1), torch.float16: (16, 16, 8, 2), torc
 
 
 @triton.jit(do_not_specialize=["T", "L", "st_b", "so_t", "CHUNK", "SPLITS", "CAP", "SPR"])
-def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
+def _index_kernel(q_ptr, w_ptr, k_ptr, koff_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
                   sq_t, sq_h, sw_t, sk_n, st_b, so_t, T, L, CHUNK, SPLITS, SPR, CAP, scale,
                   N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PREC: tl.constexpr,
                   KFMT: tl.constexpr, KBODY: tl.constexpr, KTILE: tl.constexpr, KTAIL: tl.constexpr,
-                  KPART: tl.constexpr):
+                  KPART: tl.constexpr, KSEG: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     t = pid // SPLITS
@@ -54,8 +58,8 @@ def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
         s = tl.load(table_ptr + req * st_b + offs, mask=inr, other=PAD).to(tl.int64)
         ok = usable(s, PAD, CAP) & inr
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
-        row = owner * SPR + local
-        k = load_values(k_ptr, row[:, None], 0, d[None, :], ok[:, None] & (d < DI)[None, :], sk_n,
+        at = row_offset(koff_ptr, owner, local, SPR, sk_n, KSEG)  # the owner's segment, its local row
+        k = load_values(k_ptr, at[:, None], 0, d[None, :], ok[:, None] & (d < DI)[None, :],
                         KFMT, KBODY, KTILE, KTAIL, KPART)
         sc = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale, 0.0)  # [BLOCK_H, BLOCK_L]
         score = tl.sum(w[:, None] * sc, 0)
@@ -63,31 +67,32 @@ def _index_kernel(q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
 
 
 def index_launch(q, w, k, kf: ViewFormat, table, req, pos, out, layout, scale: float, splits: int,
-                 chunk: int) -> Launch:
+                 chunk: int, *, k_off=None) -> Launch:
     """The indexer launch: ``q [T, Hi, Di]``, ``w [T, Hi]``, keys ``k`` (as
-    :func:`~.triton_common.kernel_view` gives them) over ``table [B, L]``,
+    :func:`~.triton_common.kernel_view` gives them, ``k_off`` their segment
+    table or ``None``) over ``table [B, L]``,
     into ``out [T, L]`` (float32, filled with ``-inf`` by the caller): each
     query's visible context in ``splits`` chunks of ``chunk`` keys."""
     T, Hi, Di = q.shape
     bl, warps, stages = INDEX_CONFIG[q.dtype]
-    args = dict(q_ptr=q, w_ptr=w, k_ptr=k, table_ptr=table, req_ptr=req, pos_ptr=pos, out_ptr=out,
+    args = dict(q_ptr=q, w_ptr=w, k_ptr=k, koff_ptr=k if k_off is None else k_off, table_ptr=table, req_ptr=req, pos_ptr=pos, out_ptr=out,
                 sq_t=q.stride(0), sq_h=q.stride(1), sw_t=w.stride(0), sk_n=k.stride(0), st_b=table.stride(0),
                 so_t=out.stride(0), T=T, L=table.shape[1], CHUNK=chunk, SPLITS=splits, SPR=layout.slots_per_rank,
                 CAP=layout.capacity, scale=float(scale))
     const = dict(N=layout.cp_size, S=layout.slots_per_page, PAD=layout.padding_value, HI=Hi, DI=Di,
                  BLOCK_H=block(Hi), BLOCK_D=block(Di), BLOCK_L=bl, PREC=dot_precision(q.dtype),
-                 **kf.read("K", 0, 0, 1, Di, block(Di)))
+                 **kf.read("K", 0, 0, 1, Di, block(Di)), KSEG=k_off is not None)
     return Launch(_index_kernel, (T * splits,), args, const, warps, stages, "index")
 
 
 @triton.jit(do_not_specialize=["T", "KSEL", "CHUNK", "SPLITS", "CAP", "SPR", "ONLY"])
-def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, sl_n, ss_t, so_s, so_t, so_h, sl_s,
+def _sparse_mla_kernel(q_ptr, lat_ptr, loff_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, sl_n, ss_t, so_s, so_t, so_h, sl_s,
                        T, KSEL, CHUNK, SPLITS, SPR, CAP, ONLY, scaling,
                        N: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
                        VD: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr, ONLY_SET: tl.constexpr,
                        LFMT: tl.constexpr, LBODY: tl.constexpr, LTILE: tl.constexpr, LTAIL: tl.constexpr,
-                       CPART: tl.constexpr, RPART: tl.constexpr):
+                       CPART: tl.constexpr, RPART: tl.constexpr, LSEG: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     split = pid % SPLITS
     hb = (pid // SPLITS) % HB
@@ -112,10 +117,10 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
         owner, local = owner_and_local(tl.where(ok, s, 0), N, S)
         if ONLY_SET:  # the log-sum-exp split: only the slots rank ONLY owns
             ok = ok & (owner == ONLY)
-        row = owner * SPR + local
-        lat_c = load_values(lat_ptr, row[:, None], 0, c[None, :], ok[:, None] & (c < VD)[None, :], sl_n,
+        at = row_offset(loff_ptr, owner, local, SPR, sl_n, LSEG)  # the owner's segment, its local row
+        lat_c = load_values(lat_ptr, at[:, None], 0, c[None, :], ok[:, None] & (c < VD)[None, :],
                             LFMT, LBODY, LTILE, LTAIL, CPART).to(q_c.dtype)
-        lat_r = load_values(lat_ptr, row[:, None], VD, e[None, :], ok[:, None] & (e < RD)[None, :], sl_n,
+        lat_r = load_values(lat_ptr, at[:, None], VD, e[None, :], ok[:, None] & (e < RD)[None, :],
                             LFMT, LBODY, LTILE, LTAIL, RPART).to(q_c.dtype)
         sc = tl.dot(q_c, tl.trans(lat_c), input_precision=PREC) + tl.dot(q_r, tl.trans(lat_r), input_precision=PREC)
         sc = tl.where(ok[None, :], sc * scaling, float("-inf"))
@@ -135,9 +140,10 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, slot_ptr, out_ptr, lse_ptr, sq_t, sq_h, s
 
 
 def sparse_mla_launch(q, lat, lf: ViewFormat, slots, out, lse, layout, scaling: float, value_dims: int,
-                      only_rank: int, splits: int, chunk: int) -> Launch:
+                      only_rank: int, splits: int, chunk: int, *, lat_off=None) -> Launch:
     """The sparse MLA launch: ``q [T, H, r + dr]`` over the latent rows ``lat``
-    (as :func:`~.triton_common.kernel_view` gives them) at ``slots [T, K]``,
+    (as :func:`~.triton_common.kernel_view` gives them, ``lat_off`` their
+    segment table or ``None``) at ``slots [T, K]``,
     ``splits`` chunks of ``chunk`` selected slots each; writes ``out [T, H,
     r]``/``lse [T, H]`` with one split, else partials ``out [splits, T, H, r]``
     and ``lse [splits, T, H]`` (float32) to merge."""
@@ -145,7 +151,7 @@ def sparse_mla_launch(q, lat, lf: ViewFormat, slots, out, lse, layout, scaling: 
     bh, bk, warps, stages = MLA_CONFIG[q.dtype]
     bh = min(bh, block(H))
     part = out.dim() == 4
-    args = dict(q_ptr=q, lat_ptr=lat, slot_ptr=slots, out_ptr=out, lse_ptr=lse, sq_t=q.stride(0), sq_h=q.stride(1),
+    args = dict(q_ptr=q, lat_ptr=lat, loff_ptr=lat if lat_off is None else lat_off, slot_ptr=slots, out_ptr=out, lse_ptr=lse, sq_t=q.stride(0), sq_h=q.stride(1),
                 sl_n=lat.stride(0), ss_t=slots.stride(0), so_s=out.stride(0) if part else 0, so_t=out.stride(-3),
                 so_h=out.stride(-2), sl_s=lse.stride(0) if part else 0, T=T, KSEL=slots.shape[1], CHUNK=chunk,
                 SPLITS=splits, SPR=layout.slots_per_rank, CAP=layout.capacity, ONLY=max(only_rank, 0),
@@ -154,5 +160,6 @@ def sparse_mla_launch(q, lat, lf: ViewFormat, slots, out, lse, layout, scaling: 
                  VD=value_dims, RD=Dl - value_dims, BLOCK_H=bh, BLOCK_K=bk, BLOCK_V=block(value_dims),
                  BLOCK_R=block(Dl - value_dims), PREC=dot_precision(q.dtype), ONLY_SET=only_rank >= 0,
                  **lf.const("L"), CPART=fp8_part(lf, 0, 0, 1, value_dims, block(value_dims)),
-                 RPART=fp8_part(lf, value_dims, 0, 1, Dl - value_dims, block(Dl - value_dims)))
+                 RPART=fp8_part(lf, value_dims, 0, 1, Dl - value_dims, block(Dl - value_dims)),
+                 LSEG=lat_off is not None)
     return Launch(_sparse_mla_kernel, (T * triton.cdiv(H, bh) * splits,), args, const, warps, stages, "sparse_mla")

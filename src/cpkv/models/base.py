@@ -116,3 +116,11 @@ class ModelAdapter(ABC):
     @abstractmethod
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head: ``[T, vocab]``."""
+
+    def selection(self, cache: CacheAccess) -> torch.Tensor | None:
+        """The sparse selection of the forward that ran through ``cache``:
+        ``[T, selecting layers, k]`` int32 context positions per token (``-1``:
+        none), for a model whose attention reads a selection; ``None`` (the
+        default) for a dense model. ``--check`` gives it to the reference
+        (:mod:`cpkv.engine.check`)."""
+        return None

@@ -210,6 +210,7 @@ class DsaAdapter(ModelAdapter):
             iq, iw, ik = self._index(layer, x, q_lat, cos, sin)
             cache.store(layer, latent=latent, index_k=ik)
             cache.scratch["topk"] = self.select(layer, iq, iw, cache)
+            cache.scratch.setdefault("selected", {})[layer] = cache.scratch["topk"]
         else:
             cache.store(layer, latent=latent)
             if "topk" not in cache.scratch:
@@ -228,6 +229,18 @@ class DsaAdapter(ModelAdapter):
     def logits(self, h):
         """Final norm and LM head."""
         return self.model.lm_head(self.model.model.norm(h))
+
+    def selection(self, cache) -> torch.Tensor:
+        """The top-k of each indexer layer of the forward that ran through
+        ``cache``, ``[T, len(index_layers), index_topk]`` int32 positions,
+        ``-1`` padding (a ``shared`` GLM-5 layer reuses its indexer layer's)."""
+        got = cache.scratch.get("selected", {})
+        out = torch.full((cache.num_tokens, len(self.index_layers), self.index_topk), -1, dtype=torch.int32,
+                         device=cache.positions.device)
+        for i, layer in enumerate(self.index_layers):
+            if layer in got:
+                out[:, i, : got[layer].shape[1]] = got[layer]
+        return out
 
 
 @dataclass(frozen=True)

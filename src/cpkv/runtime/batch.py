@@ -52,7 +52,7 @@ from ..consumers.kv_pool import SharedKVPool
 from ..contract.allocation import Allocation
 from ..kernels import get as get_backend
 from ..kernels import raise_refused
-from ..kernels.backend import Backend, LayerView, QueryPlan
+from ..kernels.backend import Backend, CacheView, QueryPlan
 from ..models.attention import IndexerScore, topk_positions
 from .comm import Comm
 from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ForwardPlan, split_ranks
@@ -122,10 +122,10 @@ class ForwardBatch:
         self.reads: dict[str, int] = {}
         self.moved_bytes = 0
 
-    def _view(self, name: str, layer: int) -> LayerView:
+    def _view(self, name: str, layer: int) -> CacheView:
         """One layer of family ``name`` in the rank-major view, with its format."""
         f = self.pool.families[name]
-        return LayerView(self.pool.view(name, layer), f.format, f.shape)
+        return CacheView(self.pool.view(name, layer), f.format, f.shape)
 
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
@@ -140,7 +140,7 @@ class ForwardBatch:
             f = self.pool.families[n]
             if f.format is not None:
                 self._finite &= all_finite(x)
-            segment = LayerView(self.pool.segment(n, layer), f.format, f.shape)
+            segment = CacheView(self.pool.segment(n, layer), f.format, f.shape)
             self.backend.store(segment, x, p.write, self.layout, self.pool.rank, self._report)
             self._stores += 1
         self._dirty = True

@@ -14,9 +14,9 @@ that allocation with ``cudaIpcOpenMemHandle`` under its OWN device
 (PyTorch's CUDA IPC reduction, rebuilt for the reader's device: the mapping
 enables peer access lazily, as vLLM's custom all-reduce does), so every
 segment is addressable from every rank's kernels. The group's rank-major view
-of one layer is then a :class:`~cpkv.consumers.kv_view.LayerView`: the N
-segments and a table ``offsets [N]`` (int64 elements from segment 0's base, a
-multiple of 16 each). The owner writes only its own segment
+of one layer is then a :class:`~cpkv.consumers.kv_view.SegmentTable`: the N
+segments and a table ``offsets [N]`` (int64 elements from segment 0's base,
+each a multiple of 64 bytes). The owner writes only its own segment
 ([[RFC-0001:C-DIRECT-WRITE]]).
 
 Why a base table and not CUDA VMM (one reserved range with every rank's
@@ -36,16 +36,23 @@ local read of the same bytes.
 whole contract between the two):
 
 * ``pool.view(family, layer)`` is a ``torch.Tensor`` ``[N * slots_per_rank,
-  *row]`` over one buffer (the CPU; a group of one), or a ``LayerView``;
-* a ``LayerView`` has ``base`` (``[slots_per_rank, *row]``, rank 0's
+  *row]`` over one buffer (the CPU; a group of one), or a ``SegmentTable``;
+  a forward hands it to its backend as a
+  :class:`~cpkv.kernels.backend.CacheView` (``data``, the family's format
+  and row shape), the one path both backends take;
+* a ``SegmentTable`` has ``base`` (``[slots_per_rank, *row]``, rank 0's
   segment: the tensor a kernel is launched with), ``offsets`` (int64 ``[N]``
-  on ``base.device``, each a multiple of ``OFFSET_ALIGN`` = 16 elements),
-  ``shape``/``dtype``/``device``/``dim()``/``stride()`` as the rank-major
-  tensor would have them, and ``view[rows]`` (torch's reference read);
+  on ``base.device``, each ``OFFSET_ALIGN_BYTES`` = 64-byte aligned, so a
+  multiple of 16 elements of up to 4 bytes; ``offsets_in(element_size)`` for
+  a kernel that reads the bytes as another type), one table shared by every
+  layer of the family, ``shape``/``dtype``/``device``/``dim()``/``stride()``
+  as the rank-major tensor would have them, and ``table[rows]`` (torch's
+  reference read, owner by owner);
 * a kernel reads rank-major row ``owner * slots_per_rank + local`` at element
-  ``offsets[owner] + local * base.stride(0)`` from ``base``
-  (``cpkv.kernels.triton_common.view_offset``), and at ``(owner *
-  slots_per_rank + local) * stride(0)`` from a plain tensor, as before.
+  ``offsets[owner] + local * base.stride(0)`` from ``base``, and at ``(owner *
+  slots_per_rank + local) * stride(0)`` from a plain tensor
+  (``cpkv.kernels.triton_common.row_offset``: one constexpr, ``SEG``, tells
+  the two apart; ``kernel_view`` gives the launched tensor and the table).
 
 **N ranks on one GPU** (more ranks than GPUs): the same processes, segments and
 IPC view (a process may open another process's allocation on the same GPU),

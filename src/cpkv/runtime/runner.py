@@ -89,6 +89,7 @@ class CPRunner:
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family
         self.moved_bytes = 0
+        self.selected: torch.Tensor | None = None  # the last forward's sparse selection (see forward)
 
     def _agree(self, alloc: Allocation) -> None:
         h = hashlib.sha256()
@@ -109,8 +110,11 @@ class CPRunner:
         ``ids [E]`` are the batch's new token ids in flattened order;
         ``decode`` chooses the decode split (else the prefill split). Returns
         ``(token_indices, logits [t, vocab])``: which entries of the flattened
-        batch this rank computed, and their logits. Raises ``TypeError``
-        without a ``table`` (a runner of the deprecated form reads its own)."""
+        batch this rank computed, and their logits. :attr:`selected` is then
+        the model's sparse selection of those tokens
+        (:meth:`~cpkv.models.ModelAdapter.selection`, on the pool's device;
+        ``None`` for a dense model). Raises ``TypeError`` without a ``table``
+        (a runner of the deprecated form reads its own)."""
         if table is None:
             if self._rows is None:
                 raise TypeError("forward needs the page table holding the batch's rows (table=)")
@@ -126,6 +130,7 @@ class CPRunner:
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
+            self.selected = ad.selection(fb)
         fb.finish()
         self.tokens_computed += fb.num_tokens
         self.kv_read += fb.kv_read

@@ -21,37 +21,78 @@ import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
-from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv_events_flags, comma_choices,
-                    disagg_arg, finite_float, non_negative, output_file, positive, positive_list, size_arg,
-                    workload_arg)
+from .flags import (add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv_events_flags, add_mooncake_flags,
+                    comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file,
+                    positive, positive_list, simulate_workload_arg, size_arg, size_list, workload_arg)
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
 
 def _add_simulate(sub) -> None:
     from .simulate import ADMISSION, POLICIES, WORKLOADS
 
     s = sub.add_parser("simulate", allow_abbrev=False,
-                       help="seeded serving traces through the allocator and prefix cache, policies side by side")
-    s.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all", help="which built-in trace (default all)")
-    s.add_argument("--policies", type=comma_choices(POLICIES), default=list(POLICIES),
-                   help=f"comma list of {', '.join(POLICIES)} (default all three)")
+                       help="serving traces through the scheduler without a model: seeded traces with placement "
+                            "policies side by side, or a Mooncake trace replayed on a modelled H200 group, shared "
+                            "against replicated KV")
+    s.add_argument("--workload", nargs="+", type=simulate_workload_arg, default=["all"], metavar="W",
+                   help=f"built-in traces ({', '.join(WORKLOADS)}, or all: the default), or Mooncake trace files "
+                        "(mooncake:PATH, or a file recognised by its fields), replayed in their own milliseconds")
+    s.add_argument("--policies", type=comma_choices(POLICIES), default=None,
+                   help=f"built-in traces: comma list of {', '.join(POLICIES)} (default all three)")
     s.add_argument("--cp", "--ranks", dest="cp", type=positive, default=8, metavar="N",
                    help="ranks in the CP group (default 8)")
-    s.add_argument("--page", "--page-size", dest="page", type=positive, default=16, metavar="S",
-                   help="tokens per page (default 16)")
-    s.add_argument("--lane-pages", type=positive, default=None, help="pages per lane (default: the workload's own)")
+    s.add_argument("--page", "--page-size", dest="page", type=positive, default=None, metavar="S",
+                   help="tokens per page (default 16; Mooncake traces 64, FlashMLA's page)")
+    s.add_argument("--lane-pages", type=positive, default=None,
+                   help="built-in traces: pages per lane (default: the workload's own)")
     s.add_argument("--admission", choices=ADMISSION, default="lanes",
                    help="lanes: admit while every lane can hold the running requests' needs (default); "
                         "none: admit everything, a stress mode")
-    s.add_argument("--seed", type=non_negative, default=0, help="trace seed (default 0)")
+    s.add_argument("--seed", type=non_negative, default=0, help="built-in traces: trace seed (default 0)")
     s.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
-                   help="write lane occupancy over time per policy (.png, .pdf or .svg)")
-    s.add_argument("--host-pages", type=non_negative, default=0, help="host-tier pages, 0 for none (default 0)")
+                   help="built-in traces: lane occupancy over time per policy; Mooncake traces: one file per "
+                        "figure beside FILE (resident tokens against capacity, hit rate over time, TTFT and TPOT "
+                        "CDFs), their paths printed")
+    s.add_argument("--host-pages", type=non_negative, default=0,
+                   help="built-in traces: host-tier pages, 0 for none (default 0)")
+    s.add_argument("--no-prefix-wait", action="store_true",
+                   help="admit a request that shares a prefix another running request is still computing at once "
+                        "(it computes the prefix again); by default it waits until those pages are cached")
     add_kv_events_flags(s, "the simulated caches' (one --workload, one of --policies)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_replay_flags(s)
     s.set_defaults(func=cmd_simulate, validate=validate_simulate)
+
+
+def _add_replay_flags(s) -> None:
+    """``cpkv simulate``'s flags for Mooncake traces (:mod:`cpkv.tools.replay`), in one group."""
+    from .replay import KV_MODES
+
+    g = s.add_argument_group("Mooncake replay on a modelled H200 group (DeepSeek-V3.2; cpkv.tools.cost_model)")
+    g.add_argument("--kv", type=comma_choices(KV_MODES), default=None, metavar="LIST",
+                   help="the group's cache, a comma list of shared, replicated (default both, same memory per rank)")
+    g.add_argument("--kv-memory", type=size_arg, default=None, metavar="SIZE",
+                   help="device KV bytes per rank, both modes (default: what an H200 keeps beside a DeepSeek-V3.2 "
+                        "shard, as cpkv.tools.cost_model.kv_memory_per_rank derives it)")
+    g.add_argument("--kv-dtype", type=comma_choices(("bfloat16", "fp8")), default=None, metavar="LIST",
+                   help="comma list of bfloat16, fp8 (DeepSeek's 656 + 132 bytes a token and layer) (default both)")
+    g.add_argument("--host-memory", type=size_list, default=None, metavar="LIST",
+                   help="host-tier bytes for the group, a comma list of sizes, 0 for none (default 0,1TiB: without "
+                        "and with a host tier of half a DGX H200's 2 TB)")
+    g.add_argument("--decode-split", type=comma_choices(("owner", "lse")), default=None, metavar="LIST",
+                   help="the shared group's decode split in the cost model, a comma list of owner, lse "
+                        "(default owner)")
+    g.add_argument("--chunk", type=positive, default=None, help="prefill tokens per step (default 8192)")
+    g.add_argument("--max-running", type=positive, default=None, help="requests running at once (default 256)")
+    g.add_argument("--requests", type=positive, default=None, help="only the trace's first K requests")
+    g.add_argument("--rate", type=finite_float(0, inclusive=False), default=None, metavar="X",
+                   help="arrivals X times as fast as the timestamps say (default 1: the trace's own)")
+    g.add_argument("--gpu-results", type=existing_file, default=None, metavar="PATH",
+                   help="a results.json whose cost_model object replaces the H200 datasheet figures by measured ones")
+    g.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    add_mooncake_flags(s, block=512, step_ms=False)
 
 
 def _add_bench(sub) -> None:
@@ -95,6 +136,12 @@ def _add_bench(sub) -> None:
                    help="capacity: start each run's ranks as processes (default, as a deployment runs them) or as "
                         "threads of this process (quicker to start; their Python runs one rank at a time)")
     add_device_flags(b)
+    b.add_argument("--workload", type=mooncake_arg, default=None, metavar="PATH",
+                   help="capacity: a Mooncake trace (mooncake:PATH, or a file with its fields) instead of the longdoc "
+                        "trace, sliced and scaled by the flags below")
+    b.add_argument("--requests", type=positive, default=200,
+                   help="capacity with a Mooncake --workload: its first K requests (default 200)")
+    add_mooncake_flags(b, block=16)
     # a flag not given stays unset, so validate_bench tells which were given, refuses those the benchmark does
     # not take (BENCH_FLAGS) and then fills in the defaults recorded here
     b.set_defaults(func=cmd_bench, validate=validate_bench, bench_defaults={
@@ -151,10 +198,12 @@ def _add_run(sub) -> None:
     r.add_argument("--model", choices=MODELS, default="llama",
                    help="model family, small random weights (default llama; deepseek-v3.2 and glm-5 are the DSA models)")
     r.add_argument("--workload", type=workload_arg, default=D.workload,
-                   help=f"a built-in trace ({', '.join(WORKLOADS)}) or a JSONL file, one request a line "
-                        f"(default {D.workload}; the file's format is in the description above)")
+                   help=f"a built-in trace ({', '.join(WORKLOADS)}), a JSONL file, one request a line (its format "
+                        "is in the description above), or a Mooncake trace (mooncake:PATH, or a file recognised by "
+                        f"its fields) (default {D.workload})")
     r.add_argument("--requests", type=positive, default=D.requests,
-                   help=f"built-in traces: sessions, questions or documents (default {D.requests})")
+                   help=f"built-in traces: sessions, questions or documents; a Mooncake trace: its first K requests "
+                        f"(default {D.requests})")
     r.add_argument("--scale", type=finite_float(0, inclusive=False, hi=MAX_SCALE), default=D.scale,
                    help=f"built-in traces: lengths times this, at most {MAX_SCALE:g} (default {D.scale:g})")
     r.add_argument("--chunk", type=positive, default=D.chunk,
@@ -179,6 +228,10 @@ def _add_run(sub) -> None:
                    help=f"host-tier pages, 0 for none (default {D.host_pages})")
     r.add_argument("--max-running", type=positive, default=D.max_running,
                    help=f"requests running at once (default {D.max_running})")
+    r.add_argument("--no-prefix-wait", action="store_true",
+                   help="admit a request that shares a prefix another running request is still computing at once "
+                        "(it computes the prefix again, the same tokens); by default it waits until those pages are "
+                        "cached and hits them")
     r.add_argument("--admission", choices=ADMISSION, default=D.admission,
                    help="lanes: admit while every lane holds what the running requests still need (default); "
                         "none: admit up to --max-running and preempt when a lane runs dry")
@@ -192,8 +245,9 @@ def _add_run(sub) -> None:
     r.add_argument("--seed", type=non_negative, default=D.seed, help=f"trace and weights seed (default {D.seed})")
     r.add_argument("--check", action="store_true",
                    help="compare every logit and every request's greedy tokens with transformers")
-    r.add_argument("--tolerance", type=finite_float(0), default=1e-4,
-                   help="with --check: max abs logit difference allowed (default 1e-4)")
+    r.add_argument("--tolerance", type=finite_float(0), default=None,
+                   help="with --check: max abs logit difference allowed (default 1e-4, in every --kv-dtype: "
+                        "the reference reads the run's stored values, each checked to be a rounding of its own)")
     r.add_argument("--check-plans", action="store_true",
                    help="debug: one collective per batch checks that every rank allocated alike")
     r.add_argument("--disagg", type=disagg_arg, default=None, metavar="M:N",
@@ -211,6 +265,7 @@ def _add_run(sub) -> None:
                    help="after the text report, every request's generated token ids, one line a request")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_flags(r)
+    add_mooncake_flags(r, block=D.block_tokens)
     r.set_defaults(func=cmd_run, validate=validate_run)
 
 
@@ -243,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[cmd]
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed and validated as the ``cpkv`` command takes it (its
+    cross-flag rules and up-front refusals, nothing run): the namespace its
+    subcommand runs on (``args.func(args)``; ``cpkv run`` sets
+    ``args.config``). A command line the command refuses raises
+    ``SystemExit(2)`` after argparse's message on stderr, as the command
+    exits."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "validate", None):
+        args.validate(args, _subparser(parser, args.cmd))
+    return args
 
 
 def _what_it_finished(name: str, e: BaseException) -> None:

@@ -15,18 +15,24 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def cmd_simulate(args) -> int:
-    """``cpkv simulate``: each workload through the scheduler without a model, policies side by side."""
-    from .table import format_rows
-    from .simulate import SIM_WORKLOADS as WORKLOADS, compare, plot
+    """``cpkv simulate``: each workload through the scheduler without a model, policies side by side; or
+    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`)."""
+    if args.mooncake:
+        from .replay_report import cmd_replay
 
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+        return cmd_replay(args)
+    from .table import format_rows
+    from .simulate import POLICIES, SIM_WORKLOADS as WORKLOADS, compare, plot
+
+    names = list(WORKLOADS) if "all" in args.workload else list(dict.fromkeys(args.workload))
     results, tables = [], []
     with simulate_publisher(args) as pub:
         for name in names:
             w = WORKLOADS[name](seed=args.seed)
-            runs = compare(w, policies=args.policies, cp_size=args.cp, page_size=args.page,
+            runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
                            lane_pages=args.lane_pages, admission=args.admission, host_pages=args.host_pages,
-                           progress=not args.no_progress and not args.json, events=pub)
+                           progress=not args.no_progress and not args.json, events=pub,
+                           wait_for_prefix=not args.no_prefix_wait)
             results += runs
             rows = [r.summary() for r in runs]
             tables.append((name, w, rows))
@@ -49,6 +55,12 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
+#: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
+BUILTIN_ONLY = ("policies", "lane_pages", "host_pages", "kv_events", "kv_events_replay")
+MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests", "rate",
+                 "gpu_results", "markdown", "window", "max_output")
+
+
 def simulate_publisher(args):
     """``cpkv simulate --kv-events``: the publisher, bound before the first
     step (a context manager; a null one without the flag)."""
@@ -62,16 +74,36 @@ def simulate_publisher(args):
 
 
 def validate_simulate(args, parser) -> None:
-    """``--plot`` needs matplotlib; ``--kv-events`` one trace under one policy
-    and endpoints this machine can bind."""
+    """``--plot`` needs matplotlib; built-in and Mooncake workloads are not mixed, and each takes only its own
+    flags; sets ``args.mooncake`` and ``args.page`` (16, or 64 for Mooncake traces). Built-in traces: their
+    lanes checked against this machine and their requests against the cache, ``--kv-events`` one trace under one
+    policy and endpoints this machine can bind; Mooncake traces: a request the cache could never hold refused
+    (:func:`~cpkv.tools.refusals.refuse_mooncake_sizes`)."""
     if args.plot:
         refuse_without(parser, "matplotlib", "--plot")
-    from .refusals import refuse_simulate_sizes
+    from .refusals import refuse_mooncake_sizes, refuse_simulate_sizes
+    from .simulate import POLICIES, SIM_WORKLOADS
 
+    builtin = [w for w in args.workload if w in SIM_WORKLOADS or w == "all"]
+    if builtin and len(builtin) != len(args.workload):
+        parser.error("--workload: built-in traces and Mooncake traces are simulated apart; give one kind")
+    args.mooncake = not builtin
+    wrong = [f for f in (BUILTIN_ONLY if args.mooncake else MOONCAKE_ONLY) if getattr(args, f) not in (None, False, 0)]
+    if not args.mooncake and args.block_tokens != 512:
+        wrong.append("block_tokens")
+    if wrong:
+        kind = "Mooncake traces" if args.mooncake else "built-in traces"
+        parser.error(f"{', '.join('--' + f.replace('_', '-') for f in wrong)} do not apply to {kind}")
+    if args.page is None:
+        args.page = 64 if args.mooncake else 16
+    if args.mooncake:
+        refuse_mooncake_sizes(parser, args)
+        return
+    args.policies = args.policies or list(POLICIES)
     refuse_simulate_sizes(parser, args)
-    if args.kv_events is not None and (args.workload == "all" or len(args.policies) != 1):
+    if args.kv_events is not None and ("all" in args.workload or len(args.workload) != 1 or len(args.policies) != 1):
         parser.error("--kv-events publishes one cache: name one --workload and one of --policies "
-                     f"(got --workload {args.workload}, --policies {','.join(args.policies)})")
+                     f"(got --workload {' '.join(args.workload)}, --policies {','.join(args.policies)})")
     refuse_unless_kv_events_bind(parser, args)
 
 
@@ -131,11 +163,17 @@ def cmd_bench(args) -> int:
 
 
 def cmd_bench_kvdtype(args) -> int:
-    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces."""
+    """``cpkv bench kvdtype``: KV bytes and accuracy of each ``--kv-dtype`` on the same traces;
+    :data:`EXIT_CHECK_FAILED` (one line on stderr) when an accuracy row is not exact."""
     from .bench.kvdtype import bench_kvdtype, format_kvdtype
 
     report = bench_kvdtype(args.kv_dtype, cp=args.cp)
     print(json.dumps(report, indent=2) if args.json else format_kvdtype(report))
+    bad = [f"{r['model']} {r['trace']} {r['kv dtype']}: {r['exact']}" for r in report["accuracy"]
+           if r["exact"] != "yes"]
+    if bad:
+        print(f"FAIL: not exact: {'; '.join(bad)}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     return EXIT_OK
 
 
@@ -146,20 +184,21 @@ def cmd_bench_capacity(args) -> int:
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory),
-                                 ranks=args.ranks_as, rounds=args.repeats or 5)
+        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats or 5)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
     except CheckFailed as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    trace = (f"{args.workload}, its first {args.requests} requests at {args.block_tokens} tokens a block" if args.workload
+             else "longdoc trace")
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
                             f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
-                            "run to the end; longdoc trace; every run checked against transformers"))
+                            f"run to the end; {trace}; every run checked against transformers"))
     return EXIT_OK
 
 
@@ -197,15 +236,31 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     own message."""
     import dataclasses
 
-    from ..engine.config import EngineConfig, engine_footprint
+    from ..engine.config import engine_footprint
+    from ..engine.trace import TraceError
 
     try:
-        base = EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory).sized()
+        base = capacity_config(args).sized()
+        if args.workload:
+            base.trace()
+    except TraceError as e:
+        parser.error(f"--workload: {e}")
     except ValueError:
         return
     for kv in ("shared", "replicated"):
         cfg = dataclasses.replace(base, kv=kv, check=True, host_pages=0)
         refuse_unless_fits(parser, engine_footprint(cfg), timeout=cfg.timeout)
+
+
+def capacity_config(args):
+    """``cpkv bench capacity``'s :class:`~cpkv.engine.config.EngineConfig`: the group, the memory, and a
+    Mooncake ``--workload`` slice when one is given (``ValueError`` for a memory that holds no page)."""
+    from ..engine.config import EngineConfig
+
+    trace = {} if not args.workload else dict(workload=args.workload, requests=args.requests, step_ms=args.step_ms,
+                                               block_tokens=args.block_tokens, window_ms=args.window,
+                                               max_output=args.max_output)
+    return EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, **trace)
 
 
 def cmd_bench_splits(args) -> int:
@@ -291,7 +346,9 @@ def run_config(args):
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
         progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay, kv_events_buffer=args.kv_events_buffer, device=args.device,
-        kernels=args.kernels,
+        kernels=args.kernels, block_tokens=args.block_tokens,
+        window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
+        wait_for_prefix=not args.no_prefix_wait,
     )
 
 
@@ -448,11 +505,14 @@ def default_cp_size() -> int:
 
 
 def check_exit(r: dict, args) -> int:
-    """:data:`EXIT_CHECK_FAILED` (with one line on stderr) when the run's check failed
-    beyond ``--tolerance``, else :data:`EXIT_OK`."""
+    """:data:`EXIT_CHECK_FAILED` (with one line on stderr) when the run's check
+    failed (:func:`~cpkv.engine.exactness.failures`, logits within
+    ``--tolerance`` when given), else :data:`EXIT_OK`."""
+    from ..engine.exactness import failures
+
     c = r["check"]
-    if c is not None and (c["max_abs_diff"] > args.tolerance or c["requests_matched"] != c["requests"]):
-        print(f"FAIL: max abs logit difference {c['max_abs_diff']:.3g} (tolerance {args.tolerance:g}), "
-              f"greedy tokens equal for {c['requests_matched']} of {c['requests']} requests", file=sys.stderr)
+    why = failures(c, args.tolerance) if c is not None else []
+    if why:
+        print(f"FAIL: {'; '.join(why)}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK

@@ -127,13 +127,41 @@ def refuse_unless_fits(parser: argparse.ArgumentParser, *footprints, timeout: fl
 
 
 def workload_arg(text: str) -> str:
-    """A ``type=`` for ``--workload``: a built-in trace name or an existing JSONL file."""
+    """A ``type=`` for ``--workload``: a built-in trace name, an existing
+    JSONL file, or a Mooncake trace (an existing file, ``mooncake:PATH`` to
+    name the format)."""
+    from ..engine.mooncake import MOONCAKE_PREFIX
     from ..engine.trace import WORKLOADS
 
-    if text in WORKLOADS or Path(text).is_file():
+    if text in WORKLOADS or Path(text.removeprefix(MOONCAKE_PREFIX)).is_file():
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in workload ({', '.join(WORKLOADS)}) "
                                      "nor a file")
+
+
+def add_mooncake_flags(p: argparse.ArgumentParser, *, block: int, step_ms: bool = True) -> None:
+    """The flags of a Mooncake trace (:mod:`cpkv.engine.mooncake`), in one
+    group: ``--block-tokens`` (default ``block``), ``--window``,
+    ``--max-output`` and, with ``step_ms``, ``--step-ms`` (a model run's
+    arrival steps)."""
+    def block_tokens(text: str) -> int:
+        v = int_at_least(1)(text)
+        if v > 512:
+            raise argparse.ArgumentTypeError(f"must be at most 512 (the traces' block), got {v}")
+        return v
+
+    block_tokens.__name__ = "integer in 1..512"
+    g = p.add_argument_group("Mooncake traces (--workload mooncake:PATH, or a file with their fields)")
+    g.add_argument("--block-tokens", type=block_tokens, default=block, metavar="B",
+                   help=f"tokens a hash id becomes, at most 512 (the traces' block); lengths scale with it "
+                        f"(default {block})")
+    g.add_argument("--window", type=int_at_least(1), default=None, metavar="MS",
+                   help="only the requests arriving in the trace's first MS milliseconds")
+    g.add_argument("--max-output", type=int_at_least(1), default=None, metavar="N",
+                   help="cap every request's output at N tokens (after scaling)")
+    if step_ms:
+        g.add_argument("--step-ms", type=finite_float(0, inclusive=False), default=1000.0, metavar="MS",
+                       help="a request arrives at engine step timestamp // MS (default 1000)")
 
 
 def size_arg(text: str) -> int:
@@ -287,6 +315,62 @@ def refuse_cuda_unless_available(parser: argparse.ArgumentParser, device: str, r
         parser.error(f"refused before starting: {e}")
 
 
+def simulate_workload_arg(text: str) -> str:
+    """A ``type=`` for ``cpkv simulate --workload``: a built-in trace name,
+    ``all``, or a Mooncake trace (``mooncake:PATH``, or a file recognised by
+    its fields)."""
+    from ..engine.mooncake import MOONCAKE_PREFIX, mooncake_path
+    from ..engine.trace import WORKLOADS
+
+    if text in WORKLOADS or text == "all":
+        return text
+    if text.startswith(MOONCAKE_PREFIX) and not Path(text.removeprefix(MOONCAKE_PREFIX)).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    if mooncake_path(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in workload ({', '.join(WORKLOADS)}, all) nor a "
+                                     "Mooncake trace file (timestamp, input_length, output_length, hash_ids)")
+
+
+simulate_workload_arg.__name__ = "workload"
+
+
+def mooncake_arg(text: str) -> str:
+    """A ``type=`` for a Mooncake trace: ``mooncake:PATH`` or a file recognised by its fields."""
+    from ..engine.mooncake import mooncake_path
+
+    path = mooncake_path(text)
+    if path is None or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Mooncake trace file (timestamp, input_length, "
+                                         "output_length, hash_ids)")
+    return text
+
+
+mooncake_arg.__name__ = "Mooncake trace"
+
+
+def existing_file(text: str) -> str:
+    """A ``type=`` for a file to read: it must exist."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return text
+
+
+existing_file.__name__ = "file"
+
+
+def size_list(text: str) -> list[int]:
+    """A ``type=`` for a comma list of byte counts (:func:`size_arg` each, 0 allowed)."""
+    out = []
+    for t in text.split(","):
+        t = t.strip()
+        out.append(0 if t == "0" else size_arg(t))
+    return out
+
+
+size_list.__name__ = "comma list of sizes"
+
+
 #: The flags each benchmark takes (``all``: those of alloc, kv and engine); any other given is refused.
 BENCH_FLAGS = {
     "alloc": {"repeats", "json"},
@@ -294,9 +378,11 @@ BENCH_FLAGS = {
     "kv": {"repeats", "json", "tokens", "device", "kernels"},
     "splits": {"repeats", "json", "model", "cp", "tokens", "bs", "decode_bs", "context", "page", "device", "kernels"},
     "kvdtype": {"json", "cp", "kv_dtype"},
-    "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as"},
+    "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as", "workload", "requests", "block_tokens",
+                 "window", "max_output", "step_ms"},
     "plan": {"repeats", "json", "device", "kernels"},
     "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
+    "kernels": {"json", "compile", "device"},
 }
 BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
 

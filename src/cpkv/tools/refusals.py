@@ -14,6 +14,7 @@ are checked the same way (:func:`refuse_simulate_sizes`).
 
 from __future__ import annotations
 
+import math
 import sys
 
 
@@ -127,7 +128,7 @@ def refuse_simulate_sizes(parser, args) -> None:
     from ..runtime.sizing import format_size
     from .simulate import SIM_WORKLOADS
 
-    for name in list(SIM_WORKLOADS) if args.workload == "all" else [args.workload]:
+    for name in list(SIM_WORKLOADS) if "all" in args.workload else list(dict.fromkeys(args.workload)):
         w = SIM_WORKLOADS[name](seed=args.seed)
         lane_pages = args.lane_pages or w.lane_pages
         pages, usable = args.cp * lane_pages + args.host_pages, usable_bytes()
@@ -144,6 +145,57 @@ def refuse_simulate_sizes(parser, args) -> None:
             parser.error(f"--lane-pages {lane_pages}: {name}'s cache can never hold {len(e.requests)} of its "
                          f"{len(w.requests)} requests (the longest needs {e.pages_per_rank_needed} pages per lane); "
                          f"give --lane-pages {e.pages_per_rank_needed} or more")
+
+
+def refuse_mooncake_sizes(parser, args) -> None:
+    """``cpkv simulate`` with Mooncake traces: reads them (``args.mooncake_traces``, so the command reads them
+    once; a malformed line refused with its path and line), then ``parser.error`` for a configuration the replay
+    refuses, for caches whose bookkeeping this machine cannot hold, and for a trace with a request that a mode's
+    device cache at ``--kv-memory`` could never hold (every mode and KV dtype asked for, one short line, the
+    memory to give), as :func:`refuse_sizes` refuses a model run's trace."""
+    import dataclasses
+
+    from ..engine.config import BOOKKEEPING_BYTES_PER_PAGE
+    from ..engine.rank import cache_lane_pages
+    from ..engine.trace import CacheTooSmall, TraceError, check_fits
+    from ..runtime.sizing import format_size
+    from .replay import KV_MODES
+    from .replay_report import HOST_MEMORY, load_traces, replay_base
+
+    try:
+        _, base = replay_base(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        args.mooncake_traces = load_traces(args)
+    except (TraceError, OSError) as e:
+        parser.error(f"--workload: {e}")
+    usable = usable_bytes()
+    hosts = args.host_memory if args.host_memory is not None else [0, HOST_MEMORY]
+    for dtype in args.kv_dtype or ("bfloat16", "fp8"):
+        for kv in args.kv or KV_MODES:
+            cfg = dataclasses.replace(base, kv_dtype=dtype, host_memory=max(hosts))
+            token_bytes = cfg.cost_model(kv).kv_token_bytes
+            try:
+                device, host = cfg.pages(token_bytes)
+            except ValueError as e:
+                parser.error(f"--kv-memory: {e}")
+            lanes = 1 if kv == "replicated" else cfg.cp_size
+            if BOOKKEEPING_BYTES_PER_PAGE * (lanes * device + host) > usable:
+                parser.error(f"--kv-memory {format_size(cfg.kv_memory)} with --host-memory {format_size(max(hosts))}: "
+                             f"{lanes * device + host} pages take "
+                             f"{format_size(BOOKKEEPING_BYTES_PER_PAGE * (lanes * device + host))} of bookkeeping, "
+                             f"more than this machine can give ({format_size(usable)} usable); give less")
+            page = cfg.page_size * token_bytes
+            for name, trace in args.mooncake_traces:
+                try:
+                    check_fits(trace.specs, cache_lane_pages(lanes, device), cfg.page_size)
+                except CacheTooSmall as e:
+                    need = e.pages_per_rank_needed
+                    parser.error(f"--kv-memory {format_size(cfg.kv_memory)}: the {kv} {dtype} device cache can never "
+                                 f"hold {len(e.requests)} of {name}'s {len(trace.specs)} requests (the longest needs "
+                                 f"{need} pages of {format_size(int(page))} per rank, it holds {device}); give "
+                                 f"--kv-memory {math.ceil(need * page)} ({format_size(math.ceil(need * page))}) or more")
 
 
 #: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.

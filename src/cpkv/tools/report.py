@@ -46,6 +46,12 @@ def format_engine(r: dict) -> str:
         ref = "transformers" if r["kv_dtype"] == "float32" else f"transformers, {r['kv_dtype']} cache"
         rows += [(f"max |logit - {ref}|", f"{ck['max_abs_diff']:.3g} over {ck['logits_checked']} logits"),
                  ("requests matching greedy decoding", f"{ck['requests_matched']} of {ck['requests']}")]
+        a = ck.get("agreement")
+        if a:
+            rows += [("stored values: rounding flips / outside", f"{a['flips']} / {a['outside']} of {a['values']}")]
+            if a["rows"]:
+                rows += [("selections: near-ties / mismatches",
+                          f"{a['near_ties']} / {a['mismatches']} of {a['rows']}")]
         u = ck.get("unquantized")
         if u and r["kv_dtype"] != "float32":
             rows += [("vs unquantized: max |logit diff| / greedy agreement",

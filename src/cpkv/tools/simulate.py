@@ -25,6 +25,7 @@ import numpy as np
 from ..consumers.hicache import HostTier
 from ..consumers.prefix_cache import PrefixCache
 from ..contract.allocator import OwnerLaneAllocator
+from ..engine.latency import LatencyClock, latency_report
 from ..engine.scheduler import ADMISSION, Scheduler, StepPlan
 from ..engine.trace import WORKLOADS, RequestSpec
 from ..runtime.progress import progress_bar
@@ -85,6 +86,7 @@ class RunResult:
     evicted_pages: int = 0
     requests: int = 0
     host_pages: int = 0
+    latency: dict | None = None  # TTFT and TPOT in steps (:func:`~cpkv.engine.latency.latency_report`)
 
     @property
     def occupancy(self) -> list:
@@ -113,12 +115,16 @@ class RunResult:
         }
         if self.host_pages:
             row["host hit rate"] = round(st.host_hit_tokens / max(st.prompt_tokens, 1), 4)
+        if self.latency is not None:
+            for q in ("p50", "p99"):
+                row[f"TTFT {q} steps"] = self.latency["ttft_steps"][q]
+            row["prefix waits"] = st.prefix_waits
         return row
 
 
 def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_size: int = 16,
         lane_pages: int | None = None, admission: str = "lanes", headroom: float = 0.02, host_pages: int = 0,
-        progress: bool = True, events=None) -> RunResult:
+        progress: bool = True, events=None, wait_for_prefix: bool = True) -> RunResult:
     """Run ``workload`` under one placement ``policy`` through the engine's scheduler.
 
     ``admission="lanes"`` admits a request only while every lane can hold what
@@ -128,7 +134,10 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     preempted once a lane runs dry. ``events`` (a
     :class:`~cpkv.consumers.kv_events_zmq.KVEventPublisher`, or ``None``)
     hears the caches' KV events, one batch a step, as the engine publishes
-    them (:func:`cpkv.engine.engine.connect_kv_events`).
+    them (:func:`cpkv.engine.engine.connect_kv_events`). ``wait_for_prefix``:
+    the scheduler's in-batch prefix rule (a request waits for the pages of a
+    prefix another is computing; :class:`~cpkv.engine.scheduler.Scheduler`).
+    TTFT and TPOT come in steps (``RunResult.latency``).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
@@ -142,7 +151,8 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     host = HostTier(host_pages, S) if host_pages else None
     sched = Scheduler(list(workload.requests), PrefixCache(alloc), chunk=workload.chunk,
                       max_running=workload.max_running, admission=admission, headroom=headroom, host=host,
-                      report_lanes=N)
+                      report_lanes=N, wait_for_prefix=wait_for_prefix)
+    clock = LatencyClock(0.0)
     sink = None
     if events is not None:
         from ..engine.engine import connect_kv_events
@@ -152,11 +162,13 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     while not sched.done:
         plan = sched.plan()
         bar.update(len(sched.complete(plan, null_execute(plan))))
+        clock.observe(plan, float(plan.step))
         if sink is not None:
             sink.flush()
     bar.close()
     res = RunResult(workload.name, policy, N, lane_pages, sched.stats, sched.stats.evicted_nodes,
-                    sched.stats.evicted_pages, len(workload.requests), host_pages)
+                    sched.stats.evicted_pages, len(workload.requests), host_pages,
+                    {k: v for k, v in latency_report(sched.requests, clock).items() if k.endswith("_steps")})
     sched.drain()
     if sink is not None:
         sink.flush()

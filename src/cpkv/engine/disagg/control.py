@@ -42,7 +42,8 @@ class DisaggControl:
     def __init__(self, cfg: DisaggConfig, specs: list[RequestSpec], families=None):
         cfg.check_sized()
         M, N = cfg.prefill_size, cfg.decode_size
-        common = dict(chunk=cfg.chunk, max_running=cfg.max_running, admission=cfg.admission)
+        common = dict(chunk=cfg.chunk, max_running=cfg.max_running, admission=cfg.admission,
+                      wait_for_prefix=cfg.wait_for_prefix)
         host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
         self.decode = Scheduler(specs, build_cache(N, cfg.d_page, cfg.d_pages), remote_prefill=True, **common)
         Scheduler(specs, build_cache(M, cfg.page_size, cfg.device_pages), **common)  # every request fits the prefill side

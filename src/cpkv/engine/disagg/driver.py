@@ -86,11 +86,11 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
         bar.update(ctl.decode.stats.finished - before)
     seconds = time.perf_counter() - t0
     bar.close()
-    logits = ex.logits if cfg.check and group.rank == 0 else None
+    records = (ex.logits, ex.stored, ex.selected) if cfg.check and group.rank == 0 else None
     ranks = world.all_gather_object({"world_rank": world.rank, "side": side, "group_rank": group.rank,
                                      "bytes": link.bytes, "messages": link.messages,
                                      "transfer_seconds": link.seconds, "digest": ctl.digest,
-                                     "tokens_computed": runner.tokens_computed, "logits": logits})
+                                     "tokens_computed": runner.tokens_computed, "records": records})
     if ctl.prefill.held:
         raise AssertionError(f"prefill requests {sorted(ctl.prefill.held)} still hold KV after the trace")
     for sched in (ctl.prefill, ctl.decode):
@@ -100,13 +100,17 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
         return None
     checked = None
     if cfg.check:
-        merged: dict[int, dict] = {}
+        # logits and selections by request and position; the stored values a request read, by request (the
+        # decode side's, from its last forward, replace the prefill side's: ranks come in world order)
+        merged: tuple[dict, dict, dict] = ({}, {}, {})
         for x in ranks:
-            if x["logits"] is None:
+            if x["records"] is None:
                 continue
-            for idx, by_pos in x["logits"].items():
-                merged.setdefault(ctl.origin[idx] if x["side"] == "prefill" else idx, {}).update(by_pos)
-        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged), fams)
+            for into, got in zip(merged, x["records"]):
+                for idx, by_pos in got.items():
+                    into.setdefault(ctl.origin[idx] if x["side"] == "prefill" else idx, {}).update(by_pos)
+        checked = check(adapter.model, ctl.decode, SimpleNamespace(logits=merged[0], stored=merged[1],
+                                                                   selected=merged[2]), fams)
     return disagg_report(cfg, ctl, ranks, seconds, checked)
 
 

@@ -86,6 +86,11 @@ def format_disagg(r: dict) -> str:
     if c:
         lines.append(f"check: {c['requests_matched']}/{c['requests']} requests' greedy tokens equal transformers', "
                      f"{c['logits_checked']} logits within {c['max_abs_diff']:.2e}")
+        a = c.get("agreement")
+        if a:
+            lines.append(f"stored values: {a['flips']} rounding flips, {a['outside']} outside, of {a['values']}"
+                         + (f"; selections: {a['near_ties']} near-ties, {a['mismatches']} mismatches, of {a['rows']}"
+                            if a["rows"] else ""))
         u = c.get("unquantized")
         if u and r["kv_dtype"] != "float32":
             lines.append(f"vs the unquantized model: max logit difference {u['max_abs_diff']:.3g}, greedy tokens "

@@ -12,7 +12,8 @@ and every figure comes from a run that passed ``check`` (every logit against
   binary search on the prompt length; a request of that length then runs to
   the end. Goal: shared at least ``0.95 x N x`` replicated;
 * a long-context trace (``longdoc``: long documents with follow-up questions)
-  sized so that the replicated group must evict or preempt: requests
+  sized so that the replicated group must evict or preempt, or ``base``'s
+  own Mooncake trace (``workload`` a Mooncake slice, :mod:`cpkv.engine.mooncake`): requests
   finished, generated tokens per second, TTFT and TPOT p50/p99 (steps and
   milliseconds), preemptions, evicted pages, prefix hit rate.
 
@@ -35,6 +36,7 @@ import tempfile
 import numpy as np
 
 from ...engine.config import EngineConfig
+from ...engine.mooncake import mooncake_path
 from ...engine.trace import CacheTooSmall, RequestSpec, TraceError, dump_jsonl
 
 MODES = ("shared", "replicated")
@@ -48,9 +50,11 @@ class CheckFailed(RuntimeError):
 
 
 def _checked(r: dict, tolerance: float) -> dict:
-    c = r["check"]
-    if c is None or c["requests_matched"] != c["requests"] or c["max_abs_diff"] > tolerance:
-        raise CheckFailed(f"{r['config']['kv']} run failed its check: {c}")
+    from ...engine.exactness import failures
+
+    why = failures(r["check"], tolerance)
+    if why:
+        raise CheckFailed(f"{r['config']['kv']} run failed its check: {'; '.join(why)}")
     return r
 
 
@@ -120,7 +124,7 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
         raise ValueError(f"unknown ranks {ranks!r}; choose from {RANKS}")
     base = base.sized()  # at launch: kv_memory's pages, the same in both modes
     out, cfgs = {}, {mode: dataclasses.replace(base, kv=mode, check=True, host_pages=0) for mode in MODES}
-    specs = _trace(base, documents, trace_scale)
+    specs = base.trace() if mooncake_path(base.workload) else _trace(base, documents, trace_scale)
     for mode in MODES:  # before any rank starts
         _refuse_unless_trace_fits(cfgs[mode], specs)
     rng = np.random.default_rng(base.seed)

@@ -2,7 +2,10 @@
 each a dict with its ``title``, its ``rows`` and the sizes it ran.
 
 Every figure is a ratio against a baseline measured in the same run, the
-median of interleaved rounds: decode attention, sparse MLA, the indexer and
+median of interleaved rounds (:func:`medians`: on a GPU each call captured in
+a CUDA graph and replayed back to back between CUDA events, so the kernels
+are timed, not the Python that launches them; each section's ``timing`` says
+how each case was timed): decode attention, sparse MLA, the indexer and
 the store as bytes per second against a device-to-device copy
 (:func:`copy_bandwidth`: bytes read plus bytes written per second); the
 prefill against torch's scaled-dot-product attention (flash) on the same
@@ -18,6 +21,7 @@ only part that means something without a GPU.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -26,30 +30,83 @@ import torch
 
 from ...contract.layout import SharedKVLayout
 from ...kernels import get
-from ...kernels.backend import LayerView, WriteIndex
+from ...kernels.backend import CacheView, WriteIndex
 
 #: the decode sizes timed: batch x context
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 64), (32768, 131072)
-_DRY = dict(batches=(1, 2), contexts=(40,), prefill=40, topk=24, store=16)
+_DRY = dict(batches=(1,), contexts=(40,), prefill=40, topk=24, store=16)
 
 
-def _sync(dev: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+#: A timed round on a GPU keeps it busy at least this long (a captured call replayed back to back), so that the
+#: Python launching the kernels is not what is timed; at most :data:`MAX_CALLS` calls a round.
+ROUND_S, MAX_CALLS = 3e-3, 200
 
 
-def _medians(cases: dict[str, Callable[[], object]], dev: torch.device, repeats: int) -> dict[str, float]:
-    """Median seconds of each case over ``repeats`` interleaved rounds after
-    one warm-up round; each timed call ends with a device synchronisation."""
-    sync, times = _sync(dev), {k: [] for k in cases}
-    for i in range(repeats + 1):
-        for name, fn in cases.items():
-            sync()
-            t0 = time.perf_counter()
+def medians(cases: dict[str, Callable[[], object]], dev: torch.device, repeats: int,
+            how: dict[str, str] | None = None) -> dict[str, float]:
+    """Median seconds per call of each of ``cases`` (name -> callable) over
+    ``repeats`` rounds, interleaved (one round of every case, then the next),
+    after a first call of each (compiles, warms).
+
+    On a GPU each case is captured once in a CUDA graph (its launches without
+    the Python around them; a case that cannot be captured runs as it is) and
+    a round replays it back to back, as many times as keep the GPU busy
+    :data:`ROUND_S` or longer, between two CUDA events: the kernels' time per
+    call. On the CPU: the wall clock of one call per round. ``how``, when
+    given, gets each case's method: ``graph``, ``eager (why)`` or ``wall``."""
+    how = {} if how is None else how
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    if dev.type != "cuda":
+        for fn in cases.values():
             fn()
-            sync()
-            if i:
+        for _ in range(repeats):
+            for name, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
                 times[name].append(time.perf_counter() - t0)
+        how.update({k: "wall" for k in cases})
+        return {k: statistics.median(v) for k, v in times.items()}
+    runs, calls = {}, {}
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        once = time.perf_counter() - t0  # with the launch overhead: an upper bound of a call
+        runs[name], how[name] = _graphed(fn, dev)
+        calls[name] = max(1, min(MAX_CALLS, math.ceil(ROUND_S / max(once, 1e-6))))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls[name]):
+                run()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b) / 1e3 / calls[name])
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _graphed(fn: Callable[[], object], dev: torch.device) -> tuple[Callable[[], object], str]:
+    """``fn`` captured in a CUDA graph (warmed on a side stream first, as
+    capture wants): its replay and ``"graph"``; where capture fails, ``fn``
+    itself and ``"eager (the error)"``."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    try:
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize(dev)
+        return g.replay, "graph"
+    except Exception as e:  # noqa: BLE001 - reported in the section: timed as it runs instead
+        torch.cuda.synchronize(dev)
+        return fn, f"eager ({type(e).__name__}: {str(e)[:120]})"
 
 
 def _setup(device: str, dry_run: bool, repeats: int) -> tuple[torch.device, torch.dtype, int]:
@@ -76,18 +133,22 @@ def _paged(batch: int, context: int, page: int, cp: int, dev: torch.device, seed
 
 
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2**31, repeats: int = 20, dry_run: bool = False) -> dict:
-    """The baseline: a device-to-device copy of ``nbytes`` (``dst.copy_(src)``);
+    """The baseline every bandwidth figure is a fraction of: a device-to-device
+    copy of ``nbytes`` (``dst.copy_(src)``, timed as :func:`medians` times);
     ``bytes_per_second`` counts the bytes read and the bytes written."""
     dev, _, reps = _setup(device, dry_run, repeats)
     n = 2**20 if dry_run else nbytes
     src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
     dst = torch.empty_like(src)
-    t = _medians({"copy": lambda: dst.copy_(src)}, dev, reps)["copy"]
-    return dict(title=f"device-to-device copy of {n} bytes", bytes=2 * n, seconds=t, bytes_per_second=2 * n / t)
+    how: dict[str, str] = {}
+    t = medians({"copy": lambda: dst.copy_(src)}, dev, reps, how)["copy"]
+    return dict(title=f"device-to-device copy of {n} bytes", bytes=2 * n, seconds=t, bytes_per_second=2 * n / t,
+                timing=how["copy"])
 
 
 def _fraction(bps: float, copy: dict) -> float:
-    return round(bps / copy["bytes_per_second"], 3)
+    """``bps`` as a fraction of the copy's bytes per second, to three significant digits."""
+    return float(f"{bps / copy['bytes_per_second']:.3g}")
 
 
 def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, kv_heads: int = 8,
@@ -100,7 +161,7 @@ def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_C
     if dry_run:
         batches, contexts, kv_heads, heads, head_dim, page = _DRY["batches"], _DRY["contexts"], 2, 4, 16, 16
     copy = copy_bandwidth(device, dry_run=dry_run, repeats=repeats)
-    b, rows = get("triton"), []
+    b, rows, how = get("triton"), [], {}
     for batch in batches:
         for ctx in contexts:
             layout, table = _paged(batch, ctx, page, 1, dev)
@@ -110,14 +171,15 @@ def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_C
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
             req = torch.arange(batch, device=dev)
             plan = b.plan(table, req, torch.full((batch,), ctx - 1, device=dev), layout, with_lse=False)
-            kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
-            t = _medians({"decode": lambda: b.dense(plan, q, *kv, head_dim**-0.5)}, dev, reps)["decode"]
+            kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
+            t = medians({f"{batch}x{ctx}": lambda: b.dense(plan, q, *kv, head_dim**-0.5)}, dev, reps, how)
+            t = t[f"{batch}x{ctx}"]
             read = 2 * batch * ctx * kv_heads * head_dim * k.element_size()
             rows.append(dict(batch=batch, context=ctx, seconds=t, bytes_read=read, bytes_per_second=read / t,
                              fraction_of_copy=_fraction(read / t, copy)))
             del k, v
     return dict(title=f"decode attention, {dtype}, Hkv {kv_heads} x D {head_dim}, {heads} heads, page {page}: "
-                      "K/V bytes read per second against a device-to-device copy", copy=copy, rows=rows)
+                      "K/V bytes read per second against a device-to-device copy", copy=copy, rows=rows, timing=how)
 
 
 def bench_sparse_mla(device: str = "cuda", batches=DECODE_BATCHES, heads=(16, 128), kv_lora_rank: int = 512,
@@ -132,26 +194,26 @@ def bench_sparse_mla(device: str = "cuda", batches=DECODE_BATCHES, heads=(16, 12
     if dry_run:
         batches, heads, kv_lora_rank, rope_dim, topk, context = _DRY["batches"], (4,), 32, 8, _DRY["topk"], 64
     copy = copy_bandwidth(device, dry_run=dry_run, repeats=repeats)
-    b, rows, width = get("triton"), [], kv_lora_rank + rope_dim
+    b, rows, width, how = get("triton"), [], kv_lora_rank + rope_dim, {}
     fmt = mla_latent_fp8(kv_lora_rank, rope_dim) if fp8 else None
     for batch in batches:
         layout, table = _paged(batch, context, 64, 1, dev)
         n = layout.cp_size * layout.slots_per_rank
         values = torch.randn(n, width, device=dev)
-        lat = LayerView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (width,))
+        lat = CacheView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (width,))
         g = torch.Generator(device=dev).manual_seed(1)
         sel = table.gather(1, torch.randint(0, context, (batch, topk), device=dev, generator=g))
         empty = table[:, :0]
         for h in heads:
             q = torch.randn(batch, h, width, device=dev, dtype=dtype)
             plan = b.plan(empty, torch.arange(batch, device=dev), torch.full((batch,), -1, device=dev), layout)
-            t = _medians({"mla": lambda: b.selected(plan, q, lat, sel, 0.1, kv_lora_rank)}, dev,
-                         reps)["mla"]
+            t = medians({f"{batch}x{h}": lambda: b.selected(plan, q, lat, sel, 0.1, kv_lora_rank)}, dev, reps,
+                        how)[f"{batch}x{h}"]
             read = batch * topk * (fmt.bytes_per_slot if fp8 else width * lat.data.element_size())
             rows.append(dict(batch=batch, heads=h, seconds=t, bytes_read=read, bytes_per_second=read / t,
                              fraction_of_copy=_fraction(read / t, copy)))
     return dict(title=f"sparse MLA decode, latent {kv_lora_rank} + {rope_dim} ({'fp8' if fp8 else dtype}), top-k "
-                      f"{topk}: latent bytes read per second against a copy", copy=copy, rows=rows)
+                      f"{topk}: latent bytes read per second against a copy", copy=copy, rows=rows, timing=how)
 
 
 def bench_indexer(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, heads: int = 64,
@@ -164,23 +226,23 @@ def bench_indexer(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_
     if dry_run:
         batches, contexts, heads, dim = _DRY["batches"], _DRY["contexts"], 16, 32
     copy = copy_bandwidth(device, dry_run=dry_run, repeats=repeats)
-    b, rows = get("triton"), []
+    b, rows, how = get("triton"), [], {}
     fmt = indexer_key_fp8(dim) if fp8 else None
     for batch in batches:
         for ctx in contexts:
             layout, table = _paged(batch, ctx, 64, 1, dev)
             n = layout.cp_size * layout.slots_per_rank
             values = torch.randn(n, dim, device=dev)
-            keys = LayerView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (dim,))
+            keys = CacheView(fmt.encode(values) if fp8 else values.to(dtype), fmt, (dim,))
             q, w = torch.randn(batch, heads, dim, device=dev, dtype=dtype), torch.randn(batch, heads, device=dev)
             plan = b.plan(table, torch.arange(batch, device=dev), torch.full((batch,), ctx - 1, device=dev), layout)
-            t = _medians({"index": lambda: b.index_scores(plan, q, w, keys, dim**-0.5)}, dev,
-                         reps)["index"]
+            t = medians({f"{batch}x{ctx}": lambda: b.index_scores(plan, q, w, keys, dim**-0.5)}, dev, reps,
+                        how)[f"{batch}x{ctx}"]
             read = batch * ctx * (fmt.bytes_per_slot if fp8 else dim * keys.data.element_size())
             rows.append(dict(batch=batch, context=ctx, seconds=t, bytes_read=read, bytes_per_second=read / t,
                              fraction_of_copy=_fraction(read / t, copy)))
     return dict(title=f"indexer, {heads} heads x {dim} ({'fp8' if fp8 else dtype}): key bytes read per second "
-                      "against a copy", copy=copy, rows=rows)
+                      "against a copy", copy=copy, rows=rows, timing=how)
 
 
 def bench_store(device: str = "cuda", tokens=(64, 32768), kv_heads: int = 8, head_dim: int = 128,
@@ -194,7 +256,7 @@ def bench_store(device: str = "cuda", tokens=(64, 32768), kv_heads: int = 8, hea
     if dry_run:
         tokens, kv_heads, head_dim = (_DRY["store"],), 2, 16
     copy = copy_bandwidth(device, dry_run=dry_run, repeats=repeats)
-    b, rows = get("triton"), []
+    b, rows, how = get("triton"), [], {}
     fmt = gqa_fp8(kv_heads, head_dim) if fp8 else None
     for T in tokens:
         layout, table = _paged(1, T, 64, 1, dev)
@@ -204,13 +266,13 @@ def bench_store(device: str = "cuda", tokens=(64, 32768), kv_heads: int = 8, hea
         x = torch.randn(T, *shape, device=dev, dtype=dtype)
         report = torch.zeros(2, dtype=torch.int32, device=dev)
         write = WriteIndex(table[0])
-        view = LayerView(seg, fmt, shape)
-        t = _medians({"store": lambda: b.store(view, x, write, layout, 0, report)}, dev, reps)["store"]
+        view = CacheView(seg, fmt, shape)
+        t = medians({str(T): lambda: b.store(view, x, write, layout, 0, report)}, dev, reps, how)[str(T)]
         moved = T * (x[0].numel() * x.element_size() + (fmt.bytes_per_slot if fp8 else x[0].numel() * seg.element_size()))
         rows.append(dict(tokens=T, seconds=t, bytes_moved=moved, bytes_per_second=moved / t,
                          fraction_of_copy=_fraction(moved / t, copy)))
     return dict(title=f"store, {kv_heads} x {head_dim} ({'fp8' if fp8 else dtype}): bytes read and written per second "
-                      "against a copy", copy=copy, rows=rows)
+                      "against a copy", copy=copy, rows=rows, timing=how)
 
 
 def bench_prefill(device: str = "cuda", tokens: int = 32768, kv_heads: int = 8, heads: int = 32,
@@ -235,7 +297,7 @@ def bench_prefill(device: str = "cuda", tokens: int = 32768, kv_heads: int = 8, 
     b = get("triton")
     plan = b.plan(table, torch.zeros(tokens, dtype=torch.int64, device=dev), torch.arange(tokens, device=dev), layout,
                   with_lse=False)
-    kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
+    kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
 
     def sdpa():
         if dev.type == "cuda":
@@ -245,11 +307,12 @@ def bench_prefill(device: str = "cuda", tokens: int = 32768, kv_heads: int = 8, 
                 return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
 
-    t = _medians({"triton": lambda: b.dense(plan, q, *kv, head_dim**-0.5), "sdpa": sdpa}, dev, reps)
+    how: dict[str, str] = {}
+    t = medians({"triton": lambda: b.dense(plan, q, *kv, head_dim**-0.5), "sdpa": sdpa}, dev, reps, how)
     return dict(title=f"prefill of {tokens} tokens, {dtype}, {heads} heads / Hkv {kv_heads} x D {head_dim}: Triton "
                       "extend over the paged cache vs torch SDPA (flash) on the same tokens",
                 rows=[dict(tokens=tokens, triton_seconds=t["triton"], sdpa_seconds=t["sdpa"],
-                           ratio=round(t["triton"] / t["sdpa"], 3))])
+                           ratio=round(t["triton"] / t["sdpa"], 3))], timing=how)
 
 
 def bench_lse_split(device: str = "cuda", ranks=(1, 2, 4), batch: int = 8, context: int = 131072,
@@ -261,25 +324,25 @@ def bench_lse_split(device: str = "cuda", ranks=(1, 2, 4), batch: int = 8, conte
     dev, dtype, reps = _setup(device, dry_run, repeats)
     if dry_run:
         ranks, batch, context, kv_heads, heads, head_dim, page = (1, 2), 1, 48, 2, 4, 16, 16
-    b, rows, base = get("triton"), [], None
+    b, rows, base, how = get("triton"), [], None, {}
     for N in ranks:
         layout, table = _paged(batch, context, page, N, dev)
         n = layout.cp_size * layout.slots_per_rank
         k = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
         v = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
-        kv = (LayerView(k, None, (kv_heads, head_dim)), LayerView(v, None, (kv_heads, head_dim)))
+        kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
         req, pos = torch.arange(batch, device=dev), torch.full((batch,), context - 1, device=dev)
         plans = [b.plan(table, req, pos, layout, own_rank=r) for r in range(N)]
-        t = _medians({r: (lambda p=p: b.dense(p, q, *kv, head_dim**-0.5)) for r, p in enumerate(plans)}, dev,
-                     reps)
+        t = medians({f"N {N} rank {r}": (lambda p=p: b.dense(p, q, *kv, head_dim**-0.5)) for r, p in enumerate(plans)},
+                    dev, reps, how)
         slowest = max(t.values())
         base = base or slowest
         rows.append(dict(ranks=N, slowest_rank_seconds=slowest, mean_rank_seconds=statistics.mean(t.values()),
                          vs_one_rank=round(slowest / base, 3)))
         del k, v
     return dict(title=f"lse split on one GPU, batch {batch} x context {context}: each rank attends over its own "
-                      "slots; slowest rank's time against N = 1", rows=rows)
+                      "slots; slowest rank's time against N = 1", rows=rows, timing=how)
 
 
 #: every section, by name, as gpu_check would call them
@@ -326,5 +389,5 @@ def run_kernels_command(args) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["SECTIONS", "bench_decode", "bench_indexer", "bench_kernels", "bench_lse_split", "bench_prefill",
+__all__ = ["SECTIONS", "medians", "bench_decode", "bench_indexer", "bench_kernels", "bench_lse_split", "bench_prefill",
            "bench_sparse_mla", "bench_store", "copy_bandwidth", "format_kernels", "run_kernels_command"]

@@ -11,11 +11,16 @@ stores and what it costs in accuracy, every figure measured in the same run
   GLM-5: latent 512 + 64 rope, indexer key 128; Llama: 2 KV heads of 128), so
   the ratios are the real ones (DSA fp8 against bf16: (656 + 132) / (1152 + 256)
   = 0.56 where every layer has an indexer);
-* accuracy: per model and built-in trace, the run with ``--check``: its max
-  logit difference from ``transformers`` with the same cache round trip (the
-  exactness figure, expected under 1e-4), and from the unquantized float
-  model with the greedy agreement (requests whose tokens equal the float
-  model's greedy decoding).
+* accuracy: per model and built-in trace, the run with ``--check``: whether
+  it is exact by :mod:`cpkv.engine.exactness` (every stored value a rounding
+  of ``transformers``' value that the format allows, every DSA selection its
+  top-k up to near-ties, every logit within 1e-4 of ``transformers`` at the
+  run's stored values and selection, greedy tokens equal), with the figures:
+  the max logit difference, the flips (values stored one rounding step from
+  the reference's own rounding, at a boundary) and near-ties (selections that
+  differ within float32's noise) it counted; and the divergence from the
+  unquantized float model with the greedy agreement (requests whose tokens
+  equal the float model's greedy decoding).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def _bytes_rows(name: str, adapter, dtypes, cp: int) -> list[dict]:
 def _accuracy_rows(name: str, adapter, dtypes, cp: int, traces) -> list[dict]:
     from ...engine.config import EngineConfig
     from ...engine.engine import run_engine_threads
+    from ...engine.exactness import failures
 
     rows = []
     for trace in traces:
@@ -72,10 +78,13 @@ def _accuracy_rows(name: str, adapter, dtypes, cp: int, traces) -> list[dict]:
             r = run_engine_threads(EngineConfig(cp_size=cp, page_size=16, device_pages=16, host_pages=48, requests=3,
                                                 scale=SCALES.get(trace, 0.05), chunk=64, workload=trace, kv_dtype=dt,
                                                 model=bench_model(name), check=True), adapter)
-            c, u = r["check"], r["check"]["unquantized"]
+            c, u, a = r["check"], r["check"]["unquantized"], r["check"]["agreement"]
             rows.append({"model": name, "trace": trace, "kv dtype": dt, "requests": c["requests"],
-                         "max |dlogit| vs same-format ref": f"{c['max_abs_diff']:.2e}",
-                         "greedy = same-format ref": c["requests_matched"],
+                         "exact": "; ".join(failures(c)) or "yes",
+                         "max |dlogit| vs ref": f"{c['max_abs_diff']:.2e}",
+                         "greedy = ref": c["requests_matched"],
+                         "flips / values": f"{a['flips']} / {a['values']}",
+                         "near-ties / selections": f"{a['near_ties']} / {a['rows']}" if a["rows"] else "",
                          "max |dlogit| vs float32": f"{u['max_abs_diff']:.2e}",
                          "greedy = float32": u["greedy_agreement"]})
     return rows
