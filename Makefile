@@ -12,7 +12,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench simulate clean gpu-check docs-figures
+.PHONY: demo test bench simulate clean gpu-check docs-figures sglang-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[model,plot,events,kernels,test]'
 	touch $(STAMP)
 
+# SGLang's released classes for tests/sglang (the drop-in tests, docs/sglang.md): its wheel without its
+# dependencies (they pin torch 2.14 and CUDA packages), then the small packages its allocator, radix cache and
+# memory pool import (tests/support/sglang-requirements.txt; never torchvision: tests/support/sglang_classes.py
+# stands in for it), with torch held at the version installed above. `make test` runs it once per venv and
+# requirements change (its own stamp, so an existing .venv gets it too); where it cannot install, the stamp is
+# not written, the next `make test` tries again and those tests skip with the reason.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_STAMP   := $(VENV)/.sglang-$(SGLANG_VERSION)
+$(SGLANG_STAMP): $(STAMP) tests/support/sglang-requirements.txt
+	@if $(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==$(SGLANG_VERSION) && \
+	   $(PY) -m pip install --quiet --disable-pip-version-check -r tests/support/sglang-requirements.txt \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"; \
+	then touch $@; else echo "sglang-deps: SGLang $(SGLANG_VERSION) did not install; tests/sglang will skip"; fi
+
+sglang-deps: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/cpkv run --check --device-pages 8
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10
 
 bench: $(STAMP)

@@ -5,6 +5,7 @@
 Makefile and pyproject.toml, so nothing of this checkout's own ``.venv``
 counts)."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,3 +39,28 @@ def test_demo_passes_its_small_cache_explicitly(tmp_path):
     _dry_run(tmp_path)
     r = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "cpkv run --check --device-pages 8" in r.stdout
+
+
+def test_sglang_deps_install_without_changing_torch(tmp_path):
+    """`make test` (not `make demo`) installs SGLang's wheel with --no-deps and its small packages with torch held
+    at the installed version (the drop-in tests, tests/sglang), once per venv under its own stamp, and goes on
+    (those tests skip, the stamp unwritten) where they cannot install."""
+    for name in ("Makefile", "pyproject.toml", "tests/support/sglang-requirements.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+
+    def dry(target):
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under make test
+        r = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = dry("test")
+    assert "--no-deps sglang==0.5.23" in out and "-r tests/support/sglang-requirements.txt" in out
+    assert "torch==$(" in out and "then touch .venv/.sglang-0.5.23; else echo" in out
+    assert out.index("sglang==0.5.23") < out.index("pytest")
+    assert dry("sglang-deps") == out[: out.index(".venv/bin/python -m pytest")]
+    assert "sglang" not in dry("demo")
+    reqs = (ROOT / "tests/support/sglang-requirements.txt").read_text()
+    assert "torchvision" not in [line.split("=")[0].strip() for line in reqs.splitlines()]

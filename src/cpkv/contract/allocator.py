@@ -120,6 +120,12 @@ class OwnerLaneAllocator:
         """Free pages per lane."""
         return self._lists.free.tolist()
 
+    def lane_free_lists(self) -> list[np.ndarray]:
+        """Each lane's free pages (int64, copies), the one handed out next
+        first. O(free pages): for inspection, not a hot path."""
+        lists = self._lists
+        return [lists.stack[lane, : lists.free[lane]][::-1].copy() for lane in range(self.cp_size)]
+
     def lane_for_new_chain(self, position: int, prefer: int | None = None, pages: int | None = None) -> int:
         """Lane for a request's first own page at request-local position
         ``position`` when nothing fixes it yet, as the next fresh request of
@@ -211,13 +217,14 @@ class OwnerLaneAllocator:
         self._lists.pending = self._lists.page_bitmap()
 
     def free_group_end(self) -> None:
-        """Close the free group, freeing every page collected in it in one go.
-        Raises ``RuntimeError`` if none is open."""
+        """Close the free group, freeing every page collected in it in one go
+        (the lowest of them handed out first, as SGLang's ``free`` orders a
+        freed batch). Raises ``RuntimeError`` if none is open."""
         pending = self._lists.pending
         if pending is None:
             raise RuntimeError("no free group is open")
         self._lists.pending = None
-        self._lists.put(pending.nonzero()[0])
+        self._lists.put(pending.nonzero()[0][::-1])  # the lowest page handed out first, as SGLang's free does
 
     # -- page level -------------------------------------------------------------------------
     def alloc_pages_with_owners(self, owners, fill=None) -> torch.Tensor | None:
@@ -277,10 +284,12 @@ class OwnerLaneAllocator:
             self._release(pages)
 
     def _release(self, pages: np.ndarray) -> None:
+        """Free ``pages`` (checked): the first one given is handed out first,
+        as SGLang puts a freed run at the front of its free list."""
         if self._lists.pending is not None:
             self._lists.pending[pages] = True
         else:
-            self._lists.put(pages)
+            self._lists.put(pages[::-1])
 
     # -- extend / decode ----------------------------------------------------------------------
     def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None, *, last_loc_gen=None):

@@ -20,38 +20,173 @@ import torch
 
 from .allocation import Allocation
 from .allocator import OwnerLaneAllocator
+from .planner import _device_tensor
 from .deprecated import warn_deprecated
 from .errors import InvalidFree, UnsupportedPagePlan
 from .inputs import check_int_tensor, int_scalar, int_vector
 from .kv_row import RowPlacement, check_row_offsets, new_pages, row_lane_base, segments_to_slots
-from .layout import SharedKVLayout, lane_of_position
+from .layout import SharedKVLayout, floor_div, lane_of_position
 from .rules import pages_of
 
 
 class SGLangAllocator:
-    """SGLang's paged allocator over an :class:`OwnerLaneAllocator`.
+    """SGLang's paged allocator (``BaseTokenToKVPoolAllocator``'s surface) over
+    an :class:`OwnerLaneAllocator`.
 
-    Built with the core's arguments (``size`` tokens of ``page_size``, and
-    the keywords of :class:`OwnerLaneAllocator`), or over an existing core
-    with :meth:`over`. Results are torch tensors on the core's device;
-    inputs are what the core takes. ``allocator`` is the core;
-    ``last_allocation`` the full plan of this adapter's last extend or decode
-    (``alloc_extend`` and ``alloc_decode`` return only its slots)."""
+    Built as SGLang builds its allocators, ``(size, page_size, dtype, device,
+    kvcache, need_sort)`` (positional or keyword), plus cpkv's keywords: the
+    CP size from ``cp_size`` or from ``cp_group`` (SGLang's
+    ``GroupCoordinator``, as ``get_attn_cp_group()`` returns it, or a
+    ``torch.distributed`` process group: its size, and this process's rank in
+    it as ``cp_rank``),
+    ``layout`` and ``base_policy`` as :class:`OwnerLaneAllocator` takes them;
+    or over an existing core with :meth:`over`. ``dtype`` and ``kvcache`` are
+    kept for SGLang's readers (``get_kvcache()``); the allocator never touches
+    KV. Results are torch tensors on the core's device. ``allocator`` is the
+    core; ``last_allocation`` the full plan of this adapter's last extend or
+    decode (``alloc_extend`` and ``alloc_decode`` return only its slots).
 
-    def __init__(self, size: int, page_size: int, *, cp_size: int = 1, device: str | torch.device = "cpu",
-                 layout: SharedKVLayout | None = None, need_sort: bool = False, base_policy: str = "least_full"):
+    At ``cp_size`` 1 (and ``need_sort`` off) every call answers as SGLang's
+    ``PagedTokenToKVPoolAllocator`` does, slot for slot: a freed batch of
+    pages goes to the front of the free list, lowest first. Where SGLang and
+    cpkv differ (refusals, ``need_sort``, lanes), ``docs/sglang.md`` says so.
+    [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-FAIL-FAST]]"""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", kvcache=None, need_sort: bool = False, *,
+                 cp_size: int | None = None, cp_rank: int | None = None, cp_group=None,
+                 layout: SharedKVLayout | None = None, base_policy: str = "least_full"):
+        cp_size, cp_rank = _cp_of(cp_size, cp_rank, cp_group)
         self.allocator = OwnerLaneAllocator(size, page_size, cp_size, device, base_policy=base_policy, layout=layout,
                                             need_sort=need_sort)
+        self.dtype, self._kvcache, self.cp_rank = dtype, kvcache, cp_rank
         self.last_allocation: Allocation | None = None
 
     @classmethod
-    def over(cls, allocator: OwnerLaneAllocator) -> SGLangAllocator:
+    def over(cls, allocator: OwnerLaneAllocator, *, kvcache=None, dtype: torch.dtype | None = None,
+             cp_rank: int = 0) -> SGLangAllocator:
         """The adapter over an existing core (which keeps every state)."""
         if not isinstance(allocator, OwnerLaneAllocator):
             raise TypeError(f"SGLangAllocator.over takes an OwnerLaneAllocator, got {type(allocator).__name__}")
         adapter = cls.__new__(cls)
         adapter.allocator, adapter.last_allocation = allocator, None
+        adapter.dtype, adapter._kvcache, adapter.cp_rank = dtype, kvcache, _rank_in(cp_rank, allocator.cp_size)
         return adapter
+
+    # -- what SGLang reads ---------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Tokens, as given (``size // page_size`` usable pages, numbered from 1)."""
+        return self.allocator.size
+
+    @property
+    def num_pages(self) -> int:
+        """Usable pages."""
+        return self.allocator.num_pages
+
+    @property
+    def device(self) -> torch.device:
+        """Where results live."""
+        return self.allocator.device
+
+    @property
+    def need_sort(self) -> bool:
+        """SGLang's flag: every lane's free list is kept sorted (cpkv sorts at
+        free time; SGLang stages freed pages until a call runs short)."""
+        return self.allocator.need_sort
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks in the CP group (owner lanes)."""
+        return self.allocator.cp_size
+
+    @property
+    def size_full(self) -> int:
+        """SGLang's ``size_full``: :attr:`size`."""
+        return self.allocator.size
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """Free pages as SGLang reads its ``free_pages`` tensor (int64, on
+        ``device``): at ``cp_size`` 1 in the order they are handed out; at
+        ``N`` > 1 lane after lane (:attr:`class_free_pages`). Read-only: state
+        changes go through the calls."""
+        return _device_tensor(np.concatenate(self.allocator.lane_free_lists()), self.device)
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """SGLang's staged frees: always empty (a freed page is free at once)."""
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def class_free_pages(self) -> list[torch.Tensor]:
+        """Each lane's free pages, handed-out order first (SGLang's kv-shard
+        allocator's per-owner-class lists)."""
+        return [_device_tensor(p, self.device) for p in self.allocator.lane_free_lists()]
+
+    def class_free_page_counts(self) -> list[int]:
+        """Free pages per lane (SGLang's kv-shard allocator's name)."""
+        return self.allocator.lane_free_pages()
+
+    def get_kvcache(self):
+        """The KV cache given at construction (SGLang's call sites read it)."""
+        return self._kvcache
+
+    def get_all_free_pages(self) -> torch.Tensor:
+        """Every free page (:attr:`free_pages`; nothing is staged)."""
+        return self.free_pages
+
+    def merge_and_sort_free(self) -> None:
+        """SGLang's ``merge_and_sort_free``: nothing to merge (frees are never
+        staged) and, with ``need_sort``, the lists are sorted already; a no-op
+        as SGLang's is when nothing is staged."""
+
+    def debug_print(self) -> str:
+        """One line: free pages per lane and :meth:`available_size`."""
+        return f"free pages per lane {self.allocator.lane_free_pages()}, available_size {self.available_size()}"
+
+    def backup_state(self):
+        """SGLang's ``backup_state``: :meth:`OwnerLaneAllocator.backup_state`."""
+        return self.allocator.backup_state()
+
+    def restore_state(self, state) -> None:
+        """SGLang's ``restore_state``: :meth:`OwnerLaneAllocator.restore_state`
+        (refusals there)."""
+        self.allocator.restore_state(state)
+
+    def free_group_begin(self) -> None:
+        """Open a free group: :meth:`OwnerLaneAllocator.free_group_begin`."""
+        self.allocator.free_group_begin()
+
+    def free_group_end(self) -> None:
+        """Close it, freeing the union of its pages (lowest handed out first):
+        :meth:`OwnerLaneAllocator.free_group_end`."""
+        self.allocator.free_group_end()
+
+    # -- SGLang's scheduler-facing capacity hooks ------------------------------------------------
+    def get_extend_allocation_demand(self, prefix_lens_cpu, seq_lens_cpu, *, conservative_num_tokens: int,
+                                     shard_size: int = 1) -> int:
+        """Tokens to make available before an extend: SGLang's conservative
+        count (one page per request over the new tokens) plus, at ``N`` > 1,
+        one page per request in each other lane (a request's pages cycle the
+        lanes, so its share of the tightest lane rounds up)."""
+        return int(conservative_num_tokens) + len(seq_lens_cpu) * self.page_size * (self.cp_size - 1)
+
+    def evict_to_free_tokens(self, tree_cache, num_tokens: int):
+        """SGLang's hook: evict from ``tree_cache`` (lane-aware, in tokens of
+        :meth:`available_size`) until ``num_tokens`` fit or nothing evictable
+        helps; ``None`` (the caller checks), as SGLang's."""
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return None
+        shortfall = int(num_tokens) - self.available_size()
+        if shortfall > 0:
+            tree_cache.evict(shortfall)
+        return None
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
+        """Whether a decode step of ``num_tokens`` fits after evicting (SGLang's hook)."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.available_size() >= int(num_tokens)
 
     @property
     def page_size(self) -> int:
@@ -155,8 +290,22 @@ class SGLangAllocator:
 
     # -- frees and sizes ------------------------------------------------------------------
     def free(self, free_index) -> None:
-        """SGLang's ``free``: :meth:`OwnerLaneAllocator.free` of the slots ``free_index [n]``."""
-        self.allocator.free(free_index)
+        """SGLang's ``free``: the pages holding the slots ``free_index [n]``
+        (padding ignored) go back to their lanes, lowest page handed out first
+        (SGLang frees ``unique(free_index // page_size)`` to the front of its
+        list). Refusals: :meth:`OwnerLaneAllocator.free_pages` (``InvalidFree``
+        ``free-out-of-range``, ``double-free``; nothing freed). One sort of
+        the freed pages, as SGLang's ``torch.unique``."""
+        s = int_vector(free_index, "free_index")
+        s = s[s != self.allocator.layout.padding_value]
+        if s.size:
+            self.allocator.free_pages(np.unique(floor_div(s, self.page_size)))
+
+    def free_page_ids(self, page_ids) -> None:
+        """SGLang's ``free_page_ids``: free exactly these pages (each once), the first handed out first."""
+        p = int_vector(page_ids, "page_ids")
+        if p.size:
+            self.allocator.free_pages(p)
 
     def free_segment(self, free_index, *, start_pos: int) -> None:
         """SGLang's ``free_segment``: free ``free_index [n]``, the slots of
@@ -173,7 +322,7 @@ class SGLangAllocator:
         if start < 0 or start % S:
             raise InvalidFree("unaligned-segment", f"start_pos {start} is not on a page boundary (page_size {S})")
         check_row_offsets(s, start, S)
-        self.allocator.free(s)
+        self.free(s)
 
     def free_segments(self, segments) -> None:
         """SGLang's ``free_segments``: free ascending ``(free_index, start_pos)``
@@ -183,7 +332,7 @@ class SGLangAllocator:
         segment must start on a page boundary. Checked whole before anything
         is freed (see :func:`~cpkv.contract.kv_row.segments_to_slots` for the
         ``InvalidFree`` rules), then freed as :meth:`free` frees."""
-        self.allocator.free(segments_to_slots(segments, self.allocator.page_size))
+        self.free(segments_to_slots(segments, self.allocator.page_size))
 
     def available_size(self) -> int:
         """Tokens on new pages that fit whatever lane base the next request gets.
@@ -261,6 +410,37 @@ class SGLangAllocator:
             if (off := ~core.is_allocated(p)).any():
                 raise UnsupportedPagePlan("last-loc-not-allocated", f"slot {s[off][0]} lies on free page {p[off][0]}")
         return row_lane_base(s, core.page_size, core.cp_size)
+
+
+def _rank_in(rank, n: int) -> int:
+    rank = int_scalar(rank, "cp_rank")
+    if not 0 <= rank < n:
+        raise ValueError(f"cp_rank {rank} not in [0, {n})")
+    return rank
+
+
+def _cp_of(cp_size, cp_rank, cp_group) -> tuple[int, int]:
+    """CP size and this rank from the keywords or a group: SGLang's
+    ``GroupCoordinator`` (its ``world_size`` and ``rank_in_group``, read
+    without a collective) or a ``torch.distributed`` group. The group's size
+    and rank win; a ``cp_size`` or ``cp_rank`` that disagrees is refused."""
+    if cp_group is not None:
+        if hasattr(cp_group, "world_size") and hasattr(cp_group, "rank_in_group"):  # SGLang's GroupCoordinator
+            n = int_scalar(cp_group.world_size, "cp_group.world_size")
+            if n < 1:
+                raise ValueError(f"cp_group.world_size must be >= 1, got {n}")
+            r = _rank_in(cp_group.rank_in_group, n)
+        else:
+            import torch.distributed as dist
+
+            n, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        if (cp_size is not None and int_scalar(cp_size, "cp_size") != n) or (cp_rank is not None and cp_rank != r):
+            raise ValueError(f"cp_size/cp_rank {cp_size}/{cp_rank} disagree with cp_group (size {n}, rank {r})")
+        return n, r
+    n = 1 if cp_size is None else int_scalar(cp_size, "cp_size")
+    if n < 1:
+        raise ValueError(f"cp_size must be >= 1, got {n}")
+    return n, _rank_in(0 if cp_rank is None else cp_rank, n)
 
 
 def _device_copies(device_copy, host_copy, name: str) -> None:
