@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .trace import RequestSpec, TraceError
+from .trace import RequestSpec, TraceError, json_object
 
 __all__ = ["BLOCK_TOKENS", "BlockPrompt", "MOONCAKE_FIELDS", "MOONCAKE_PREFIX", "MooncakeRecord", "MooncakeTrace",
            "block_tokens", "is_mooncake", "load_mooncake", "mooncake_path", "read_mooncake", "scale_lengths",
@@ -89,18 +89,7 @@ def _int(obj: dict, k: str, lo: int) -> int:
 def parse_record(text: str, line: int = 0) -> MooncakeRecord:
     """One Mooncake line as a :class:`MooncakeRecord`; raises ``TraceError``
     with the reason (the caller adds ``path:line``)."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"not JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise TraceError("a line must be a JSON object")
-    unknown = sorted(set(obj) - set(MOONCAKE_FIELDS))
-    if unknown:
-        raise TraceError(f"unknown keys {unknown}; a Mooncake line has {list(MOONCAKE_FIELDS)}")
-    missing = [k for k in MOONCAKE_FIELDS if k not in obj]
-    if missing:
-        raise TraceError(f"missing {missing}")
+    obj = json_object(text, MOONCAKE_FIELDS, MOONCAKE_FIELDS, "a Mooncake line")
     ts, n_in, n_out = _int(obj, "timestamp", 0), _int(obj, "input_length", 1), _int(obj, "output_length", 1)
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in ids):

@@ -207,20 +207,28 @@ def expected_steps(specs: list[RequestSpec], chunk: int, max_running: int) -> in
     return max(max(chain.values(), default=0), work)
 
 
-def parse_line(text: str) -> RequestSpec:
-    """One JSONL line as a :class:`RequestSpec`; raises ``TraceError`` with the reason."""
+def json_object(text: str, keys, required, what: str) -> dict:
+    """One JSONL line as a dict of only ``keys``, every one of ``required``
+    present; raises ``TraceError`` with the reason (``what`` names the line's
+    kind in the message). The one reader of a trace line's JSON."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"not JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise TraceError("a line must be a JSON object")
-    unknown = sorted(set(obj) - set(_KEYS))
+    unknown = sorted(set(obj) - set(keys))
     if unknown:
-        raise TraceError(f"unknown keys {unknown}; a request has {sorted(_KEYS)}")
-    missing = [k for k in _REQUIRED if k not in obj]
+        raise TraceError(f"unknown keys {unknown}; {what} has {list(keys)}")
+    missing = [k for k in required if k not in obj]
     if missing:
         raise TraceError(f"missing {missing}")
+    return obj
+
+
+def parse_line(text: str) -> RequestSpec:
+    """One JSONL line as a :class:`RequestSpec`; raises ``TraceError`` with the reason."""
+    obj = json_object(text, sorted(_KEYS), _REQUIRED, "a request")
     for k, v in obj.items():
         want = _KEYS[k]
         if k == "key":
