@@ -111,9 +111,10 @@ def page_frees(draw):
 
 @given(page_frees())
 def test_freed_pages_go_back_in_the_order_given(case):
-    """Each lane's free list grows by its freed pages in the order given, the
-    last one on top (or, with ``need_sort``, sorted again): what the general
-    rank (a sort of the lanes) and the one-chain rank (``i // N``) both give."""
+    """Each lane's free list grows by its freed pages, the first one given on
+    top (handed out first, SGLang's order; or, with ``need_sort``, sorted
+    again): what the general rank (a sort of the lanes) and the one-chain rank
+    (``i // N``) both give."""
     a, pages = case
     if not pages:
         return
@@ -123,7 +124,7 @@ def test_freed_pages_go_back_in_the_order_given(case):
     event(f"pages cycle through the lanes: {all((pages[0] + i - p) % N == 0 for i, p in enumerate(pages))}")
     after = a.snapshot()[1]
     for lane in range(N):
-        want = list(lists_before[lane]) + [p for p in pages if p % N == lane]
+        want = list(lists_before[lane]) + [p for p in pages[::-1] if p % N == lane]
         if a.need_sort:
             want = sorted(want, reverse=True)
         assert list(after[lane]) == want, lane

@@ -2,8 +2,7 @@
 through their KV events (vLLM 0.33's wire, with replay), and at several points of the runs its matched
 tokens for every request's prompt equal what cpkv's own caches match, on the device and on the host.
 
-Two workers (a CP group of 2 through cpkv's launcher, and one of 1 run as a world of one that torchrun
-would make, so in one process) run traces that share a system prompt, with follow-up turns, evictions to
+Two workers (CP groups of 2 and of 3, both through cpkv's launcher) run traces that share a system prompt, with follow-up turns, evictions to
 the host tier and loads back; worker 1 is registered as soon as its run has bound its sockets, worker 2 a
 few batches into its run (the indexer replays both from seq 0: its SUB, unlike libzmq's, does not
 reconnect to an endpoint that was not bound yet, so a worker is registered once up). Worker 2, which
@@ -46,7 +45,7 @@ from cpkv.engine.engine import build_scheduler, connect_kv_events, run_engine_th
 
 S = 16
 SYSTEM = [(11 * j + 3) % 256 for j in range(3 * S)]  # three pages every conversation starts with
-WORKERS = {1: dict(cp=2, device_pages=6), 2: dict(cp=1, device_pages=12)}
+WORKERS = {1: dict(cp=2, device_pages=6), 2: dict(cp=3, device_pages=4)}
 PAUSE_AT = {1: (8, 12, 16), 2: (8, 14)}  # a pause when either worker has had this many batches heard
 REGISTER_2_AT = 3  # worker 2's batches heard before it is registered
 
@@ -125,18 +124,15 @@ def replay(cfg: EngineConfig, generated: dict[str, list[int]], prompts: dict[str
 
 
 def start_worker(w: int, workload: str, ep: str, replay_ep: str, out_path: Path) -> subprocess.Popen:
-    """``cpkv run`` for worker ``w`` in its own process group (so a pause stops every rank of it). Worker 1
-    (CP 2) through cpkv's own launcher, its ranks spawned; worker 2 (CP 1) as the one rank of a world of one
-    that torchrun would make (its environment set here): ``cpkv run`` then runs the engine in its own process
-    (:mod:`cpkv.engine.joined`), the same run with one interpreter's start-up fewer."""
+    """``cpkv run`` for worker ``w`` through cpkv's own launcher, its ranks spawned, in its own process group
+    (so a pause stops every rank of it). Both workers are CP groups of several ranks: a group of one runs its
+    whole trace in about 0.1 s, faster than a pause can find it in the middle of its run or the indexer can
+    replay it once registered."""
     c = WORKERS[w]
     argv = [sys.executable, "-m", "cpkv", "run", "--cp", str(c["cp"]), "--page", str(S), "--device-pages",
             str(c["device_pages"]), "--host-pages", "48", "--chunk", "40", "--workload", workload, "--json",
             "--timeout", "120", "--kv-events", ep, "--kv-events-replay", replay_ep]
     env = dict(os.environ)
-    if c["cp"] == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
     return subprocess.Popen(argv, stdout=open(out_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=env)
 
@@ -217,7 +213,7 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
         truth[w], payloads[w], tiers = replay(config(w, workloads[w]), generated[w], prompts[w])
         assert min(tiers.values()) > 0, f"worker {w} must evict to the host and load back: {tiers}"
     # every block's hash is the documented function of (parent hash, its page's tokens, the key): the system
-    # prompt's blocks are the same blocks in the CP group of 2 and in the CP group of 1
+    # prompt's blocks are the same blocks in the CP group of 2 and in the CP group of 3
     for w in WORKERS:
         stored = {}
         for p in payloads[w]:
@@ -240,6 +236,7 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
             for w in WORKERS:
                 procs[w] = start_worker(w, workloads[w], *eps[w], tmp_path / f"worker{w}.out")
             registered, pauses, hold, ready = {}, {w: list(PAUSE_AT[w]) for w in WORKERS}, "not yet", False
+            waiting = set()  # workers stopped at their first pause until the indexer has replayed both
 
             def hear(quiet_s, until=None):
                 """Take what the subscribers have until none came for ``quiet_s`` (or ``until()`` holds)."""
@@ -273,8 +270,18 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
                     signal_group([procs[2]], signal.SIGCONT)
                     hold = "released"
                 # the indexer has caught up with a worker once it replayed its missed batches (from seq 0): a pause
-                # before that would stop the replay's answer too
-                ready = ready or (len(registered) == 2 and replayed(indexer.log()) == set(WORKERS))
+                # before that would stop the replay's answer too. A worker replayed and at its first pause waits,
+                # stopped, for the other's replay (a loaded machine must not let it run past its pauses)
+                done = replayed(indexer.log()) if registered else set()
+                ready = ready or (len(registered) == 2 and done == set(WORKERS))
+                for w in WORKERS:
+                    if (not ready and w in done and w not in waiting and hold != "held" and pauses[w] and heard[w]
+                            and max(heard[w]) >= pauses[w][0]):
+                        signal_group([procs[w]], signal.SIGSTOP)
+                        waiting.add(w)
+                if waiting and (ready or any(p.poll() is not None for p in procs.values())):
+                    signal_group([procs[w] for w in waiting], signal.SIGCONT)
+                    waiting.clear()
                 due = [w for w in WORKERS if pauses[w] and heard[w] and max(heard[w]) >= pauses[w][0]]
                 if ready and due:
                     for w in WORKERS:
