@@ -40,7 +40,7 @@ def test_every_deprecated_prefix_cache_call_works_and_warns():
     old, new = _caches()
     assert old.snapshot() == new.snapshot()
     q = SEQ + (6, 7, 8)
-    hit_old, hit_new = old.lookup(q), new.lookup(q)
+    hit_old = old.lookup(q)
     with pytest.warns(DeprecationWarning, match=r"lane_need.*can_allocate"):
         assert old.lane_need(hit_old, 9).tolist() == new.can_allocate(q, 9).need.tolist()
     for name, want in (("evictable_pages", new.sizes().evictable), ("lane_cached_pages", new.sizes().cached)):

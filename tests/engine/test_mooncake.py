@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from cpkv.engine.mooncake import (BLOCK_TOKENS, BlockPrompt, TokenBook, is_mooncake, load_mooncake, mooncake_path,
+from cpkv.engine.mooncake import (BlockPrompt, TokenBook, is_mooncake, load_mooncake, mooncake_path,
                                   read_mooncake, scale_lengths, take)
 from cpkv.engine.trace import TraceError
 

@@ -291,7 +291,7 @@ class AllocatorComponent(Component):
         return Misuse(f"bad kind: {what}", calls[what], err)
 
     def bad_plan(self, data):
-        active, a, S = self._active(), self.a, self.S
+        a, S = self.a, self.S
         free = self._free_pages()
         cases = [
             Misuse("mismatched lengths", lambda: a.allocate_extend([0], [1, 2], [-1, -1]), UnsupportedPagePlan,

@@ -179,7 +179,6 @@ def cmd_bench_kvdtype(args) -> int:
 
 def cmd_bench_capacity(args) -> int:
     """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
-    from ..engine.config import EngineConfig
     from .bench.capacity import CheckFailed, bench_capacity
     from .table import format_rows
 
