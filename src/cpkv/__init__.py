@@ -26,8 +26,7 @@ that defines it on first use (torch and numpy; never the engine, the runtime,
 ``transformers``, triton, the KV-event wire or matplotlib), and importing cpkv
 sets no environment variable. ``python -m cpkv`` under torchrun so asks the
 kernel to end the rank with its agent before it imports anything
-(:mod:`cpkv.__main__`). The names that left this module in 0.2 work for one
-release with a ``DeprecationWarning`` (``CHANGELOG.md``).
+(:mod:`cpkv.__main__`).
 """
 
 from importlib import import_module as _import_module
@@ -57,10 +56,6 @@ _PUBLIC = {
     "ScaledFp8Format": "consumers.kv_format",
 }
 
-#: Names that left this module in 0.2 for :mod:`cpkv.engine` (there under the same name).
-_TO_ENGINE = ("run_engine", "EngineConfig", "RunConfig", "DisaggConfig", "run_disagg", "format_disagg",
-              "DisaggFailure", "TransferAborted", "TraceError", "RankFailure", "GroupTooLarge")
-
 _SUBPACKAGES = ("consumers", "contract", "engine", "kernels", "models", "runtime", "tools")
 
 __all__ = sorted(_PUBLIC)
@@ -68,29 +63,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """A public name, imported from its module on first use (then kept here);
-    a subpackage; or a name that went in 0.2, with a ``DeprecationWarning``
-    (:mod:`cpkv.contract.deprecated`)."""
+    """A public name, imported from its module on first use (then kept here),
+    or a subpackage: the lazy import that keeps ``import cpkv`` light. Every
+    other name is an ``AttributeError``."""
     if name in _PUBLIC:
         value = getattr(_import_module(f"cpkv.{_PUBLIC[name]}"), name)
         globals()[name] = value
         return value
     if name in _SUBPACKAGES:
         return _import_module(f"cpkv.{name}")
-    if name.startswith("__"):  # a probe (``__wrapped__``, ...): nothing to import for it
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .contract import deprecated
-
-    if name in _TO_ENGINE:
-        deprecated.warn_deprecated(f"cpkv.{name}", f"cpkv.engine.{name}")
-        return getattr(_import_module("cpkv.engine"), name)
-    if name == "ExtendAllocation":
-        deprecated.warn_deprecated("cpkv.ExtendAllocation", "cpkv.Allocation")
-        return __getattr__("Allocation")
-    if name in deprecated.PUBLIC:
-        obj, instead = deprecated.PUBLIC[name]
-        deprecated.warn_deprecated(f"cpkv.{name}", instead)
-        return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -497,10 +497,3 @@ def test_replay_from_any_seq_and_past_the_buffer_reports_the_loss(start):
     first = max(start, 5)
     assert [s for s, _ in got] == list(range(first, 10)) and [b.ts for _, b in got] == list(map(float, range(first, 10)))
     assert sub.lost == first - start and sub.lost_ranges == ([(start, 5)] if start < 5 else [])
-
-
-def test_the_event_classes_moved_names_warn():
-    with pytest.warns(DeprecationWarning, match="kv_wire"):
-        assert ke.BlockStored is kw.BlockStored
-    with pytest.raises(AttributeError):
-        ke.NoSuchName

@@ -224,21 +224,23 @@ def test_a_failing_on_evict_hook_keeps_the_node():
     assert e.state() == before
 
 
-def test_a_two_argument_on_evict_still_works_with_a_warning():
-    """The hook before namespaces, ``on_evict(tokens, slots)``, is still
-    called (with a DeprecationWarning, at construction or assignment); a hook
-    that takes neither form is refused at once."""
-    seen = []
-    with pytest.warns(DeprecationWarning, match="two-argument"):
-        e = engine(on_evict=lambda tokens, slots: seen.append((tuple(tokens.tolist()), slots.tolist())))
-    _, slots, _ = cached(e, 0, (1, 2, 3, 4))
-    e.cache.clear()
-    assert seen == [((1, 2, 3, 4), slots.tolist())]
-    with pytest.warns(DeprecationWarning, match="two-argument"):
-        e.cache.on_evict = lambda tokens, slots: None
-    for bad in (lambda tokens: None, lambda a, b, c, d: None, 7):
+def test_an_on_evict_hook_that_cannot_take_tokens_slots_key_is_refused_when_set():
+    """The hook is ``on_evict(tokens, slots, key)``; any other callable (the
+    two-argument form before namespaces included) or a non-callable is refused
+    at construction or assignment with a ``TypeError``, the hook in force
+    unchanged."""
+    for bad in (lambda tokens, slots: None, lambda tokens: None, lambda a, b, c, d: None, 7):
         with pytest.raises(TypeError, match="on_evict"):
             PrefixCache(OwnerLaneAllocator(8 * N * S, S, N), on_evict=bad)
+    seen = []
+    e = engine(on_evict=lambda tokens, slots, key: seen.append((tuple(tokens.tolist()), slots.tolist(), key)))
+    kept = e.cache.on_evict
+    with pytest.raises(TypeError, match="on_evict"):
+        e.cache.on_evict = lambda tokens, slots: None
+    assert e.cache.on_evict is kept
+    _, slots, _ = cached(e, 0, (1, 2, 3, 4))
+    e.cache.clear()
+    assert [s[:2] for s in seen] == [((1, 2, 3, 4), slots.tolist())]
 
 
 def test_what_an_allocation_evicts_comes_back_as_values():

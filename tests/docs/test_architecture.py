@@ -1,6 +1,6 @@
-"""The package's shape: arrows one way, one class one file.
+"""The package's shape: arrows one way, one class one file, no history kept as code.
 
-Three rules read off the source (no import of cpkv needed):
+Rules read off the source (no import of cpkv needed):
 
 * no import circle between cpkv modules, imports under ``TYPE_CHECKING`` and
   inside functions included (such an import marks a class whose parts live in
@@ -10,16 +10,30 @@ Three rules read off the source (no import of cpkv needed):
 * no cpkv base class in one module whose only use is to be the base of one
   class in another module (one class split across files); a real base with a
   use of its own (an interface named in annotations, an error caught by name, a
-  second subclass) is fine.
+  second subclass) is fine;
+* no attribute set on a cpkv class from outside its body (``setattr(C, ...)``,
+  ``C.x = ...``): a class's calls live in that class (an adapter's in the
+  adapter), not attached to another by the module that imports it;
+* no module-level ``__getattr__`` but ``cpkv``'s own lazy import, which
+  resolves the public names and subpackages and nothing else: no shim answering
+  a former name;
+* no alias of a cpkv class or function (``Old = New`` at module level, a
+  method named twice in its class), and none of the names the history layer
+  kept (checked on the imported package);
+* no ``DeprecationWarning`` in cpkv while no release is published
+  (``CHANGELOG.md``): deprecation is owed only for what a release shipped.
 """
 
 import ast
+import re
 from collections import Counter, defaultdict
 from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
+#: Code outside the package that may touch its classes (the repository's scripts).
+SCRIPTS = sorted((ROOT / "tools").glob("*.py"))
 
 
 def _modules() -> dict[str, Path]:
@@ -167,8 +181,179 @@ def test_no_base_class_exists_only_to_split_one_class_across_files():
     assert not split, f"a class split across files: {split}"
 
 
+@cache
+def _cpkv_names() -> tuple[frozenset, frozenset]:
+    """Every class, and every class or function, defined anywhere in cpkv."""
+    classes = {n.name for t in TREES.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    defs = classes | {n.name for t in TREES.values() for n in ast.walk(t)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return frozenset(classes), frozenset(defs)
+
+
+def class_patches(tree: ast.AST, classes: frozenset) -> list[str]:
+    """Where ``tree`` sets or deletes an attribute of a class named in ``classes``
+    from outside its body: ``setattr``/``delattr``/``X.__setattr__`` on it, or an
+    assignment to ``C.x``."""
+    out = []
+
+    def cls(node) -> bool:
+        return isinstance(node, ast.Name) and node.id in classes
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and n.args and cls(n.args[0]):
+            f = n.func
+            if (isinstance(f, ast.Name) and f.id in ("setattr", "delattr")) or (
+                    isinstance(f, ast.Attribute) and f.attr in ("__setattr__", "__delattr__")):
+                out.append(f"line {n.lineno}: {ast.unparse(n)}")
+        targets = (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign))
+                   else n.targets if isinstance(n, ast.Delete) else [])
+        for t in targets:
+            if isinstance(t, ast.Attribute) and cls(t.value):
+                out.append(f"line {n.lineno}: {ast.unparse(t)} set from outside class {t.value.id}")
+    return out
+
+
+#: The one module whose ``__getattr__`` is allowed, and the tables its lookups may read.
+LAZY_IMPORT, LAZY_TABLES = "cpkv", {"_PUBLIC", "_SUBPACKAGES"}
+
+
+def module_shims(tree: ast.AST, lazy: bool) -> list[str]:
+    """Module-level ``__getattr__`` in ``tree``: any at all unless ``lazy``; in
+    the lazy import, any lookup but ``name in`` one of :data:`LAZY_TABLES`, or a
+    warning."""
+    out = []
+    for f in tree.body:
+        if not (isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "__getattr__"):
+            continue
+        if not lazy:
+            out.append(f"line {f.lineno}: a module __getattr__ (a shim answering names the module does not define)")
+            continue
+        for n in ast.walk(f):
+            if isinstance(n, ast.If) and not (
+                    isinstance(n.test, ast.Compare) and len(n.test.ops) == 1 and isinstance(n.test.ops[0], ast.In)
+                    and isinstance(n.test.comparators[0], ast.Name) and n.test.comparators[0].id in LAZY_TABLES):
+                out.append(f"line {n.lineno}: the lazy import answers more than {sorted(LAZY_TABLES)}: "
+                           f"{ast.unparse(n.test)}")
+            if isinstance(n, ast.Call) and "warn" in ast.unparse(n.func):
+                out.append(f"line {n.lineno}: the lazy import warns: {ast.unparse(n)}")
+    return out
+
+
+def aliases(tree: ast.AST, defs: frozenset) -> list[str]:
+    """Second names in ``tree``: ``A = B`` at module level with ``B`` a class or
+    function named in ``defs`` (a bare name or ``module.B``), and a method bound
+    to a second name in its class's body."""
+    out = []
+    for n in tree.body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+            v = n.value
+            name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+            if name in defs:
+                out.append(f"line {n.lineno}: {ast.unparse(n)} (an alias of {name})")
+    for c in ast.walk(tree):
+        if isinstance(c, ast.ClassDef):
+            methods = {m.name for m in c.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            for n in c.body:
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in methods:
+                    out.append(f"line {n.lineno}: {c.name}.{ast.unparse(n)} (a method under a second name)")
+    return out
+
+
+def _every_source() -> dict[str, ast.AST]:
+    return {**TREES, **{f"tools/{p.name}": ast.parse(p.read_text(), filename=str(p)) for p in SCRIPTS}}
+
+
+def test_no_attribute_is_set_on_a_cpkv_class_from_outside_it():
+    classes, _ = _cpkv_names()
+    found = {m: bad for m, t in _every_source().items() if (bad := class_patches(t, classes))}
+    assert not found, f"a cpkv class patched from outside its body (put the calls in the class, or an adapter): {found}"
+
+
+def test_no_module_getattr_shim():
+    found = {m: bad for m, t in TREES.items() if (bad := module_shims(t, lazy=m == LAZY_IMPORT))}
+    assert not found, f"module __getattr__ shims: {found}"
+
+
+def test_no_alias_of_a_cpkv_class_or_function():
+    _, defs = _cpkv_names()
+    found = {m: bad for m, t in TREES.items() if (bad := aliases(t, defs))}
+    assert not found, f"aliases (history kept as code): {found}"
+
+
+#: Names the history layer kept working after they went (0.2, never released): none may answer again.
+FORMER_NAMES = {
+    "cpkv": ("ExtendAllocation", "RankSplit", "split_page", "split_interleave", "run_engine", "EngineConfig",
+             "RunConfig", "DisaggConfig", "run_disagg", "format_disagg", "DisaggFailure", "TransferAborted",
+             "TraceError", "RankFailure", "GroupTooLarge"),
+    "cpkv.contract.allocation": ("ExtendAllocation",),
+    "cpkv.contract.allocator": ("ExtendAllocation",),
+    "cpkv.consumers.kv_events": ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+                                 "KVEventBatch"),
+    "cpkv.models": ("attend", "merge_partials", "paged_attention"),
+    "cpkv.models.attention": ("attend", "merge_partials", "paged_attention", "query_groups", "QueryGroups",
+                              "PAD_LIMIT"),
+    "cpkv.OwnerLaneAllocator": ("alloc_extend", "alloc_decode", "alloc", "get_num_new_pages", "free_segment",
+                                "free_segments", "available_size", "get_cpu_copy", "load_cpu_copy", "last_allocation"),
+    "cpkv.PrefixCache": ("acquire", "insert", "insert_tail", "insert_tails", "release", "cache_pages_many",
+                         "lane_need", "evictable_pages", "lane_cached_pages", "cached_pages", "layout", "num_pages",
+                         "lane_pages", "lane_free_pages", "is_allocated"),
+    "cpkv.Allocation": ("rank_split",),
+    "cpkv.PageTable": ("rows",),
+    "cpkv.runtime.runner.CPRunner": ("allocate", "extend", "finish", "record", "release", "last_loc", "lens", "table",
+                                     "req_to_token"),
+}
+
+
+def test_no_former_name_answers():
+    """The deleted history stays deleted: each former name is an ``AttributeError``."""
+    import importlib
+    import warnings
+
+    answered = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for where, names in FORMER_NAMES.items():
+            try:
+                obj = importlib.import_module(where)
+            except ModuleNotFoundError:
+                mod, attr = where.rsplit(".", 1)
+                obj = getattr(importlib.import_module(mod), attr)
+            answered += [f"{where}.{n}" for n in names if hasattr(obj, n)]
+    assert not answered, f"former names answer again: {answered}"
+
+
+def test_no_deprecation_before_a_release():
+    """STYLE: deprecation (a release of ``DeprecationWarning``) is owed only for
+    what a published release shipped. While every version of ``CHANGELOG.md``
+    is unreleased, nothing in cpkv warns of one."""
+    versions = re.findall(r"^## (\S+)(.*)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert versions, "CHANGELOG.md lists no version"
+    if any("unreleased" not in rest for _, rest in versions):
+        return  # a release is published: its deprecations are owed (see STYLE)
+    warned = [f"{m}: line {n.lineno}" for m, t in TREES.items() for n in ast.walk(t)
+              if isinstance(n, ast.Name) and n.id in ("DeprecationWarning", "PendingDeprecationWarning")]
+    assert not warned, f"deprecations before any release (delete the old form instead): {warned}"
+
+
 # -- the checks themselves, on made-up graphs and classes --------------------------------
 def test_the_cycle_finder_sees_a_circle_and_nothing_else():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert find_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_history_checks_see_a_patch_a_shim_and_an_alias_and_nothing_else():
+    classes, defs = frozenset({"Core", "Adapter"}), frozenset({"Core", "Adapter", "helper"})
+    patched = ast.parse("for n in M:\n    setattr(Core, n, f)\nCore.last = property(g)\nobject.__setattr__(Core, 'x', 1)\n"
+                        "delattr(Adapter, 'y')\n")
+    assert len(class_patches(patched, classes)) == 4
+    fine = ast.parse("setattr(self, 'x', 1)\nobject.__setattr__(self, 'd', 2)\ncore.x = 1\nclass Core:\n    x = 1\n")
+    assert class_patches(fine, classes) == []
+    shim = ast.parse("def __getattr__(name):\n    if name == 'Old':\n        warn('x')\n        return New\n")
+    assert len(module_shims(shim, lazy=False)) == 1 and len(module_shims(shim, lazy=True)) == 2
+    lazy = ast.parse("def __getattr__(name):\n    if name in _PUBLIC:\n        return 1\n"
+                     "    if name in _SUBPACKAGES:\n        return 2\n    raise AttributeError(name)\n")
+    assert module_shims(lazy, lazy=True) == [] and len(module_shims(lazy, lazy=False)) == 1
+    aliased = ast.parse("Old = Core\nold_helper = mod.helper\nclass C:\n    def f(self): pass\n    g = f\n")
+    assert len(aliases(aliased, defs)) == 3
+    assert aliases(ast.parse("X = 3\nT = torch.Tensor\nclass C:\n    Inner = Core\n"), defs) == []

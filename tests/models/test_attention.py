@@ -164,19 +164,3 @@ def test_paged_attention_refuses_queries_that_q_req_does_not_name():
     for q in (torch.randn(3, 2, 8), torch.randn(0, 2, 8)):
         with pytest.raises(ValueError, match="q holds"):
             paged_attention(q, req, pos, k, k, 0.5)
-
-
-def test_former_names_of_the_moved_torch_attention_warn_and_still_work():
-    """attend, merge_partials and paged_attention moved to cpkv.kernels.reference
-    (the data plane's torch backend); their former names work for one release."""
-    import cpkv.models as models
-    import cpkv.models.attention as ma
-    from cpkv.kernels import reference
-
-    for mod, name, new in [(models, "attend", "attend"), (models, "merge_partials", "merge_partials"),
-                           (models, "paged_attention", "gathered_attention"), (ma, "query_groups", "query_groups"),
-                           (ma, "QueryGroups", "QueryGroups"), (ma, "PAD_LIMIT", "PAD_LIMIT")]:
-        with pytest.warns(DeprecationWarning, match=f"moved to cpkv.kernels.reference.{new}"):
-            assert getattr(mod, name) is getattr(reference, new)
-    with pytest.raises(AttributeError):
-        ma.no_such_name  # noqa: B018

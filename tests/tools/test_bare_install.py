@@ -48,7 +48,6 @@ def test_import_and_a_small_allocation_need_no_extra():
         S, N, pages = 4, 2, 8
         layout = SharedKVLayout(N, S, pages)
         cache = PrefixCache(OwnerLaneAllocator.for_layout(layout))
-        assert callable(cache.alloc.alloc_extend)  # the deprecated SGLang calls, wherever the core is (0.2 only)
         m = cache.allocate(cache.lookup(list(range(10))))
         a = cache.allocate_extend(torch.tensor([0]), torch.tensor([10]), torch.tensor([-1]))
         assert a is not None and a.out_cache_loc.numel() == 10

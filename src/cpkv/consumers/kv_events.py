@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 
 import numpy as np
 
@@ -205,18 +204,3 @@ class KVEventSink:
         events, self.pending = self.pending, []
         self.last_seq = self.publisher.publish(self._wire.KVEventBatch(ts=time.time(), events=events))
         return len(events)
-
-
-_MOVED = ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch")
-
-
-def __getattr__(name: str):
-    """The event classes moved to :mod:`cpkv.consumers.kv_wire` (so this module
-    imports without msgspec); their old names here warn for one release."""
-    if name in _MOVED:
-        warnings.warn(f"cpkv.consumers.kv_events.{name} moved to cpkv.consumers.kv_wire.{name}",
-                      DeprecationWarning, stacklevel=2)
-        from . import kv_wire
-
-        return getattr(kv_wire, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

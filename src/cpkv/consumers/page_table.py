@@ -15,8 +15,6 @@ allocator ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -122,14 +120,6 @@ class PageTable:
     def slots(self, row: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """A view of positions ``start .. end - 1`` of ``row`` (to the row's end by default)."""
         return self.req_to_token[row, start:end]
-
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Deprecated (goes in 0.3): the table's rows ``rows`` ``[B, width]``, a
-        copy of their whole width; a forward reads ``req_to_token[rows, :L]``
-        only (:meth:`~cpkv.runtime.forward_plan.ForwardPlan.build` with ``rows``)."""
-        warnings.warn("PageTable.rows(rows) is deprecated and goes in cpkv 0.3: it copies whole rows; read "
-                      "req_to_token[:, :L][rows]", DeprecationWarning, stacklevel=2)
-        return self.req_to_token[rows]
 
     def _grow(self, rows: int, width: int) -> None:
         old = self.req_to_token

@@ -69,7 +69,6 @@ state does.
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -115,9 +114,8 @@ class PrefixCache:
     (``tokens`` from the root through the node, the ``slots`` holding them,
     the namespace ``key``). It must not call the cache; if it raises, that
     node stays cached and the error propagates (nodes evicted before it in the
-    same call stay evicted; ``last_evicted`` is not updated). A two-argument
-    hook ``on_evict(tokens, slots)`` still works, with a
-    ``DeprecationWarning`` (until 0.3). [[RFC-0001:C-PREFIX-CACHE]]
+    same call stay evicted; ``last_evicted`` is not updated); a hook that
+    cannot take three arguments is a ``TypeError``. [[RFC-0001:C-PREFIX-CACHE]]
     """
 
     def __init__(self, allocator: OwnerLaneAllocator, on_evict: EvictHook | None = None):
@@ -410,12 +408,8 @@ class PrefixCache:
         Raises :class:`PrefixCacheMisuse`, nothing changed, for any run the
         rules of :meth:`finish` refuse, a run that is not whole pages
         (``not-whole-pages``) or a match that stopped caching
-        (``match-not-live``). ``cache_pages(match, tokens, slots)`` (one
-        match, no counts) still works, with a ``DeprecationWarning``.
+        (``match-not-live``).
         [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-OWNER-LANE]]"""
-        if isinstance(matches, PrefixMatch):
-            _deprecated("cache_pages(match, tokens, slots)", "cache_pages([match], tokens, slots, [len(slots)])")
-            return bool(self.cache_pages([matches], tokens, slots, [_size(slots)])[0])
         matches = _match_list(matches, "cache_pages")
         tokens, arr, counts = self._runs(matches, tokens, slots, counts, "cache_pages", whole_pages=True)
         S, tree = self.S, self.tree
@@ -710,139 +704,21 @@ class PrefixCache:
             bad = int(own[self.tree.page_cached[own]][0])
             raise PrefixCacheMisuse("private-page-cached", f"{what}: page {bad} past the shared prefix is the cache's")
 
-    # -- deprecated forms (DeprecationWarning; removed in 0.3) ------------------------------------
-    def acquire(self, tokens: Sequence[int], max_length: int | None = None, key=None) -> PrefixMatch:
-        """Deprecated: ``allocate(lookup(tokens, max_length, key))``."""
-        _deprecated("acquire(tokens)", "allocate(lookup(tokens))")
-        return self.allocate(self.lookup(tokens, max_length, key))
-
-    def insert(self, tokens: Sequence[int], slots, match: PrefixMatch) -> None:
-        """Deprecated: :meth:`finish` with the run past ``match.shared``.
-        ``tokens`` and ``slots`` are the whole sequence; the first
-        ``match.length`` must be the match's own."""
-        _deprecated("insert(tokens, slots, match)", "finish([match], tokens[s:], slots[s:], [n - s]), s = match.shared")
-        tokens, arr = _as_tokens(tokens), _int_vector(slots, "slots", "bad-slots")
-        if len(tokens) != arr.size:
-            raise PrefixCacheMisuse("length-mismatch", f"insert: {len(tokens)} tokens but {arr.size} slots")
-        self._check_whole(match, arr, "insert")
-        if not np.array_equal(tokens[: match.length], match.tokens):
-            raise PrefixCacheMisuse("tokens-do-not-extend-match", "insert: the tokens do not start with the matched")
-        s = match.shared
-        self.finish([match], tokens[s:], arr[s:], [arr.size - s])
-
-    def insert_tail(self, match: PrefixMatch, tokens, slots) -> None:
-        """Deprecated: ``finish([match], tokens, slots, [len(slots)])``."""
-        _deprecated("insert_tail(match, tokens, slots)", "finish([match], tokens, slots, [len(slots)])")
-        self.finish([match], tokens, slots, [_size(slots)])
-
-    def insert_tails(self, matches: Sequence[PrefixMatch], tokens, slots, counts) -> None:
-        """Deprecated: ``finish(matches, tokens, slots, counts)``."""
-        _deprecated("insert_tails(...)", "finish(matches, tokens, slots, counts)")
-        self.finish(matches, tokens, slots, counts)
-
-    def release(self, match: PrefixMatch, slots=None) -> None:
-        """Deprecated: :meth:`finish` with ``cache=False``. ``slots`` is the
-        whole sequence (default the match's own slots)."""
-        _deprecated("release(match, slots)", "finish([match], None, slots[s:], [n - s], cache=False)")
-        if slots is None:
-            slots = match.slots if isinstance(match, PrefixMatch) else []
-        arr = _int_vector(slots, "slots", "bad-slots")
-        self._check_whole(match, arr, "release")
-        s = match.shared
-        self.finish([match], None, arr[s:], [arr.size - s], cache=False)
-
-    def _check_whole(self, match, arr: np.ndarray, what: str) -> None:
-        """The deprecated whole-sequence ends: ``arr`` starts with the match's slots."""
-        self._check_match(match, what)
-        L = match.length
-        if arr.size < L or not np.array_equal(arr[:L], match.slots.numpy()):
-            raise PrefixCacheMisuse("slots-do-not-extend-match", f"{what}: the first {L} slots must be the match's own")
-
-    def cache_pages_many(self, matches: Sequence[PrefixMatch], tokens, slots, counts) -> np.ndarray:
-        """Deprecated: :meth:`cache_pages`."""
-        _deprecated("cache_pages_many(...)", "cache_pages(matches, tokens, slots, counts)")
-        return self.cache_pages(matches, tokens, slots, counts)
-
-    def lane_need(self, hit: PrefixHit, end: int) -> np.ndarray:
-        """Deprecated: ``can_allocate(tokens, end).need``."""
-        _deprecated("lane_need(hit, end)", "can_allocate(tokens, end).need")
-        if not isinstance(hit, PrefixHit):
-            raise PrefixCacheMisuse("not-a-hit", f"lane_need takes the PrefixHit of lookup(), got {type(hit).__name__}")
-        if hit._owner is not self:
-            raise PrefixCacheMisuse("foreign-hit", "lane_need: the hit was not looked up in this cache")
-        return self._lane_need(hit, _as_end(end, "lane_need"))
-
-    def evictable_pages(self) -> np.ndarray:
-        """Deprecated: ``sizes().evictable``."""
-        _deprecated("evictable_pages()", "sizes().evictable")
-        return self.sizes().evictable
-
-    def lane_cached_pages(self) -> np.ndarray:
-        """Deprecated: ``sizes().cached``."""
-        _deprecated("lane_cached_pages()", "sizes().cached")
-        return self.sizes().cached
-
-    def cached_pages(self) -> int:
-        """Deprecated: ``int(sizes().cached.sum())``."""
-        _deprecated("cached_pages()", "sizes().cached.sum()")
-        return int(self.tree.cached_lanes.sum())
-
-    @property
-    def layout(self):
-        """Deprecated: ``alloc.layout``."""
-        _deprecated("layout", "alloc.layout")
-        return self.alloc.layout
-
-    @property
-    def num_pages(self) -> int:
-        """Deprecated: ``alloc.num_pages``."""
-        _deprecated("num_pages", "alloc.num_pages")
-        return self.alloc.num_pages
-
-    @property
-    def lane_pages(self) -> np.ndarray:
-        """Deprecated: ``alloc.lane_pages``."""
-        _deprecated("lane_pages", "alloc.lane_pages")
-        return self.alloc.lane_pages
-
-    def lane_free_pages(self) -> list[int]:
-        """Deprecated: ``alloc.lane_free_pages()``."""
-        _deprecated("lane_free_pages()", "alloc.lane_free_pages()")
-        return self.alloc.lane_free_pages()
-
-    def is_allocated(self, pages) -> np.ndarray:
-        """Deprecated: ``alloc.is_allocated(pages)``."""
-        _deprecated("is_allocated(pages)", "alloc.is_allocated(pages)")
-        return self.alloc.is_allocated(pages)
-
-
-def _deprecated(old: str, new: str) -> None:
-    """Warn that ``PrefixCache.<old>`` is deprecated, naming its replacement (see CHANGELOG.md)."""
-    warnings.warn(f"PrefixCache.{old} is deprecated and goes in cpkv 0.3: use {new}", DeprecationWarning, stacklevel=3)
-
 
 def _three_argument_hook(hook: Callable) -> Callable:
-    """``hook`` as ``(tokens, slots, key)``: a two-argument hook (the form
-    before namespaces) wrapped, with a ``DeprecationWarning``; ``TypeError``
-    for a hook that takes neither."""
+    """``hook``, checked to take ``(tokens, slots, key)``: ``TypeError`` for
+    anything else."""
     if not callable(hook):
         raise TypeError(f"on_evict must be callable, got {type(hook).__name__}")
     try:
         sig = inspect.signature(hook)
     except (TypeError, ValueError):  # no signature to read (a builtin): taken as the three-argument form
         return hook
-    for n in (3, 2):
-        try:
-            sig.bind(*[None] * n)
-        except TypeError:
-            continue
-        if n == 3:
-            return hook
-        warnings.warn("PrefixCache(on_evict=...) with a two-argument hook (tokens, slots) is deprecated and goes in "
-                      "cpkv 0.3: take (tokens, slots, key), key the chain's namespace", DeprecationWarning,
-                      stacklevel=4)
-        return lambda tokens, slots, key: hook(tokens, slots)
-    raise TypeError(f"on_evict must take (tokens, slots, key), got a callable of signature {sig}")
+    try:
+        sig.bind(None, None, None)
+    except TypeError:
+        raise TypeError(f"on_evict must take (tokens, slots, key), got a callable of signature {sig}") from None
+    return hook
 
 
 def _match_list(matches, what: str) -> list:
@@ -851,8 +727,3 @@ def _match_list(matches, what: str) -> list:
         raise PrefixCacheMisuse("not-a-match", f"{what} takes a list of PrefixMatch (one per run), got "
                                 f"{type(matches).__name__}")
     return list(matches)
-
-
-def _size(x) -> int:
-    """Entries of a 1-D list, array or tensor (its shape is checked later)."""
-    return x.numel() if isinstance(x, torch.Tensor) else len(x)

@@ -9,7 +9,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .deprecated import RankSplit, split_page, warn_deprecated
 from .errors import UnsupportedPagePlan
 from .layout import SharedKVLayout, owner_of, page_of
 
@@ -129,13 +128,6 @@ class Allocation:
             raise ValueError(f"rank {rank} is not in a CP group of {self.cp_size}")
         return torch.nonzero(self.token_owners == rank).flatten()
 
-    def rank_split(self, rank: int) -> RankSplit:
-        """Deprecated (see :mod:`cpkv.contract.deprecated`): the page split for
-        ``rank`` as a ``RankSplit``; use :meth:`rank_token_indices`."""
-        warn_deprecated("Allocation.rank_split", "Allocation.rank_token_indices")
-        self.rank_token_indices(rank)  # the rank check
-        return split_page(self.token_owners, self.request_of_token, self.positions, self.batch_size, rank)
-
     def validate(self, layout: SharedKVLayout) -> None:
         """Refuse a result planned for another layout ([[RFC-0001:C-FAIL-FAST]])."""
         if layout.slots_per_page != self.page_size or layout.cp_size != self.cp_size:
@@ -146,11 +138,3 @@ class Allocation:
             )
         if self.out_cache_loc.numel() and int(self.out_cache_loc.max()) >= layout.capacity:
             raise UnsupportedPagePlan("slot-out-of-range", f"a slot exceeds the layout capacity {layout.capacity}")
-
-
-
-def __getattr__(name: str):
-    if name == "ExtendAllocation":  # the former name, one release (cpkv.contract.deprecated)
-        warn_deprecated("ExtendAllocation", "Allocation")
-        return Allocation
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,7 +38,6 @@ import torch
 
 from . import plan
 from .allocation import Allocation
-from .deprecated import warn_deprecated
 from .errors import UnsupportedPagePlan
 from .planner import BatchPlanner, PendingAllocation, _device_tensor
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
@@ -70,9 +69,8 @@ class OwnerLaneAllocator:
     owner plan), ``alloc_pages_with_owners`` (pages by lane), ``free`` /
     ``free_pages``; the state: ``clear``, ``backup_state`` /
     ``restore_state``, free groups; questions that change nothing. SGLang's
-    call shapes live in :class:`cpkv.contract.sglang.SGLangAllocator`; the
-    ones this class had before keep working here for one release, with a
-    ``DeprecationWarning`` (``CHANGELOG.md``).
+    call shapes live in :class:`cpkv.contract.sglang.SGLangAllocator`, an
+    adapter over this class; nothing is attached to it from outside.
     """
 
     def __init__(self, size: int, page_size: int, cp_size: int, device: str | torch.device = "cpu", *,
@@ -377,10 +375,3 @@ class OwnerLaneAllocator:
                 "mismatched-lengths", f"{prefix.size} prefix_lens, {seq.size} seq_lens, {last.size} last_loc"
             )
         return prefix, seq, last
-
-
-def __getattr__(name: str):
-    if name == "ExtendAllocation":  # the former name of Allocation, one release (cpkv.contract.deprecated)
-        warn_deprecated("ExtendAllocation", "Allocation")
-        return Allocation
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,6 @@ import torch
 from .allocation import Allocation
 from .allocator import OwnerLaneAllocator
 from .planner import _device_tensor
-from .deprecated import warn_deprecated
 from .errors import InvalidFree, UnsupportedPagePlan
 from .inputs import check_int_tensor, int_scalar, int_vector
 from .kv_row import RowPlacement, check_row_offsets, new_pages, row_lane_base, segments_to_slots
@@ -451,38 +450,3 @@ def _device_copies(device_copy, host_copy, name: str) -> None:
     size = (lambda x: x.shape[0] if isinstance(x, (torch.Tensor, np.ndarray)) else len(x))
     if size(device_copy) != size(host_copy):
         raise UnsupportedPagePlan("mismatched-lengths", f"device and cpu copies of {name} differ in size")
-
-
-#: The calls that moved here from :class:`OwnerLaneAllocator` in 0.2.
-MOVED = ("alloc_extend", "alloc_decode", "alloc", "get_num_new_pages", "free_segment", "free_segments",
-         "available_size", "get_cpu_copy", "load_cpu_copy")
-
-
-def _legacy(core: OwnerLaneAllocator) -> SGLangAllocator:
-    """The adapter behind a core's deprecated calls (one per core, so ``last_allocation`` works as it did)."""
-    if (adapter := core.__dict__.get("_sglang_adapter")) is None:
-        adapter = core.__dict__["_sglang_adapter"] = SGLangAllocator.over(core)
-    return adapter
-
-
-def _moved(name: str):
-    def call(self: OwnerLaneAllocator, *args, **kwargs):
-        warn_deprecated(f"OwnerLaneAllocator.{name}", f"SGLangAllocator.over(allocator).{name}")
-        return getattr(_legacy(self), name)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"Deprecated (removed in cpkv 0.3): :meth:`SGLangAllocator.{name}` over this allocator."
-    return call
-
-
-def _last_allocation(self: OwnerLaneAllocator) -> Allocation | None:
-    """Deprecated (removed in cpkv 0.3): the last allocation of the deprecated ``alloc_extend`` /
-    ``alloc_decode`` here; ``allocate_extend`` and ``allocate_decode`` return theirs."""
-    warn_deprecated("OwnerLaneAllocator.last_allocation", "what allocate_extend / allocate_decode return, or "
-                    "SGLangAllocator.last_allocation")
-    return _legacy(self).last_allocation
-
-
-for _name in MOVED:  # one release: the former calls on the core still work, with a DeprecationWarning
-    setattr(OwnerLaneAllocator, _name, _moved(_name))
-OwnerLaneAllocator.last_allocation = property(_last_allocation)

@@ -12,8 +12,6 @@ imports :mod:`cpkv.kernels` first: on a machine without CUDA that sets
 Triton's interpreter.
 """
 
-import warnings
-
 from .. import kernels as _kernels  # noqa: F401 - first: TRITON_INTERPRET before transformers imports triton
 from .attention import absorb_query, absorbed_output, index_scores, topk_positions
 from .base import KV_DTYPES, CacheAccess, ModelAdapter
@@ -39,19 +37,6 @@ def build_adapter(config: TinyLlama | TinyDsa) -> ModelAdapter:
     if isinstance(config, TinyLlama):
         return LlamaAdapter(config.build())
     raise TypeError(f"no adapter for a {type(config).__name__}; a model is a TinyLlama or a TinyDsa")
-
-
-def __getattr__(name: str):
-    """``attend``, ``merge_partials`` and ``paged_attention`` (now
-    ``gathered_attention``) moved to :mod:`cpkv.kernels.reference`: the former
-    names, with a ``DeprecationWarning`` (one release)."""
-    if name in ("attend", "merge_partials", "paged_attention"):
-        from ..kernels import reference
-
-        new = "gathered_attention" if name == "paged_attention" else name
-        warnings.warn(f"cpkv.models.{name} moved to cpkv.kernels.reference.{new}", DeprecationWarning, stacklevel=2)
-        return getattr(reference, new)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["KV_DTYPES", "MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape",

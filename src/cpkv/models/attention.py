@@ -6,27 +6,10 @@ plane's: :mod:`cpkv.kernels.reference` defines it, the backends of
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..kernels.reference import indexer_scores
 
-#: former names of the data plane's torch functions, now in :mod:`cpkv.kernels.reference` (deprecated here)
-_MOVED = {"attend": "attend", "merge_partials": "merge_partials", "paged_attention": "gathered_attention",
-          "query_groups": "query_groups", "QueryGroups": "QueryGroups", "PAD_LIMIT": "PAD_LIMIT"}
-
-
-def __getattr__(name: str):
-    """The torch attention that moved to :mod:`cpkv.kernels.reference`, under
-    its former name, with a ``DeprecationWarning`` (one release)."""
-    if name in _MOVED:
-        from ..kernels import reference
-
-        warnings.warn(f"cpkv.models.attention.{name} moved to cpkv.kernels.reference.{_MOVED[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(reference, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # -- MLA (multi-head latent attention) in absorbed form, and DSA's lightning indexer --------
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,13 @@ and the all-gathers of a token split or of the LSE decode split) cross ranks.
 from __future__ import annotations
 
 import hashlib
-import warnings
 
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
 from ..consumers.page_table import PageTable
 from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_SPLITS, ReplicatedKVPool
-from ..consumers.row_batches import RowBatches
 from ..contract.allocation import Allocation
-from ..contract.allocator import OwnerLaneAllocator
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
 from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
@@ -43,31 +40,11 @@ class CPRunner:
     allocation across ranks with one collective (debugging only). Raises
     ``ValueError`` for an unknown split or kernels, or a ``comm`` of another
     rank or size than the pool.
-
-    The form before 0.2, ``CPRunner(adapter, pool, allocator, comm, *,
-    max_requests, max_len, page_table=...)`` with the runner's own rows
-    (``allocate``, ``extend``, ``finish``, ``record``, ``release``,
-    ``last_loc``, ``lens``, ``table``), still works with a
-    ``DeprecationWarning`` (until 0.3) over a
-    :class:`~cpkv.consumers.row_batches.RowBatches`.
     """
 
-    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, comm: Comm | None = None, *legacy,
+    def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, comm: Comm | None = None, *,
                  prefill_split: str = "page", decode_split: str = "owner", check_plans: bool = False,
-                 kernels: str | None = None, max_requests: int | None = None, max_len: int | None = None,
-                 page_table: PageTable | None = None):
-        self._rows = None
-        if isinstance(comm, OwnerLaneAllocator) or legacy or any(x is not None
-                                                                  for x in (max_requests, max_len, page_table)):
-            warnings.warn("CPRunner(adapter, pool, allocator, comm, max_requests=, max_len=, page_table=) is "
-                          "deprecated and goes in cpkv 0.3: CPRunner(adapter, pool, comm) runs forwards only; "
-                          "rows and lengths come from the scheduler's PageTable or a RowBatches",
-                          DeprecationWarning, stacklevel=2)
-            allocator = comm if isinstance(comm, OwnerLaneAllocator) else None
-            comm = legacy[0] if legacy else (None if allocator is not None else comm)
-            self._rows = RowBatches(allocator, max_requests, max_len, pool.layout.padding_value)
-            if page_table is not None:
-                self._rows.table = page_table
+                 kernels: str | None = None):
         replicated = isinstance(pool, ReplicatedKVPool)
         prefills, decodes = ((REPLICATED_PREFILL_SPLITS, REPLICATED_DECODE_SPLITS) if replicated
                              else (PREFILL_SPLITS, DECODE_SPLITS))
@@ -113,12 +90,9 @@ class CPRunner:
         batch this rank computed, and their logits. :attr:`selected` is then
         the model's sparse selection of those tokens
         (:meth:`~cpkv.models.ModelAdapter.selection`, on the pool's device;
-        ``None`` for a dense model). Raises ``TypeError`` without a ``table``
-        (a runner of the deprecated form reads its own)."""
+        ``None`` for a dense model). Raises ``TypeError`` without a ``table``."""
         if table is None:
-            if self._rows is None:
-                raise TypeError("forward needs the page table holding the batch's rows (table=)")
-            table = self._rows.table
+            raise TypeError("forward needs the page table holding the batch's rows (table=)")
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
         if self.check_plans:
@@ -148,58 +122,3 @@ class CPRunner:
         for i, v in self.comm.all_gather_object((idx, values)):
             out[i] = v
         return out
-
-    # -- the deprecated form: the runner's own rows (DeprecationWarning at construction; removed in 0.3) --------
-    @property
-    def table(self) -> PageTable:
-        """Deprecated: the rows of a runner of the deprecated form (a :class:`RowBatches`' table)."""
-        return self._legacy().table
-
-    @property
-    def req_to_token(self) -> torch.Tensor:
-        """Deprecated: ``table.req_to_token``."""
-        return self._legacy().table.req_to_token
-
-    @property
-    def lens(self) -> torch.Tensor:
-        """Deprecated: each row's length (a :class:`RowBatches`' ``lens``)."""
-        return self._legacy().lens
-
-    def last_loc(self, rows: torch.Tensor) -> torch.Tensor:
-        """Deprecated: :meth:`RowBatches.last_loc`."""
-        return self._legacy().last_loc(rows)
-
-    def record(self, rows: torch.Tensor, alloc: Allocation) -> None:
-        """Deprecated: enter an allocation into the runner's own rows."""
-        b = self._legacy()
-        self.pool.check(alloc)
-        b.table.write_allocation(rows, alloc)
-        b.lens[rows] = alloc.seq_lens
-
-    def release(self, row: int) -> torch.Tensor:
-        """Deprecated: empty ``row``; returns the slots it held (the caller frees them)."""
-        b = self._legacy()
-        slots = b.table.req_to_token[row, : int(b.lens[row])].clone()
-        b.table.req_to_token[row] = b.table.padding
-        b.lens[row] = 0
-        return slots
-
-    def allocate(self, rows: list[int], new_lens: list[int], decode: bool = False) -> Allocation:
-        """Deprecated: :meth:`RowBatches.allocate`."""
-        return self._legacy().allocate(rows, new_lens, decode)
-
-    def extend(self, rows: list[int], new_ids: list[torch.Tensor], decode: bool = False):
-        """Deprecated: allocate (:meth:`RowBatches.allocate`) and :meth:`forward` one batch."""
-        alloc = self.allocate(rows, [t.numel() for t in new_ids], decode)
-        idx, logits = self.forward(rows, alloc, torch.cat(new_ids), decode)
-        return alloc, idx, logits
-
-    def finish(self, row: int) -> None:
-        """Deprecated: :meth:`RowBatches.free`, then ``pool.release``."""
-        self.pool.release(self._legacy().free(row))
-
-    def _legacy(self) -> RowBatches:
-        if self._rows is None:
-            raise AttributeError("this runner has no rows of its own: CPRunner(adapter, pool, comm) runs forwards "
-                                 "only (rows from the scheduler's PageTable or a RowBatches)")
-        return self._rows
