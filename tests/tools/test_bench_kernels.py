@@ -51,3 +51,19 @@ def test_the_command_prints_the_compile_report_on_the_cpu(monkeypatch, capsys):
     assert list(out) == ["compile"] and out["compile"][0]["name"] == "store fp32" and not out["compile"][0]["error"]
     table = cc.format_check(out["compile"])
     assert "store fp32" in table and "grid 64x128K" in table and table.rstrip().endswith("ok")
+
+
+def test_the_command_says_on_stderr_which_kernel_fails_the_compile_check(monkeypatch, capsys):
+    """Exit 1 with each failing kernel and its reason on stderr (torch 2.14's Triton 3.8 spilled in extend fp32
+    and the command printed nothing there)."""
+    run = cc.run_check
+
+    def spilling(names=None, jobs=1):
+        rows = run(["store fp32"], 1)
+        return [dict(rows[0], error="spills: 16 bytes of local memory per thread")]
+
+    monkeypatch.setattr(cc, "run_check", spilling)
+    assert main(["bench", "kernels"]) == 1
+    err = capsys.readouterr().err
+    assert "1 kernel(s) fail the sm_90 compile check under Triton" in err
+    assert "store fp32: spills: 16 bytes of local memory per thread" in err

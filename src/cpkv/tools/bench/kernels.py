@@ -365,8 +365,10 @@ def format_kernels(report: dict) -> str:
 def run_kernels_command(args) -> int:
     """``cpkv bench kernels``: on ``--device cuda`` every section (and with
     ``--compile`` the compile report); on the CPU the compile report only.
-    Exit 1 when a kernel fails the compile check."""
+    Exit 1 when a kernel fails the compile check, each failing kernel and why
+    on stderr (one line each, after the report)."""
     import json
+    import sys
 
     from ...kernels.compile_check import format_check, run_check
 
@@ -386,6 +388,13 @@ def run_kernels_command(args) -> int:
             print(format_check(out["compile"]))
         if args.device != "cuda":
             print("\n(no GPU here: the timed sections run with --device cuda)")
+    if failed:
+        bad = [r for r in out["compile"] if r["error"]]
+        version = out["compile"][0].get("triton", "?")
+        print(f"cpkv bench kernels: {len(bad)} kernel(s) fail the sm_90 compile check under Triton {version}:",
+              file=sys.stderr)
+        for r in bad:
+            print(f"  {r['name']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
 
 
