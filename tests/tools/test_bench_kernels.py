@@ -11,7 +11,8 @@ from cpkv.tools.bench import kernels as bk
 from cpkv.tools.cli import main
 
 FIELDS = {
-    "decode": {"batch", "context", "seconds", "bytes_read", "bytes_per_second", "fraction_of_copy"},
+    "decode": {"batch", "context", "seconds", "bytes_read", "bytes_per_second", "fraction_of_copy", "table_seconds",
+               "table_fraction_of_copy", "table_vs_buffer"},  # one buffer and the segment table groups read
     "sparse_mla": {"batch", "heads", "seconds", "bytes_read", "bytes_per_second", "fraction_of_copy"},
     "indexer": {"batch", "context", "seconds", "bytes_read", "bytes_per_second", "fraction_of_copy"},
     "store": {"tokens", "seconds", "bytes_moved", "bytes_per_second", "fraction_of_copy"},
@@ -30,6 +31,7 @@ def test_every_section_runs_dry_on_the_cpu():
             assert all(v > 0 for k, v in row.items() if k.endswith("seconds")), (name, row)
         if "copy" in section:
             assert section["copy"]["bytes_per_second"] > 0
+    assert set(report["decode"]["timing"]) == {"1x40", "1x40 table"}  # both timed in the same rounds
     assert [r["ranks"] for r in report["lse_split"]["rows"]] == [1, 2]
     assert report["lse_split"]["rows"][0]["vs_one_rank"] == 1.0
     for fp8 in (bk.bench_sparse_mla, bk.bench_indexer, bk.bench_store):  # the FP8 caches, decoded or encoded in the kernel
