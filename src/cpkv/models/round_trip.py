@@ -55,7 +55,6 @@ from ..consumers import placement
 from ..consumers.kv_format import KVFormat
 from .selection import NOISE, indexer_layers, pinned_indexers
 
-
 #: The ``transformers`` releases the reference is tested with, ``[low, high)``: 5.17 (the GPU image's,
 #: ``past_key_values=`` and expanded DSA K/V) and 5.25 (``make test``'s: ``cache=`` and cached latents).
 TRANSFORMERS_TESTED = ((5, 17), (6, 0))

@@ -192,7 +192,8 @@ def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_C
                              bytes_per_second=read / one, fraction_of_copy=_fraction(read / one, copy),
                              table_fraction_of_copy=_fraction(read / seg, copy),
                              table_vs_buffer=round(seg / one, 3)))
-            del k, v, segs, kv_table
+            kv = kv_table = segs = None  # the views hold the buffers: free them before the next size
+            del k, v
     return dict(title=f"decode attention, {dtype}, Hkv {kv_heads} x D {head_dim}, {heads} heads, page {page}, "
                       f"{cp} ranks' pages: K/V bytes read per second against a device-to-device copy, from one "
                       "buffer and through the segment table", copy=copy, rows=rows, timing=how)
