@@ -61,11 +61,12 @@ bench: $(STAMP)
 	$(VENV)/bin/cpkv bench all
 
 # on a machine with a CUDA GPU: the one prepared device run (tools/gpu_check.py: kernels, bandwidth, cpkv run
-# --device cuda --check at N 1, 2, 4 on one GPU, IPC and the fence), under 8 minutes; results.json and log.txt
-# in $(GPU_OUT). With the machine's own python3 (its torch), or this checkout's .venv where it exists.
+# --device cuda --check at N 1, 2, 4 on one GPU in float32, bfloat16 and FP8, IPC and the fence), within 330 s;
+# results.json and log.txt in $(GPU_OUT). Without a GPU: one line, exit 2, nothing written. With the machine's
+# own python3 (its torch), or this checkout's .venv where it exists.
 GPU_OUT ?= gpu-check
 gpu-check:
-	$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py $(GPU_OUT)
+	@$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py $(GPU_OUT)
 
 # every figure of README.md and docs/ rewritten by the command above it (tools/docs_figures.py): the timed
 # ones stamped with today's date and this machine; FIGURES=deterministic (or timed) for one kind only
