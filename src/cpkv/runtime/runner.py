@@ -32,7 +32,13 @@ class CPRunner:
     """One rank's forward: the pool, the model, the splits.
 
     ``prefill_split`` and ``decode_split`` choose how batches are divided
-    among ranks (:mod:`cpkv.runtime.batch`); over a
+    among ranks (:mod:`cpkv.runtime.batch`). A prefill batch of fewer tokens
+    than ranks under ``interleave`` (which refuses it: some rank would have no
+    token, [[RFC-0001:C-PLANNER-SPLIT]]) runs under the page split, as SGLang
+    runs a batch too short to split unsplit: an engine cannot keep every
+    batch at N tokens (a last chunk, a request resumed after preemption), and
+    refusing it mid-run would lose the run; the page split moves no entry and
+    gives the same logits. Over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
     copy) only token splits: ``zigzag`` prefill, ``balanced`` decode.
     ``kernels`` the data plane, ``"torch"`` or ``"triton"`` (default: triton
@@ -95,6 +101,8 @@ class CPRunner:
             raise TypeError("forward needs the page table holding the batch's rows (table=)")
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
+        if mode == "interleave" and alloc.out_cache_loc.numel() < self.cp_size:
+            mode = "page"  # too short to interleave (see the class doc)
         if self.check_plans:
             self._agree(alloc)
         fb = ForwardBatch(self.pool, self.comm, alloc, table.req_to_token, mode, self.kernels, rows=rows)
