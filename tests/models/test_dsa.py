@@ -26,7 +26,6 @@ from support.groups import run_group as support_run_group
 # (cached prefix, prompt): mid-page at 16 and 5, page-aligned at 16 (16) and at 5 (10), fresh; 9 < index_topk
 REQUESTS = [(21, 45), (16, 40), (10, 27), (0, 9)]
 SPECS = {"deepseek-v3.2": TinyDsa(kind="deepseek-v3.2"), "glm-5": TinyDsa(kind="glm-5")}
-_batch = threading.local()  # the batch rows each rank thread is running (to name a query's request)
 
 
 @pytest.fixture(scope="module")
@@ -34,27 +33,24 @@ def adapters():
     return {k: DsaAdapter(s.build()) for k, s in SPECS.items()}
 
 
-def run_group(ad, N, S, prefill, decode, steps=4, requests=REQUESTS, seed=0):
+def run_group(ad, N, S, prefill, decode, steps=4, requests=REQUESTS, seed=0, **options):
     """Prefill cached prefixes, the batch, then ``steps`` greedy decode steps on
     N thread ranks. Returns the prompts, every rank's ``(logits per request,
-    generated tokens, runner)`` and each selection a rank made: ``(layer,
-    request, position, selected positions)``."""
-    picks, select = [], ad.select
+    generated tokens, runner)`` and each token's whole selection, as the rank
+    that computed it recorded it: ``(layer, request, position, selected
+    positions)``."""
+    picks, lock = [], threading.Lock()
 
-    def recording_select(layer, q, w, cache):
-        out = select(layer, q, w, cache)
-        rows = torch.tensor(_batch.rows)[cache.req]
-        picks.extend((layer, int(r), int(p), o) for r, p, o in zip(rows, cache.positions, out))
-        return out
+    def record(rows, a, idx, selected):
+        req = torch.tensor(rows)[a.request_of_token[idx]]
+        with lock:
+            for j, layer in enumerate(ad.index_layers):
+                picks.extend((layer, int(r), int(p), s[s >= 0].long())
+                             for r, p, s in zip(req, a.positions[idx], selected[:, j].cpu()))
 
-    ad.select = recording_select
-    try:
-        prompts, results = support_run_group(ad, N, S, prefill, decode, steps=steps, requests=requests,
-                                             pages_per_rank=160 // S + 8, seed=seed,
-                                             on_rows=lambda rows: setattr(_batch, "rows", rows))
-        return prompts, results, picks
-    finally:
-        del ad.select
+    prompts, results = support_run_group(ad, N, S, prefill, decode, steps=steps, requests=requests,
+                                         pages_per_rank=160 // S + 8, seed=seed, on_selected=record, **options)
+    return prompts, results, picks
 
 
 def reference(model, seq):

@@ -69,7 +69,8 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     prefill_split, decode_split = cfg.splits()
     parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
                         replicated=cfg.replicated, prefill_split=prefill_split, decode_split=decode_split,
-                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device)
+                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device,
+                        record_selection=cfg.check)
     pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool
     host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))
