@@ -31,7 +31,7 @@ def run_group(adapter, N, S, prefill, decode, steps=5, requests=REQUESTS, decode
                              decode_counters_only=decode_counters_only)
 
 
-@pytest.mark.parametrize("N,S", [(1, 16), (2, 4), (3, 16), (4, 1)])
+@pytest.mark.parametrize("N,S", [(1, 16), (2, 4), (3, 16), (4, 1), (8, 2)])
 @pytest.mark.parametrize("prefill,decode", [("page", "owner"), ("interleave", "lse"), ("zigzag", "lse"),
                                             ("page", "lse")])
 def test_every_split_matches_transformers(llama, N, S, prefill, decode):

@@ -10,16 +10,17 @@ from cpkv.runtime.parts import build_parts
 
 
 def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank, seed=0, on_rows=None,
-              decode_counters_only=False, on_selected=None, **runner_options):
+              decode_counters_only=False, on_selected=None, prompt_ids=None, **runner_options):
     """``requests`` are ``(cached prefix, prompt length)``: the prefixes are prefilled first, then every request's
     rest in one batch, then ``steps`` greedy decode steps, on N thread ranks over one shared buffer of
     ``pages_per_rank`` pages a rank. ``on_rows(rows)`` is called before each forward (a rank thread's batch);
     ``on_selected(rows, alloc, idx, selected)`` after each (the runner records its selection then);
-    ``decode_counters_only`` zeroes the runners' work counters after the prefill. Returns the prompts and every
-    rank's ``(logits per request, generated tokens, runner)``."""
+    ``decode_counters_only`` zeroes the runners' work counters after the prefill; ``prompt_ids`` replaces the
+    seeded prompts (one tensor per request). Returns the prompts and every rank's ``(logits per request,
+    generated tokens, runner)``."""
     layout, shared = SharedKVLayout(N, S, pages_per_rank), thread_buffers()
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
+    prompts = prompt_ids or [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
 
     def rank(comm):
         own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(requests), max_len=128,
