@@ -123,19 +123,23 @@ def test_every_split_matches_transformers_and_selects_its_top_k(adapters, kind, 
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_lse_decode_scores_each_query_once(adapters, kind):
-    """Under the log-sum-exp decode split every rank computes every query, yet
-    each query's indexer scoring (a read of its whole context) happens on one
-    rank only: the group's indexer reads equal the owner split's, the latent
-    reads of the sparse attention too (each rank its own selected slots), and
-    every rank ends with the same selections (the test above checks them).
-    [[RFC-0001:C-INDEXER-POOL]]"""
+def test_lse_decode_scores_each_key_once_on_its_owner(adapters, kind):
+    """Under the log-sum-exp decode split each query's indexer keys are
+    scored by the ranks that own them, each once: the group's indexer reads
+    equal the owner split's (where one rank reads a query's whole context),
+    the latent reads of the sparse attention too (each rank its own
+    selected slots), and no rank reads another's pages; the scores stay
+    where they are, only the exchange moves. [[RFC-0001:C-INDEXER-POOL]]"""
     ad = adapters[kind]
-    reads = {}
+    reads, remote = {}, {}
     for decode in ("owner", "lse"):
-        _, results, _ = run_group(ad, 4, 5, "page", decode)
+        _, results, _ = run_group(ad, 4, 5, "page", decode, decode_counters_only=True)
         reads[decode] = [sum(r[2].reads[f] for r in results) for f in ("index_k", "latent")]
+        remote[decode] = sum(r[2].traffic.get("kv_remote_read", 0) for r in results)
+        if decode == "lse":
+            assert all(r[2].traffic["topk_exchange"] > 0 for r in results)
     assert reads["lse"] == reads["owner"]
+    assert remote["lse"] == 0 < remote["owner"]
 
 
 def test_report_worst_diffs():

@@ -122,7 +122,7 @@ class ForwardBatch:
         self._report[1] = p.write_slots.numel()
         self._stores = 0
         self._finite = torch.ones((), dtype=torch.bool, device=dev)  # formatted values cached, read at finish
-        self._counted: list[tuple[int, tuple[str, ...], torch.Tensor | int, torch.Tensor | int]] = []
+        self._counted: list[tuple[int, tuple[str, ...], torch.Tensor | int, torch.Tensor | int, str]] = []
         self._exchange: dict[int, torch.Tensor] = {}  # k -> the queries that see more than k keys (lse)
         self.kv_read = 0
         self.reads: dict[str, int] = {}
@@ -139,8 +139,8 @@ class ForwardBatch:
     def moved_bytes(self) -> int:
         """Bytes this rank received from the others in the batch's
         collectives (every term of :attr:`traffic` but reads of other ranks'
-        pages through the shared view); counted at :meth:`finish`."""
-        return sum(n for t, n in self.traffic.by_term().items() if t != "kv_remote_read")
+        pages through the shared view)."""
+        return sum(n for t, n in self.traffic.by_term().items() if not t.startswith("kv_remote"))
 
     def _view(self, name: str, layer: int) -> CacheView:
         """One layer of family ``name`` in the rank-major view, with its format."""
@@ -152,10 +152,11 @@ class ForwardBatch:
         f = self.pool.families[name]
         return f.slot_bytes() // len(f.layers)
 
-    def _count(self, layer: int, families: tuple[str, ...], n, remote) -> None:
-        """Count ``n`` context entries read of ``families`` at ``layer``,
-        ``remote`` of them on other ranks' pages (ints or device scalars, read at :meth:`finish`)."""
-        self._counted.append((layer, families, n, remote))
+    def _count(self, layer: int, families: tuple[str, ...], n, remote, term: str = "kv_remote_read") -> None:
+        """Count ``n`` context entries read of ``families`` at ``layer`` and
+        ``remote`` entries on other ranks' pages as ``term`` (ints or device
+        scalars, read at :meth:`finish`)."""
+        self._counted.append((layer, families, n, remote, term))
 
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
@@ -210,12 +211,12 @@ class ForwardBatch:
             if not finite:
                 raise ValueError("a layer cached a NaN or infinite value in a formatted family (its FP8 scale or "
                                  "bfloat16 bytes are garbage now): the model's values must be finite")
-        for layer, names, n, remote in self._counted:
+        for layer, names, n, remote, term in self._counted:
             n, remote = int(n), int(remote)
             self.kv_read += n
             for name in names:
                 self.reads[name] = self.reads.get(name, 0) + n
-                self.traffic.add(layer, "kv_remote_read", remote * self._slot_bytes(name))
+                self.traffic.add(layer, term, remote * self._slot_bytes(name))
         self._counted.clear()
 
     # -- the queries ----------------------------------------------------------------
@@ -330,7 +331,7 @@ class ForwardBatch:
             self._fence_if_dirty()
             seen = slots >= 0
             remote = (seen & ~self.layout.owned_slot_mask(slots, owner_rank=self.pool.rank, check=False)).sum()
-        self._count(layer, (key,), seen.sum(), remote)
+        self._count(layer, (key,), seen.sum(), remote, "kv_remote_selected")
         view = self._view(key, layer)
         dims = value_dims if value_dims is not None else view.shape[-1]
         out, lse = self.backend.selected(a, q, view, slots, scaling, dims)

@@ -237,9 +237,14 @@ class ForwardPlan:
 
 
 def _remote_reads(layout, rank: int, tab: torch.Tensor, req: torch.Tensor, positions: torch.Tensor) -> int:
-    """Entries of the queries' visible contexts (``req [T]``, ``positions
-    [T]`` over ``tab [B, L]``) on pages another rank owns. Host int (once per batch)."""
+    """Entries on pages another rank owns that the queries ``req [T]``,
+    ``positions [T]`` over ``tab [B, L]`` read: each request's context once,
+    up to the furthest position its queries here see (a kernel reads a key
+    once for a block of queries). Host int (once per batch)."""
     if not req.numel() or layout.cp_size == 1:
         return 0
-    remote = (tab >= 0) & ~layout.owned_slot_mask(tab, owner_rank=rank, check=False)
-    return int(torch.cumsum(remote.to(torch.int64), 1)[req, positions].sum())
+    reach = torch.full((tab.shape[0],), -1, dtype=torch.int64, device=tab.device)
+    reach.scatter_reduce_(0, req, positions.to(torch.int64), reduce="amax")
+    rows = torch.nonzero(reach >= 0).flatten()
+    remote = (tab[rows] >= 0) & ~layout.owned_slot_mask(tab[rows], owner_rank=rank, check=False)
+    return int(torch.cumsum(remote.to(torch.int64), 1).gather(1, reach[rows, None]).sum())

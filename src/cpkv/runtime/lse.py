@@ -60,10 +60,12 @@ from ..models.attention import rank_keys
 from .comm import Comm
 
 #: The terms the engine counts bytes by (received by a rank from the others,
-#: per layer): the collectives of the splits and the reads of other ranks'
-#: pages through the shared view.
-TERMS = ("kv_allgather", "kv_remote_read", "query_allgather", "topk_exchange", "topk_fallback", "topk_ties",
-         "partial_alltoall", "selection_record")
+#: per layer): the collectives of the splits, and the reads of other ranks'
+#: pages through the shared view (``kv_remote_read``: keys every query reads,
+#: a dense model's K and V, DSA's indexer keys, each request's context once
+#: per rank; ``kv_remote_selected``: the latents a DSA top-k selected, per query).
+TERMS = ("kv_allgather", "kv_remote_read", "kv_remote_selected", "query_allgather", "topk_exchange",
+         "topk_fallback", "topk_ties", "partial_alltoall", "selection_record")
 
 _POS_MAX = 2**31 - 1  # a position padding value above every position
 

@@ -108,7 +108,7 @@ class CPRunner:
     def moved_bytes(self) -> int:
         """Bytes this rank received from the others in its forwards' collectives
         (every :attr:`traffic` term but reads of other ranks' pages)."""
-        return sum(n for t, n in self.traffic.items() if t != "kv_remote_read")
+        return sum(n for t, n in self.traffic.items() if not t.startswith("kv_remote"))
 
     def _agree(self, alloc: Allocation) -> None:
         h = hashlib.sha256()

@@ -147,3 +147,62 @@ def test_misuse():
     assert exchange_width(2048, 8) == 512 and exchange_width(16, 2) == 16 and exchange_width(5, 8) == 2
     assert all(exchange_width(k, n) * n >= k for k in range(1, 40) for n in range(1, 9))
     assert np.all([exchange_width(k, n) <= k for k in range(1, 40) for n in range(1, 9)])
+
+
+def vllm_merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """vLLM's decode-context-parallel merge, written from
+    ``vllm/attention/ops/common.py``: ``cp_lse_ag_out_rs`` all-gathers the
+    LSEs, ``_correct_attn_cp_out_kernel`` (``correct_attn_out``) takes
+    ``lse = log(sum_r exp(lse_r - max)) + max`` (a NaN or +inf LSE read as
+    -inf, the max of an all -inf column read as 0) and scales rank r's output
+    by ``exp(lse_r - lse)`` (NaN or +inf exponents as -inf), and the
+    reduce-scatter sums the scaled outputs."""
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    mx = lses.max(0).values
+    mx = torch.where(mx == float("-inf"), 0.0, mx)
+    lse = torch.log(torch.exp(lses - mx).sum(0)) + mx
+    x = lses - lse
+    x = torch.where(torch.isnan(x) | (x == float("inf")), float("-inf"), x)
+    return (torch.exp(x)[..., None] * outs).sum(0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_merge_is_vllms(backend):
+    """The log-sum-exp merge the lse split's home rank runs
+    (:meth:`cpkv.kernels.backend.Backend.merge`) equals vLLM's DCP merge, a
+    rank that saw no key (LSE -inf) and a query no rank saw included."""
+    from cpkv.kernels import get
+
+    g = torch.Generator().manual_seed(0)
+    R, T, H, D = 5, 6, 4, 16
+    outs, lses = torch.randn(R, T, H, D, generator=g), torch.randn(R, T, H, generator=g) * 4
+    lses[1, 2] = float("-inf")
+    outs[1, 2] = 0.0
+    lses[:, 4, 1] = float("-inf")
+    outs[:, 4, 1] = 0.0
+    got, lse = get(backend).merge(outs, lses)
+    want = vllm_merge(outs, lses)
+    assert torch.allclose(got, torch.nan_to_num(want), atol=1e-6)
+    assert not got[4, 1].any() and lse[4, 1] == float("-inf")
+
+
+def test_all_to_all_sends_each_rank_its_chunk_and_refuses_misuse():
+    from cpkv.runtime.reorder import ReorderedComm
+
+    def rank(comm):
+        chunks = [torch.full((r + 1, 2), 10 * comm.rank + r) for r in range(comm.size)]
+        got = comm.all_to_all(chunks, [comm.rank + 1] * comm.size)
+        re = ReorderedComm(comm, [2, 0, 1])
+        back = re.all_to_all([torch.full((1,), 10 * re.rank + r) for r in range(3)], [1, 1, 1])
+        return [g[:, 0].tolist() for g in got], [int(b) for b in back]
+
+    for r, (got, back) in enumerate(run_threads(3, rank)):
+        assert got == [[10 * s + r] * (r + 1) for s in range(3)]
+        new = [2, 0, 1].index(r)  # this thread's rank in the reordered group
+        assert back == [10 * s + new for s in range(3)]
+    local = LocalComm()
+    assert local.all_to_all([torch.ones(2)], [2])[0].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="one chunk and one receive size per rank"):
+        local.all_to_all([torch.ones(1), torch.ones(1)], [1])
+    with pytest.raises(ValueError, match="its own chunk has 1 rows"):
+        local.all_to_all([torch.ones(1)], [3])
