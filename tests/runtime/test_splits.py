@@ -108,3 +108,32 @@ def test_balanced_ranks_deal_work_evenly(n, N, seed):
     assert counts.numel() == N and int(counts.max() - counts.min()) <= 1
     if n:
         assert int(sums.max() - sums.min()) <= int(work.max()) and int(ranks[work.argmax()]) == 0
+
+
+def test_auto_decode_split_asks_its_chooser_and_refuses_misuse(llama):
+    """``decode_split="auto"`` runs each forward of decodes under the split
+    ``choose_split(alloc)`` names (counted in ``decode_choices``), exactly;
+    without a chooser, or for a chooser's answer that is no split, it refuses."""
+    from cpkv import SharedKVLayout
+    from cpkv.runtime.parts import build_parts
+
+    asked = []
+
+    def choose(alloc):  # a function of the batch: every rank gets the same answer
+        asked.append(alloc.batch_size)
+        return "lse" if int(alloc.seq_lens.max()) % 2 else "owner"
+
+    _, lse = support_run_group(llama, 2, 4, "page", "auto", steps=3, requests=REQUESTS, pages_per_rank=64,
+                               choose_split=choose)
+    _, ref = run_group(llama, 2, 4, "page", "owner", steps=3)
+    for (lg, gen, run), (lg_ref, gen_ref, _) in zip(lse, ref):
+        assert gen == gen_ref and all((lg[r] - lg_ref[r]).abs().max() < 1e-5 for r in lg)
+        assert sorted(run.decode_choices.values()) == [1, 2] and set(run.decode_choices) == {"lse", "owner"}
+    assert asked == [len(REQUESTS)] * 6  # each rank asked once a decode step
+    with pytest.raises(ValueError, match="give choose_split"):
+        build_parts(llama, SharedKVLayout(1, 4, 8), decode_split="auto")
+    own = build_parts(llama, SharedKVLayout(1, 4, 8), decode_split="auto", choose_split=lambda a: "ring",
+                      max_requests=1, max_len=8)
+    own.extend([0], [torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match="choose_split chose 'ring'"):
+        own.extend([0], [torch.tensor([3])], decode=True)

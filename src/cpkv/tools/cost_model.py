@@ -412,6 +412,25 @@ class CostModel:
             model, latent, index = DenseModel.from_config(cfg), 0, sum(fams.values())
         return cls(mode, cp_size, latent, index, hw, model, page_size=page_size, act_bytes=act_bytes)
 
+    @classmethod
+    def for_run(cls, cfg, hw: Hardware = H200) -> "CostModel":
+        """The ``shared-auto`` model of an engine run (a
+        :class:`~cpkv.engine.config.RunConfig` with ``cp_size``: its model's
+        shapes, built on the meta device, its KV dtype, page size and group),
+        its activations float32 (the engine's models): what ``cpkv run
+        --decode-split auto`` asks each step (:meth:`decode_split`)."""
+        import torch
+
+        from ..models import build_adapter
+
+        with torch.device("meta"):
+            adapter = build_adapter(cfg.model)
+        return cls.for_adapter("shared-auto", cfg.cp_size, adapter, cfg.kv_dtype, cfg.page_size, act_bytes=4, hw=hw)
+
+    def __repr__(self) -> str:
+        return (f"CostModel({self.mode}, {self.N} ranks, page {self.S}, {type(self.model).__name__} of "
+                f"{self.model.layers} layers, {self.hw.name})")
+
     @property
     def kv_token_bytes(self) -> float:
         """KV bytes of one token, every layer and family."""
