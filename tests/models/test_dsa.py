@@ -142,13 +142,6 @@ def test_lse_decode_scores_each_key_once_on_its_owner(adapters, kind):
     assert remote["lse"] == 0 < remote["owner"]
 
 
-def test_report_worst_diffs():
-    """Prints the worst logit difference of each configuration above (for the report)."""
-    for key, (v, ties) in sorted(WORST.items()):
-        print("max |logit diff|", key, f"{v:.2e}", "near-ties", ties)
-    assert all(v < 1e-4 for v, _ in WORST.values())
-
-
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_ranks_without_tokens_still_run_every_layer(adapters, kind):
     """One short request on 4 ranks under the page split: three ranks compute no
@@ -465,3 +458,10 @@ def test_lse_all_local_top_k_with_ties_at_the_threshold_is_exact(tied, kind, N, 
     WORST[(kind, N, S, "page", "lse", "ties")] = worst, ties
     assert ties > 0  # transformers picked other tied keys than cpkv in some rows: the ties were real
     assert sum(r.traffic.get("topk_ties", 0) for r in runners) > 0
+
+
+def test_report_worst_diffs():
+    """Prints the worst logit difference of each configuration above (for the report)."""
+    for key, (v, ties) in sorted(WORST.items()):
+        print("max |logit diff|", key, f"{v:.2e}", "near-ties", ties)
+    assert all(v < 1e-4 for v, _ in WORST.values())

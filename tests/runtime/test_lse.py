@@ -206,3 +206,18 @@ def test_all_to_all_sends_each_rank_its_chunk_and_refuses_misuse():
         local.all_to_all([torch.ones(1), torch.ones(1)], [1])
     with pytest.raises(ValueError, match="its own chunk has 1 rows"):
         local.all_to_all([torch.ones(1)], [3])
+
+
+def test_torch_topk_does_not_break_ties_by_position():
+    """Why the check compares selections up to ties: ``torch.topk`` (what
+    transformers' indexer runs over its own row) picks among equal scores by
+    its sort, not by position, so its set differs from the lower-position
+    rule on rows with ties, and with the row's length."""
+    g = torch.Generator().manual_seed(0)
+    differ = 0
+    for L in (100, 1000, 5000):
+        x = torch.randint(0, 4, (20, L), generator=g).float()
+        ours = topk_positions(x, torch.ones_like(x, dtype=torch.bool), 16)
+        theirs = x.topk(16).indices
+        differ += sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(ours, theirs))
+    assert differ > 0
