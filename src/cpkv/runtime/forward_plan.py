@@ -226,8 +226,8 @@ class ForwardPlan:
             every_req, every_pos = alloc.request_of_token.to(dev), alloc.positions.to(dev)
             attn = backend.plan(tab, every_req, every_pos, layout, own_rank=rank, with_lse=True)
             own = torch.where(layout.owned_slot_mask(tab, owner_rank=rank), tab, layout.padding_value)
-            lse = LseParts(torch.argsort(ranks, stable=True).to(dev), sizes,
-                           backend.plan(own, every_req, every_pos, layout, with_lse=False), alloc.positions.cpu().numpy())
+            sel = backend.plan(own, every_req, every_pos, layout, with_lse=False)
+            lse = LseParts(torch.argsort(ranks, stable=True).to(dev), sizes, sel, alloc.positions.cpu().numpy())
             remote = 0
         else:
             attn = backend.plan(tab, to(req), to(positions), layout, with_lse=False)

@@ -253,7 +253,8 @@ class DsaModel:
         split, every layer: its queries from the ``q_lora`` latent (``q_b_proj``,
         ``W_UK``, the indexer's ``wq_b``) and ``W_UV`` on its partial."""
         H = self.heads
-        per_layer = self.q_lora * H * (self.nope + self.rope) + H * self.nope * self.kv_lora + H * self.kv_lora * self.v_head
+        per_layer = (self.q_lora * H * (self.nope + self.rope) + H * self.nope * self.kv_lora
+                     + H * self.kv_lora * self.v_head)
         return 2 * (self.layers * per_layer + self.index_layers * self.q_lora * self.index_heads * self.index_dim)
 
 

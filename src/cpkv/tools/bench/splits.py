@@ -210,7 +210,8 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
                 runner.forward(rows, d, ids, decode=True, table=batches.table)
             return fn
 
-        out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in CHOSEN_DECODE_SPLITS}, spec.decode_rounds())
+        out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in CHOSEN_DECODE_SPLITS},
+                                         spec.decode_rounds())
         for r in rows:
             pool.release(batches.free(r))
 
