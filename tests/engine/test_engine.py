@@ -104,3 +104,28 @@ def test_auto_decode_split_needs_a_cost_model_of_its_group():
     assert decode_chooser(dataclasses.replace(cfg, kv="replicated", decode_costs=costs), 2) is None
     with pytest.raises(ValueError, match="with disaggregation choose owner or lse"):
         DisaggConfig.from_engine(dataclasses.replace(cfg, decode_costs=costs), 1, 1).validate()
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v3.2", "glm-5"])
+def test_lse_decode_on_a_128k_mooncake_conversation_scaled_is_exact(tmp_path, kind):
+    """A Mooncake trace (hash-id blocks) with a 128K-token conversation and a
+    continuation sharing most of its blocks, in the tests' scaled form (one
+    token a 512-token block: 256 tokens of context, 16 times the top-k), on 4
+    ranks under the lse decode split: every decode's top-k all-local over
+    contexts much longer than k, exact against transformers.
+    [[RFC-0001:C-INDEXER-POOL]] [[RFC-0001:C-EXACTNESS]]"""
+    import json
+
+    from cpkv.models import model_config
+
+    p = tmp_path / "conversation.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"timestamp": 0, "input_length": 131072, "output_length": 2048, "hash_ids": list(range(256))},
+        {"timestamp": 3000, "input_length": 126000, "output_length": 1024,
+         "hash_ids": list(range(200)) + list(range(1000, 1047))})))
+    r = run_engine_threads(EngineConfig(cp_size=4, page_size=4, device_pages=40, host_pages=0,
+                                        workload=f"mooncake:{p}", block_tokens=1, max_output=4, step_ms=1000,
+                                        chunk=128, decode_split="lse", model=model_config(kind), check=True))
+    exact(r)
+    assert r["prompt_tokens"] == 256 + 247 and r["device_hit_rate"] > 0.3  # the continuation hits the shared blocks
+    assert all(x["traffic"]["topk_exchange"] > 0 for x in r["ranks"])  # the decodes' top-k found all-local
