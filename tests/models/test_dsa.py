@@ -441,8 +441,8 @@ def tied_prompts(requests, vocab, seed=5):
     return out
 
 
-@pytest.mark.parametrize("kind", list(SPECS))
-@pytest.mark.parametrize("N,S", [(2, 4), (5, 2), (8, 1)])
+@pytest.mark.parametrize("kind,N,S", [("deepseek-v3.2", 2, 4), ("deepseek-v3.2", 8, 1), ("glm-5", 5, 2),
+                                      ("glm-5", 8, 1)])
 def test_lse_all_local_top_k_with_ties_at_the_threshold_is_exact(tied, kind, N, S):
     """Decode context parallelism with the DSA top-k found from each rank's
     own keys, on models whose indexer scores tie exactly at the k-th place
