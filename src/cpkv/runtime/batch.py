@@ -45,7 +45,6 @@ the cost model's check.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import numpy as np
@@ -177,17 +176,22 @@ class ForwardBatch:
         self._dirty = True
 
     def _gather_entries(self, layer: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Under a token split: every rank's new entries, in batch order (one all-gather per dtype)."""
-        full, p = {}, self.plan
-        E = p.gathered_order.numel()
-        for group in _by_dtype(values):  # every family of one dtype packed side by side
-            packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:])) for n in group], 1)
-            parts = self.comm.all_gather(packed, p.rank_sizes)
-            self.traffic.received(layer, "kv_allgather", parts, self.comm.rank)
-            every = torch.empty((E, packed.shape[1]), dtype=packed.dtype, device=packed.device)
-            every[p.gathered_order] = torch.cat(parts)
-            full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
-        return full
+        """Under a token split: every rank's new entries, in batch order."""
+        p = self.plan
+        got = self._gather_rows(layer, "kv_allgather", p.gathered_order, p.rank_sizes, *values.values())
+        return dict(zip(values, got))
+
+    def _gather_rows(self, layer: int, term: str, order: torch.Tensor, sizes: list[int],
+                     *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's rows of ``xs`` (``sizes`` rows a rank), row ``j`` of the
+        gather (rank by rank) at ``order[j]``: one all-gather of the tensors
+        packed side by side, each in its own dtype, counted as ``term``."""
+        parts = self.comm.all_gather(pack_rows(*xs), sizes)
+        self.traffic.received(layer, term, parts, self.comm.rank)
+        every = torch.cat(parts)
+        out = torch.empty_like(every)
+        out[order] = every
+        return tuple(unpack_rows(out, [(x.dtype, tuple(x.shape[1:])) for x in xs]))
 
     def _fence_if_dirty(self) -> None:
         if self._dirty:
@@ -229,12 +233,7 @@ class ForwardBatch:
         if self.mode != "lse":
             return x
         lp = self.plan.lse
-        parts = self.comm.all_gather(pack_rows(*x), lp.sizes)
-        self.traffic.received(layer, "query_allgather", parts, self.comm.rank)
-        every = torch.cat(parts)
-        out = torch.empty_like(every)
-        out[lp.order] = every
-        return tuple(unpack_rows(out, [(t.dtype, tuple(t.shape[1:])) for t in x]))
+        return self._gather_rows(layer, "query_allgather", lp.order, lp.sizes, *x)
 
     # -- reads through the shared view -------------------------------------------------
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,22 +367,3 @@ class ForwardBatch:
                                                                   (torch.float32, tuple(lse.shape[1:]))])
         T = self.num_tokens
         return self.backend.merge(outs.view(N, T, *out.shape[1:]), lses.view(N, T, *lse.shape[1:]))[0]
-
-
-def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:
-    """Names of ``values`` grouped by dtype, in first-seen order."""
-    groups: dict[torch.dtype, list[str]] = {}
-    for n, x in values.items():
-        groups.setdefault(x.dtype, []).append(n)
-    return list(groups.values())
-
-
-def _unpack(packed: torch.Tensor, shapes: dict[str, torch.Size], lead: int = 1) -> dict[str, torch.Tensor]:
-    """Split the last axis of ``packed [*lead dims, sum of widths]`` back into
-    one view per name, shaped ``[*lead dims, *shapes[name]]``."""
-    out, at = {}, 0
-    for n, shape in shapes.items():
-        w = math.prod(shape)
-        out[n] = packed[..., at : at + w].reshape(*packed.shape[:lead], *shape)
-        at += w
-    return out
