@@ -164,7 +164,7 @@ class ForwardBatch:
         are checked finite on the device, read once at :meth:`finish`.
         [[RFC-0001:C-DIRECT-WRITE]]"""
         p = self.plan
-        if p.gathered_order is not None:
+        if p.token_split:
             values = self._gather_entries(layer, values)
         for n, x in values.items():
             f = self.pool.families[n]
@@ -232,8 +232,8 @@ class ForwardBatch:
         dtype)."""
         if self.mode != "lse":
             return x
-        lp = self.plan.lse
-        return self._gather_rows(layer, "query_allgather", lp.order, lp.sizes, *x)
+        p = self.plan
+        return self._gather_rows(layer, "query_allgather", p.gathered_order, p.rank_sizes, *x)
 
     # -- reads through the shared view -------------------------------------------------
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,9 +347,9 @@ class ForwardBatch:
         inside a row is not the selection's."""
         if self.mode != "lse":
             return positions.to(torch.int32)
-        lp, N = self.plan.lse, self.comm.size
-        mine = positions.to(torch.int32)[lp.order]
-        got = self.comm.all_to_all(list(mine.split(lp.sizes)), [self.num_tokens] * N)
+        p, N = self.plan, self.comm.size
+        mine = positions.to(torch.int32)[p.gathered_order]
+        got = self.comm.all_to_all(list(mine.split(p.rank_sizes)), [self.num_tokens] * N)
         self.traffic.received(layer, "selection_record", got, self.comm.rank)
         every = torch.cat(got, 1)  # [T, N K]: the shares are disjoint and together K at most
         return pack_left(every >= 0, every, positions.shape[1]).to(torch.int32)
@@ -359,9 +359,9 @@ class ForwardBatch:
         """Every query's partial ``out [Tq, H, Dv]`` (its dtype) and ``lse
         [Tq, H]`` (float32) sent to its home rank (one all-to-all of both,
         packed), merged there exactly: this rank's tokens' ``[T, H, Dv]``."""
-        lp, N = self.plan.lse, self.comm.size
-        packed = pack_rows(out, lse.float())[lp.order]
-        got = self.comm.all_to_all(list(packed.split(lp.sizes)), [self.num_tokens] * N)
+        p, N = self.plan, self.comm.size
+        packed = pack_rows(out, lse.float())[p.gathered_order]
+        got = self.comm.all_to_all(list(packed.split(p.rank_sizes)), [self.num_tokens] * N)
         self.traffic.received(layer, "partial_alltoall", got, self.comm.rank)
         outs, lses = unpack_rows(torch.stack(got).flatten(0, 1), [(out.dtype, tuple(out.shape[1:])),
                                                                   (torch.float32, tuple(lse.shape[1:]))])

@@ -41,6 +41,9 @@ from ..kernels import get as get_backend
 from ..kernels.backend import Backend, QueryPlan, WriteIndex
 
 PREFILL_SPLITS = ("page", "interleave", "zigzag")
+#: The splits that compute tokens apart from their owners and all-gather the new entries
+#: (``balanced``: a replicated cache's decode).
+TOKEN_SPLITS = ("interleave", "zigzag", "balanced")
 #: The decode splits a forward runs; ``auto`` (:data:`DECODE_SPLITS`) picks one of them per step.
 CHOSEN_DECODE_SPLITS = ("owner", "lse")
 DECODE_SPLITS = (*CHOSEN_DECODE_SPLITS, "auto")
@@ -115,19 +118,15 @@ def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LseParts:
-    """The log-sum-exp decode split's layout (:mod:`cpkv.runtime.lse`): every
-    token of the batch is a query of every rank, over that rank's own pages.
+    """What the log-sum-exp decode split (:mod:`cpkv.runtime.lse`) plans
+    besides the queries' own plan (every token of the batch a query of every
+    rank, over that rank's own pages; its all-gathers and all-to-alls move
+    rows in :attr:`ForwardPlan.gathered_order`, :attr:`ForwardPlan.rank_sizes`):
+    ``sel`` the backend's plan of every query over the batch's table with the
+    slots of other ranks masked out (what the indexer scores, all local);
+    ``positions`` every query's position on the host, numpy (which queries
+    see more than a top-k's ``k`` keys, known without a device read)."""
 
-    ``order [E]``: where each row of the all-gather of the home ranks' tokens
-    (rank by rank) goes in the batch; ``sizes``: each rank's home tokens (the
-    all-gather's and the all-to-all's row counts); ``sel``: the backend's plan
-    of every query over the batch's table with the slots of other ranks
-    masked out (what the indexer scores, all local); ``positions``: every
-    query's position on the host, numpy (which queries see more than a
-    top-k's ``k`` keys, known without a device read)."""
-
-    order: torch.Tensor
-    sizes: list[int]
     sel: QueryPlan
     positions: np.ndarray
 
@@ -139,9 +138,11 @@ class ForwardPlan:
     * ``token_indices [T]`` (int64): the entries of the flattened batch this
       rank computes; ``req``, ``positions``, ``slots [T]`` theirs (``req``
       indexes the rows of ``table``);
-    * ``rank_sizes``: under a token split every rank's token count (all-gather
-      sizes), else ``None``; ``gathered_order [E]``: where every rank's
-      tokens, gathered in rank order, go in the batch (token splits only);
+    * ``rank_sizes``: under a token split and ``lse`` every rank's token count
+      (the all-gather's sizes; ``lse``'s all-to-all's too), else ``None``;
+      ``gathered_order [E]``: where every rank's tokens, gathered in rank
+      order, go in the batch (token splits and ``lse``); ``token_split``:
+      whether the new entries are all-gathered (a token split);
     * ``write_slots [W]``: logical slot of each entry this rank stores, -1
       where it writes none (``W`` = T, or E under a token split);
       ``write_rows [W']``/``write_local [W']``: the entries it writes and
@@ -178,6 +179,11 @@ class ForwardPlan:
         return self.token_indices.numel()
 
     @property
+    def token_split(self) -> bool:
+        """Whether the batch runs a token split (its new entries all-gathered, each owner writing its own)."""
+        return self.mode in TOKEN_SPLITS
+
+    @property
     def write(self) -> WriteIndex:
         """``write_slots``, ``write_local``, ``write_rows`` as the backend's :class:`WriteIndex`."""
         return WriteIndex(self.write_slots, self.write_local, self.write_rows)
@@ -207,9 +213,10 @@ class ForwardPlan:
         ranks = split_ranks(alloc, mode, N)
         idx = torch.nonzero(ranks == rank).flatten()
         req, positions, slots = alloc.request_of_token[idx], alloc.positions[idx], alloc.out_cache_loc[idx]
-        token_split = mode in ("interleave", "zigzag", "balanced")  # compute, all-gather, write what one owns
-        gathered = torch.argsort(ranks, stable=True) if token_split else None
-        sizes = torch.bincount(ranks, minlength=N).tolist()
+        token_split = mode in TOKEN_SPLITS  # compute, all-gather, write what one owns
+        gathers = token_split or mode == "lse"  # entries, or the lse split's queries
+        gathered = torch.argsort(ranks, stable=True) if gathers else None
+        sizes = torch.bincount(ranks, minlength=N).tolist() if gathers else None
         # writes: page/owner/lse write every slot they compute (each must be theirs); a token split writes the
         # gathered entries it owns
         if token_split:
@@ -227,13 +234,13 @@ class ForwardPlan:
             attn = backend.plan(tab, every_req, every_pos, layout, own_rank=rank, with_lse=True)
             own = torch.where(layout.owned_slot_mask(tab, owner_rank=rank), tab, layout.padding_value)
             sel = backend.plan(own, every_req, every_pos, layout, with_lse=False)
-            lse = LseParts(torch.argsort(ranks, stable=True).to(dev), sizes, sel, alloc.positions.cpu().numpy())
+            lse = LseParts(sel, alloc.positions.cpu().numpy())
             remote = 0
         else:
             attn = backend.plan(tab, to(req), to(positions), layout, with_lse=False)
             lse, remote = None, _remote_reads(layout, pool.rank, tab, to(req), to(positions))
-        return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes if token_split else None,
-                   to(gathered), remote, to(write_slots), to(write_rows), to(write_local), tab, backend, attn, lse)
+        return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes, to(gathered), remote,
+                   to(write_slots), to(write_rows), to(write_local), tab, backend, attn, lse)
 
 
 def _remote_reads(layout, rank: int, tab: torch.Tensor, req: torch.Tensor, positions: torch.Tensor) -> int:
