@@ -166,6 +166,9 @@ def test_refusals_and_measured_figures(tmp_path):
         CostModel.for_dtype("replicated", N, "float32")
     with pytest.raises(ValueError, match="cp_size"):
         CostModel("replicated", 0, LAT, IDX)
+    for bad in (dict(page_size=0), dict(act_bytes=True)):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            CostModel("shared-auto", N, LAT, IDX, **bad)
     c = CostModel.for_dtype("replicated", N, "bfloat16")
     with pytest.raises(ValueError, match="0 <= start <= end"):
         c.step([5], [4])
