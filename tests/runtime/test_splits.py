@@ -85,13 +85,14 @@ def test_a_batch_shorter_than_the_group_runs_under_interleave_as_the_page_split(
     """A prefill of 3 tokens on 4 ranks under interleave (the planner refuses it: a rank would have none) runs
     under the page split, nothing moved, transformers' logits; a batch of N tokens or more still interleaves.
     (tools/gpu_check.py's llama-n4-interleave met such a batch at step 28 and exited 2.)"""
-    prompts, results = run_group(llama, 4, 4, "interleave", "owner", steps=1, requests=[(0, 3)])
+    prompts, results = run_group(llama, 4, 4, "interleave", "owner", steps=1, requests=[(0, 3)],
+                                 decode_counters_only=False)
     logits, gen, _ = results[0]
     assert sum(r[2].moved_bytes for r in results) == 0
     with torch.no_grad():
         ref = llama.model(torch.cat([prompts[0], torch.tensor(gen[0])])[None]).logits[0]
     assert (logits[0] - ref[: logits[0].shape[0]]).abs().max() < 1e-4
-    _, results = run_group(llama, 4, 4, "interleave", "owner", steps=0, requests=[(0, 4)])
+    _, results = run_group(llama, 4, 4, "interleave", "owner", steps=0, requests=[(0, 4)], decode_counters_only=False)
     assert sum(r[2].moved_bytes for r in results) > 0
 
 
