@@ -256,7 +256,8 @@ def _add_run(sub) -> None:
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
-    add_kv_events_flags(r, "the group's caches' (rank 0 binds)")
+    add_kv_events_flags(r, "the group's caches' (bound as the command starts, before anything slow; rank 0 relays "
+                           "its batches there)")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true",
