@@ -149,6 +149,8 @@ def test_kv_shard_refusals_change_nothing():
         SGLangKVShardAllocator(64, 4, 1)
     with pytest.raises(ValueError, match="holds no page"):
         SGLangKVShardAllocator(3, 4, 2)
+    with pytest.raises(TypeError, match="builds its own core"):
+        SGLangKVShardAllocator.over(SGLangAllocator(64, 4, cp_size=2).allocator)
     a = SGLangKVShardAllocator(8 * 4, 4, 4)
     out = a.alloc_cyclic(6, 8)
     assert _lanes(out, 4, 4) == [2, 3]

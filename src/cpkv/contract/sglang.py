@@ -69,7 +69,10 @@ class SGLangAllocator:
     @classmethod
     def over(cls, allocator: OwnerLaneAllocator, *, kvcache=None, dtype: torch.dtype | None = None,
              cp_rank: int = 0) -> SGLangAllocator:
-        """The adapter over an existing core (which keeps every state)."""
+        """The adapter over an existing core (which keeps every state); ``SGLangAllocator``'s only (a kv-shard
+        allocator builds its own core: ``TypeError``)."""
+        if cls is not SGLangAllocator:
+            raise TypeError(f"{cls.__name__} builds its own core; over() makes an SGLangAllocator")
         if not isinstance(allocator, OwnerLaneAllocator):
             raise TypeError(f"SGLangAllocator.over takes an OwnerLaneAllocator, got {type(allocator).__name__}")
         adapter = cls.__new__(cls)
