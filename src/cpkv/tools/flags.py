@@ -18,14 +18,44 @@ import math
 from pathlib import Path
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line on stderr (the program, the
+    flag and why, then where the usage is) and exit 2, instead of the usage block
+    then the message."""
+
+    def error(self, message: str):
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def whole_number(text: str) -> int | None:
+    """``text`` as an integer: digits (``1000000``), or a number in scientific
+    notation whose value is whole (``1e6``, ``2.5e3``); ``None`` for anything
+    else (``1.5``, ``abc``, ``inf``)."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(v) or not v.is_integer():
+        return None
+    from decimal import Decimal  # exact: 1e12 is 10**12, not the float nearest it
+
+    return int(Decimal(text))
+
+
 def int_at_least(lo: int):
-    """A ``type=`` for integers ``>= lo``."""
+    """A ``type=`` for integers ``>= lo`` (digits, or a whole number in
+    scientific notation: ``1e6``)."""
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        v = whole_number(text)
+        if v is None:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
         return v
@@ -72,10 +102,9 @@ def comma_choices(choices):
 
 def positive_list(text: str) -> list[int]:
     """A ``type=`` for a comma list of integers ``>= 1`` (``64,256``)."""
-    parse = int_at_least(1)
     items = [t.strip() for t in text.split(",")]
     try:
-        return [parse(t) for t in items]
+        return [positive(t) for t in items]
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"a comma list of integers >= 1: {e}") from None
 
@@ -104,14 +133,30 @@ positive = int_at_least(1)
 non_negative = int_at_least(0)
 
 
+def scale_arg(text: str) -> float:
+    """A ``type=`` for ``--scale``: a finite number > 0 and at most :data:`~cpkv.engine.trace.MAX_SCALE`."""
+    from ..engine.trace import MAX_SCALE
+
+    return finite_float(0, inclusive=False, hi=MAX_SCALE)(text)
+
+
+scale_arg.__name__ = "scale"
+
+
+#: Longest ``--timeout`` (a week): a group waits on its ranks up to it; past it a run on this engine is a mistake.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: A ``type=`` for ``--timeout``: seconds > 0, at most :data:`MAX_TIMEOUT_S`.
+timeout_arg = finite_float(0, inclusive=False, hi=MAX_TIMEOUT_S)
+
+
 def add_group_flags(p: argparse.ArgumentParser, *, cp: int = 4, timeout: float = 300.0) -> None:
     """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and
     ``--timeout``. ``--cp`` parses to ``None`` when not given (so a rule can
     tell it was not asked for); the command takes ``cp`` then."""
     p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help=f"ranks in the CP group, one process each (default {cp})")
-    p.add_argument("--timeout", type=finite_float(0, inclusive=False), default=timeout, metavar="SECONDS",
-                   help=f"seconds before the group is stopped (default {timeout:g})")
+    p.add_argument("--timeout", type=timeout_arg, default=timeout, metavar="SECONDS",
+                   help=f"seconds before the group is stopped, at most {MAX_TIMEOUT_S:g} (default {timeout:g})")
 
 
 def refuse_unless_fits(parser: argparse.ArgumentParser, *footprints, timeout: float, capacity=None) -> None:
@@ -385,19 +430,3 @@ BENCH_FLAGS = {
     "kernels": {"json", "compile", "device"},
 }
 BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
-
-
-def refuse_other_bench_flags(parser: argparse.ArgumentParser, args) -> None:
-    """``cpkv bench``: ``parser.error`` for a flag given that the benchmark does
-    not take, naming the benchmarks it sets (:data:`BENCH_FLAGS`); then every
-    flag not given takes its default (``args.bench_defaults``: the parser leaves
-    a flag not given unset, so that one given is told apart)."""
-    defaults = args.bench_defaults
-    for dest in defaults:
-        if hasattr(args, dest) and dest not in BENCH_FLAGS[args.what]:
-            takes = [w for w, f in BENCH_FLAGS.items() if dest in f and w != "all"]
-            flag = "--" + dest.replace("_", "-")
-            parser.error(f"{flag} is not a flag of bench {args.what}; it sets bench {', '.join(takes)}")
-    for dest, value in defaults.items():
-        if not hasattr(args, dest):
-            setattr(args, dest, value)
