@@ -122,7 +122,7 @@ def test_dsa_lse_splits_the_selected_attention_and_the_selection(report):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--tokens", "3", "--bs", "4"], "3 prefill tokens cannot fill 4 requests"),
+    (["--tokens", "3", "--bs", "4"], "--bs 4: more than llama's prefill tokens (a request takes one at least) (3)"),
     (["--tokens", "3", "--bs", "1"], "the interleave split needs at least cp=4 prefill tokens"),
     (["--context", "1"], "context >= 2, got 1"),
 ])

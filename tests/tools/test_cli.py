@@ -205,12 +205,13 @@ def test_usage_errors_exit_2(argv, capsys):
 def test_a_group_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch, capsys):
     kids = set(children(os.getpid()))
     for gib, argv, why in (
-            (64, ["run", "--cp", "64"], "--cp 64: more than 16 ranks per core on 2 cores; give --cp 32 or fewer"),
-            (4, ["run", "--cp", "16"], "refused before starting: 16 ranks need about 4.7 GiB of memory (16 x 300.4 MiB"),
+            (64, ["run", "--cp", "64"], "--cp 64: 64 ranks, more than this machine schedules (16 per core on 2 cores"),
+            (4, ["run", "--cp", "16"], "--cp 16: 16 ranks, more than this machine schedules (16 per core on 2 cores, "
+             "300.0 MiB each of 3.6 GiB usable: at most 12); give --cp 12 or fewer"),
             (8, ["run", "--cp", "4", "--device-pages", "2000000"], "--device-pages 2000000: the device cache takes "
-             "61.0 GiB (2000000 pages of 8.0 KiB on each of 4 ranks), more than this machine can give (7.2 GiB "
-             "usable); give --kv-memory 1.8 GiB or less (--device-pages 235929)"),
-            (8, ["run", "--cp", "8", "--timeout", "10"], "refused before starting: 8 ranks need at least 20 s to start")):
+             "61.0 GiB (2000000 pages of 8.0 KiB on each of 4 ranks), more than this machine can give beside the rest "
+             "of the run (7.2 GiB usable); give --kv-memory 1.4GiB or less (--device-pages 192927)"),
+            (8, ["run", "--cp", "8", "--timeout", "10"], "--timeout 10: starting 8 ranks takes at least 20 s on 2 cores")):
         monkeypatch.setattr(sizing_mod, "machine_capacity", lambda gib=gib: MachineCapacity(gib * 2**30, 2))
         with pytest.raises(SystemExit) as e:
             main(argv)

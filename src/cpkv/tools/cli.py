@@ -24,7 +24,7 @@ from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
 from .sizes import refuse_sizes
 from .flags import (OneLineParser, add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv_events_flags, add_mooncake_flags,
                     comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file,
-                    positive, positive_list, scale_arg, simulate_workload_arg, size_arg, size_list, workload_arg)
+                    positive, positive_float, positive_list, scale_arg, simulate_workload_arg, size_arg, size_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
@@ -89,7 +89,7 @@ def _add_replay_flags(s) -> None:
     g.add_argument("--chunk", type=positive, default=None, help="prefill tokens per step (default 8192)")
     g.add_argument("--max-running", type=positive, default=None, help="requests running at once (default 256)")
     g.add_argument("--requests", type=positive, default=None, help="only the trace's first K requests")
-    g.add_argument("--rate", type=finite_float(0, inclusive=False), default=None, metavar="X",
+    g.add_argument("--rate", type=positive_float, default=None, metavar="X",
                    help="arrivals X times as fast as the timestamps say (default 1: the trace's own)")
     g.add_argument("--gpu-results", type=existing_file, default=None, metavar="PATH",
                    help="a results.json whose cost_model object replaces the H200 datasheet figures by measured ones")

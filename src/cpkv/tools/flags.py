@@ -184,28 +184,34 @@ def workload_arg(text: str) -> str:
                                      "nor a file")
 
 
+def block_tokens_arg(text: str) -> int:
+    """A ``type=`` for ``--block-tokens``: an integer in 1..512 (the Mooncake traces' block)."""
+    v = positive(text)
+    if v > 512:
+        raise argparse.ArgumentTypeError(f"must be at most 512 (the traces' block), got {v}")
+    return v
+
+
+block_tokens_arg.__name__ = "integer in 1..512"
+#: A ``type=`` for a finite number > 0 (``--step-ms``, ``--rate``).
+positive_float = finite_float(0, inclusive=False)
+
+
 def add_mooncake_flags(p: argparse.ArgumentParser, *, block: int, step_ms: bool = True) -> None:
     """The flags of a Mooncake trace (:mod:`cpkv.engine.mooncake`), in one
     group: ``--block-tokens`` (default ``block``), ``--window``,
     ``--max-output`` and, with ``step_ms``, ``--step-ms`` (a model run's
     arrival steps)."""
-    def block_tokens(text: str) -> int:
-        v = int_at_least(1)(text)
-        if v > 512:
-            raise argparse.ArgumentTypeError(f"must be at most 512 (the traces' block), got {v}")
-        return v
-
-    block_tokens.__name__ = "integer in 1..512"
     g = p.add_argument_group("Mooncake traces (--workload mooncake:PATH, or a file with their fields)")
-    g.add_argument("--block-tokens", type=block_tokens, default=block, metavar="B",
+    g.add_argument("--block-tokens", type=block_tokens_arg, default=block, metavar="B",
                    help=f"tokens a hash id becomes, at most 512 (the traces' block); lengths scale with it "
                         f"(default {block})")
-    g.add_argument("--window", type=int_at_least(1), default=None, metavar="MS",
+    g.add_argument("--window", type=positive, default=None, metavar="MS",
                    help="only the requests arriving in the trace's first MS milliseconds")
-    g.add_argument("--max-output", type=int_at_least(1), default=None, metavar="N",
+    g.add_argument("--max-output", type=positive, default=None, metavar="N",
                    help="cap every request's output at N tokens (after scaling)")
     if step_ms:
-        g.add_argument("--step-ms", type=finite_float(0, inclusive=False), default=1000.0, metavar="MS",
+        g.add_argument("--step-ms", type=positive_float, default=1000.0, metavar="MS",
                        help="a request arrives at engine step timestamp // MS (default 1000)")
 
 

@@ -40,8 +40,9 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Callable
 
-from .flags import (BENCH_FLAGS, MAX_TIMEOUT_S, OneLineParser, disagg_arg, non_negative, positive, positive_list,
-                    scale_arg, size_arg, size_list, timeout_arg, whole_number)
+from .flags import (BENCH_FLAGS, MAX_TIMEOUT_S, OneLineParser, block_tokens_arg, disagg_arg, existing_file,
+                    mooncake_arg, non_negative, positive, positive_float, positive_list, scale_arg,
+                    simulate_workload_arg, size_arg, size_list, timeout_arg, whole_number, workload_arg, zmq_endpoint)
 
 #: Most timed rounds a benchmark takes: a median of more is the same figure, and this many rounds of the slowest
 #: benchmark (splits) already take hours.
@@ -102,26 +103,28 @@ FLAGS = (
     Flag(("--steps",), positive, (BENCH,), size=True),
     Flag(("--index-topk-freq",), positive, (BYTES,), size=True),
     Flag(("--index-skip-topk-offset",), non_negative, (BYTES,), size=True),
-    # read by the rules, checked by the command's parser
-    Flag(("--workload",), str, (RUN, BENCH)),
-    Flag(("--workload",), str, (SIM,), nargs="+"),
+    # read by the rules (with the command's own checker where it imports nothing heavy; str where the choices
+    # are the command's to check)
+    Flag(("--workload",), workload_arg, (RUN,)),
+    Flag(("--workload",), simulate_workload_arg, (SIM,), nargs="+"),
+    Flag(("--workload",), mooncake_arg, (BENCH,)),
     Flag(("--model",), str, (RUN, BENCH, BYTES)),
     Flag(("--kv-dtype",), str, (RUN, SIM, BENCH)),
     Flag(("--kv",), str, (RUN, SIM)),
     Flag(("--policies",), str, (SIM,)),
-    Flag(("--seed",), str, (RUN, SIM)),
-    Flag(("--block-tokens",), str, (RUN, SIM, BENCH)),
-    Flag(("--window",), str, (RUN, SIM, BENCH)),
-    Flag(("--max-output",), str, (RUN, SIM, BENCH)),
-    Flag(("--step-ms",), str, (RUN, BENCH)),
-    Flag(("--kv-events",), str, (RUN, SIM)),
-    Flag(("--kv-events-replay",), str, (RUN, SIM)),
-    Flag(("--kv-events-buffer",), str, (RUN, SIM)),
+    Flag(("--seed",), non_negative, (RUN, SIM)),
+    Flag(("--block-tokens",), block_tokens_arg, (RUN, SIM, BENCH)),
+    Flag(("--window",), positive, (RUN, SIM, BENCH)),
+    Flag(("--max-output",), positive, (RUN, SIM, BENCH)),
+    Flag(("--step-ms",), positive_float, (RUN, BENCH)),
+    Flag(("--kv-events",), zmq_endpoint, (RUN, SIM)),
+    Flag(("--kv-events-replay",), zmq_endpoint, (RUN, SIM)),
+    Flag(("--kv-events-buffer",), positive, (RUN, SIM)),
     Flag(("--tolerance",), str, (RUN,)),
     Flag(("--prefill-split",), str, (RUN,)),
     Flag(("--decode-split",), str, (RUN, SIM)),
-    Flag(("--rate",), str, (SIM,)),
-    Flag(("--gpu-results",), str, (SIM,)),
+    Flag(("--rate",), positive_float, (SIM,)),
+    Flag(("--gpu-results",), existing_file, (SIM,)),
     Flag(("--device",), str, (RUN, BENCH)),
     Flag(("--kernels",), str, (RUN, BENCH)),
     Flag(("--ranks-as",), str, (BENCH,)),
@@ -209,19 +212,27 @@ def _smallest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
-def _refuse_ranks(flag: str, ranks: int, capacity, advice: Callable[[int], str] | None = None) -> None:
-    """More ranks than this machine's cores can schedule (:data:`~cpkv.runtime.sizing.MAX_RANKS_PER_CORE` per
-    core), or whose interpreters alone do not fit in its memory."""
+def _most_ranks(capacity) -> int:
+    """The most ranks this machine schedules: :data:`~cpkv.runtime.sizing.MAX_RANKS_PER_CORE` per core, and no
+    more interpreters than its memory holds."""
     from ..runtime.sizing import MAX_RANKS_PER_CORE, RANK_BASELINE_BYTES
 
-    most = min(MAX_RANKS_PER_CORE * capacity.cores, max(usable_bytes(capacity) // RANK_BASELINE_BYTES, 1))
+    return min(MAX_RANKS_PER_CORE * capacity.cores, max(usable_bytes(capacity) // RANK_BASELINE_BYTES, 1))
+
+
+def _most_ranks_why(capacity) -> str:
+    from ..runtime.sizing import MAX_RANKS_PER_CORE, RANK_BASELINE_BYTES
+
+    return (f"{MAX_RANKS_PER_CORE} per core on {capacity.cores} cores, {_fmt(RANK_BASELINE_BYTES)} each of "
+            f"{_fmt(usable_bytes(capacity))} usable")
+
+
+def _refuse_ranks(flag: str, ranks: int, capacity) -> None:
+    """More ranks than this machine schedules (:func:`_most_ranks`)."""
+    most = _most_ranks(capacity)
     if ranks > most:
-        why = (f"more than {MAX_RANKS_PER_CORE} ranks per core on {capacity.cores} cores"
-               if most == MAX_RANKS_PER_CORE * capacity.cores else
-               f"{ranks} ranks of {_fmt(RANK_BASELINE_BYTES)} each take more memory than this machine can give "
-               f"({_fmt(usable_bytes(capacity))} usable)")
-        raise Refused(f"{flag} {_shown(flag, ranks)}: {why}; give "
-                      f"{advice(most) if advice else f'{flag} {most} or fewer'}")
+        raise Refused(f"{flag} {ranks}: more ranks than this machine schedules ({_most_ranks_why(capacity)}: at "
+                      f"most {most}); give {flag} {most} or fewer")
 
 
 def _shown(flag: str, value) -> str:
@@ -306,6 +317,7 @@ class _Run:
     kv_dtype: str
     replicated: bool
     check: bool
+    world: int | None = None  # ranks the default memory budget is split over (both groups of --disagg)
 
     @property
     def page_bytes(self) -> int:
@@ -318,8 +330,8 @@ class _Run:
 
         if self.device_pages is not None:
             return self.device_pages
-        return device_pages_for(self.kv_memory, self.page_bytes, world_size=self.cp, host_pages=self.host_pages,
-                                capacity=capacity)
+        return device_pages_for(self.kv_memory, self.page_bytes, world_size=self.world or self.cp,
+                                host_pages=self.host_pages, capacity=capacity)
 
     def footprint(self, specs, capacity):
         """The group's :class:`~cpkv.runtime.sizing.GroupFootprint` (:func:`~cpkv.engine.config.run_footprint`)."""
@@ -351,14 +363,14 @@ def _bound_builtin_trace(line: Line, d: dict, workload: str, vocab: int, world: 
     :func:`~cpkv.runtime.sizing.expected_run_seconds` counts them) within ``--timeout``."""
     from ..runtime.sizing import expected_run_seconds
 
-    requests, scale, seed = line["requests"] or d["requests"], _scale(line, d), _seed(line, d)
+    requests, scale, seed = _value(line, d, "requests"), _value(line, d, "scale"), _value(line, d, "seed")
     if not (line.has("requests") or line.has("scale")):
         return  # the defaults: a few sessions, checked whole once generated
     budget = usable_bytes(capacity) // 2 // (world + 1)
     chunk, running, timeout = line["chunk"] or d["chunk"], line["max_running"] or d["max_running"], \
         line["timeout"] or d["timeout"]
 
-    def problem(n: int, s: float) -> str | None:
+    def problem(n: int, s: float, limit: float) -> str | None:
         tokens, reqs, prompts = _trace_sample(workload, n, s, seed, vocab)
         held = n * (tokens * TRACE_TOKEN_BYTES + reqs * TRACE_REQUEST_BYTES)
         if held > budget:
@@ -366,27 +378,30 @@ def _bound_builtin_trace(line: Line, d: dict, workload: str, vocab: int, world: 
                     f"this machine can give ({_fmt(usable_bytes(capacity))} usable)")
         steps = math.ceil(n * prompts / chunk) + math.ceil(n * (tokens - prompts) / running)
         secs = expected_run_seconds(world, steps, capacity.cores)
-        if secs > timeout:
+        if secs > limit:
             return (f"the {workload} trace would take at least {steps} steps, about {secs / 60:.0f} min on "
-                    f"{world} ranks and {capacity.cores} cores, past --timeout {timeout:g}")
+                    f"{world} ranks and {capacity.cores} cores, past --timeout {limit:g}")
         return None
 
-    why = problem(requests, scale)
+    # a trace the run could take within the longest timeout is generated, and then its time is checked exactly
+    # (against --timeout, the flag to give); past that, or past the memory, its size is the flag at fault
+    why = problem(requests, scale, MAX_TIMEOUT_S)
     if why is None:
         return
-    if line.has("requests"):
-        best = _largest(lambda n: problem(n, scale) is None, 1, requests - 1)
-        if best is not None:
-            raise Refused(f"--requests {requests}: {why}; give --requests {best} or fewer")
-    if line.has("scale"):
-        lo, hi = 0.0, scale  # the largest scale (3 significant digits) with no problem
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if problem(requests, mid) is None else (lo, mid)
-        if lo > 0:
-            best = float(f"{lo:.3g}")
-            best = best if best <= lo else float(f"{lo * 0.999:.3g}")
-            raise Refused(f"--scale {scale:g}: {why}; give --scale {best:g} or less")
+    for limit in (timeout, MAX_TIMEOUT_S):  # the size that fits the timeout given, else the longest one
+        if line.has("requests"):
+            best = _largest(lambda n: problem(n, scale, limit) is None, 1, requests - 1)
+            if best is not None:
+                raise Refused(f"--requests {requests}: {why}; give --requests {best} or fewer")
+        if line.has("scale"):
+            lo, hi = 0.0, scale  # the largest scale (3 significant digits) with no problem
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if problem(requests, mid, limit) is None else (lo, mid)
+            if lo > 0:
+                best = float(f"{lo:.3g}")
+                best = best if best <= lo else float(f"{lo * 0.999:.3g}")
+                raise Refused(f"--scale {scale:g}: {why}; give --scale {best:g} or less")
     raise Refused(f"{why}; give fewer --requests or a smaller --scale")
 
 
@@ -400,36 +415,16 @@ def _load_run_trace(line: Line, d: dict, vocab: int, world: int, capacity):
     if workload in WORKLOADS:
         _bound_builtin_trace(line, d, workload, vocab, world, capacity)
     try:
-        return load_trace(workload, vocab=vocab, requests=line["requests"] or d["requests"], scale=_scale(line, d),
-                          seed=_seed(line, d), block_tokens=_int(line, d, "block_tokens"),
-                          window_ms=_opt_int(line, "window"), max_output=_opt_int(line, "max_output"),
-                          step_ms=_float(line, d, "step_ms"))
+        return load_trace(workload, vocab=vocab, requests=_value(line, d, "requests"), scale=_value(line, d, "scale"),
+                          seed=_value(line, d, "seed"), block_tokens=_value(line, d, "block_tokens"),
+                          window_ms=line["window"], max_output=line["max_output"], step_ms=_value(line, d, "step_ms"))
     except (TraceError, OSError, ValueError) as e:
         raise Refused(f"--workload: {e}") from None
 
 
-def _int(line: Line, d: dict, dest: str) -> int:
-    v = whole_number(str(line[dest])) if line.has(dest) else None
-    return v if v is not None else d[dest]
-
-
-def _opt_int(line: Line, dest: str) -> int | None:
-    return whole_number(str(line[dest])) if line.has(dest) else None
-
-
-def _float(line: Line, d: dict, dest: str) -> float:
-    try:
-        return float(line[dest]) if line.has(dest) else d[dest]
-    except ValueError:
-        return d[dest]
-
-
-def _scale(line: Line, d: dict) -> float:
-    return line["scale"] if line.has("scale") else d["scale"]
-
-
-def _seed(line: Line, d: dict) -> int:
-    return _int(line, d, "seed")
+def _value(line: Line, d: dict, dest: str):
+    """The value of ``dest`` given, else the default ``d[dest]``."""
+    return line[dest] if line.has(dest) else d[dest]
 
 
 def _work_limits(line: Line, specs, *, page_flags=("page",), chunk: bool = True, requests_in_file: bool = False,
@@ -464,11 +459,7 @@ def _fit_group(line: Line, groups: list[tuple[_Run, list]], capacity, timeout: f
     from ..runtime.sizing import RANK_START_CPU_S, check_capacity, GroupTooLarge
 
     def fits(gs) -> bool:
-        try:
-            check_capacity(*(g.footprint(s, capacity) for g, s in gs), timeout=timeout, capacity=capacity)
-            return True
-        except (GroupTooLarge, ValueError):  # ValueError: a memory that holds no page
-            return False
+        return _fits(gs, capacity, timeout)
 
     try:
         check_capacity(*(g.footprint(s, capacity) for g, s in groups), timeout=timeout, capacity=capacity)
@@ -540,65 +531,53 @@ def _check_run(line: Line) -> None:
         (line.has("decode_page") and not line.has("disagg"), "--decode-page sets the decode group's page size; "
          "it needs --disagg"),
     ])
-    capacity = line.capacity
-    disagg = line["disagg"]
-    if disagg is not None:
-        world, flag = sum(disagg), "--disagg"
-
-        def split(most: int) -> str:
-            m = max(1, min(disagg[0] * most // world, most - 1))
-            return f"--disagg {m}:{max(most - m, 1)} or smaller (at most {most} ranks together)"
-
-        from ..runtime.sizing import MAX_RANKS_PER_CORE, RANK_BASELINE_BYTES
-
-        most = min(MAX_RANKS_PER_CORE * capacity.cores, max(usable_bytes(capacity) // RANK_BASELINE_BYTES, 2))
-        if world > most:
-            raise Refused(f"--disagg {disagg[0]}:{disagg[1]}: {world} ranks, more than this machine schedules "
-                          f"({MAX_RANKS_PER_CORE} per core on {capacity.cores} cores, {_fmt(RANK_BASELINE_BYTES)} "
-                          f"each of {_fmt(usable_bytes(capacity))} usable: at most {most}); give {split(most)}")
-    else:
-        world = line["cp"] or _torchrun_world() or d["cp_size"]
-        flag = "--cp"
-        if line.has("cp"):
-            _refuse_ranks("--cp", world, capacity)
+    capacity, disagg = line.capacity, line["disagg"]
+    world = sum(disagg) if disagg is not None else line["cp"] or _torchrun_world() or d["cp_size"]
+    most = _most_ranks(capacity)
     model = MODELS.get(line["model"] or "llama")
     kv_dtype = line["kv_dtype"] or d["kv_dtype"]
     if model is None or kv_dtype not in model.token_bytes:
         return  # the command's parser refuses the name
-    specs = _load_run_trace(line, d, model.vocab, world, capacity)
-    _work_limits(line, specs, page_flags=("page", "decode_page"),
-                 requests_in_file=mooncake,
-                 file_requests=_mooncake_count(workload, _opt_int(line, "window")) if mooncake and line.has(
-                     "requests") else None)
+    specs = _load_run_trace(line, d, model.vocab, min(world, most), capacity)
     timeout = line["timeout"] or d["timeout"]
-    host = line["host_pages"] if line.has("host_pages") else d["host_pages"]
     base = dict(page=line["page"] or d["page_size"], device_pages=line["device_pages"], kv_memory=line["kv_memory"],
-                host_pages=host, max_running=line["max_running"] or d["max_running"], model=model,
-                kv_dtype=kv_dtype, replicated=line["kv"] == "replicated", check=bool(line["check"]))
-    if disagg is None:
-        def groups(**kw):
-            return [(_Run(**{"cp": world, **base, **kw}), specs)]
-        knobs = [("--kv-memory", "kv_memory", lambda v: groups(kv_memory=v)),
-                 ("--device-pages", "device_pages", lambda v: groups(device_pages=v)),
-                 ("--host-pages", "host_pages", lambda v: groups(host_pages=v)),
-                 ("--max-running", "max_running", lambda v: groups(max_running=v)),
-                 ("--page", "page", lambda v: groups(page=v)),
-                 ("--cp", "cp", lambda v: groups(cp=v))]
-    else:
-        M, N = disagg
+                host_pages=_value(line, d, "host_pages"), max_running=line["max_running"] or d["max_running"],
+                model=model, kv_dtype=kv_dtype, replicated=line["kv"] == "replicated", check=bool(line["check"]))
 
-        def groups(**kw):
-            pre = _Run(**{"cp": M, **base, **kw})
-            pages = pre.pages(capacity)
-            d_page = kw.get("decode_page", line["decode_page"]) or pre.page
-            dec = _Run(**{**base, **kw, "cp": N, "page": d_page, "device_pages": max(1, pages * pre.page // d_page),
-                          "kv_memory": None, "host_pages": 0, "replicated": False})
-            return [(_Run(**{**base, **kw, "cp": M, "device_pages": pages, "kv_memory": None}), specs), (dec, specs)]
-        knobs = [("--kv-memory", "kv_memory", lambda v: groups(kv_memory=v)),
-                 ("--device-pages", "device_pages", lambda v: groups(device_pages=v)),
-                 ("--host-pages", "host_pages", lambda v: groups(host_pages=v)),
-                 ("--max-running", "max_running", lambda v: groups(max_running=v)),
-                 ("--page", "page", lambda v: groups(page=v))]
+    def groups(disagg=disagg, cp=world, **kw):
+        """The group(s) the run starts, ``kw`` in place of the flags' values."""
+        if disagg is None:
+            return [(_Run(**{"cp": cp, **base, **kw}), specs)]
+        M, N = disagg
+        pre = _Run(**{**base, **kw, "cp": M, "world": M + N})
+        pages, d_page = pre.pages(capacity), kw.get("decode_page", line["decode_page"]) or pre.page
+        dec = _Run(**{**base, **kw, "cp": N, "page": d_page, "device_pages": max(1, pages * pre.page // d_page),
+                      "kv_memory": None, "host_pages": 0, "replicated": False})
+        return [(_Run(**{**base, **kw, "cp": M, "device_pages": pages, "kv_memory": None}), specs), (dec, specs)]
+
+    if world > most:  # the ranks first; the value to give also fits the rest of the run (its memory)
+        def split(n: int) -> tuple[int, int]:
+            m = max(1, min(disagg[0] * n // world, n - 1))
+            return m, max(n - m, 1)
+
+        def fits(n: int) -> bool:
+            return _fits(groups(disagg=split(n)) if disagg else groups(cp=n), capacity, timeout)
+
+        best = _largest(fits, 2 if disagg else 1, most) or most
+        why = f"{world} ranks, more than this machine schedules ({_most_ranks_why(capacity)}: at most {most})"
+        if disagg is not None:
+            m, n = split(best)
+            raise Refused(f"--disagg {disagg[0]}:{disagg[1]}: {why}; give --disagg {m}:{n} or smaller (at most "
+                          f"{best} ranks together)")
+        raise Refused(f"--cp {world}: {why}; give --cp {best} or fewer")
+    _work_limits(line, specs, page_flags=("page", "decode_page"), requests_in_file=mooncake,
+                 file_requests=_mooncake_count(workload, line["window"]) if mooncake and line.has("requests") else None)
+    knobs = [("--kv-memory", "kv_memory", lambda v: groups(kv_memory=v)),
+             ("--device-pages", "device_pages", lambda v: groups(device_pages=v)),
+             ("--host-pages", "host_pages", lambda v: groups(host_pages=v)),
+             ("--max-running", "max_running", lambda v: groups(max_running=v)),
+             ("--page", "page", lambda v: groups(page=v))] + (
+        [("--cp", "cp", lambda v: groups(cp=v))] if disagg is None else [])
     for g, _ in groups():
         if g.kv_memory is not None and g.kv_memory < g.page_bytes:
             raise Refused(f"--kv-memory {_size_arg(g.kv_memory)}: holds no page of {_fmt(g.page_bytes)} "
@@ -606,6 +585,17 @@ def _check_run(line: Line) -> None:
                           f"{_size_arg(g.page_bytes * 2)} or more")
     _fit_group(line, groups(), capacity, timeout, knobs)
     _refuse_past_timeout(line, specs, world, timeout, capacity, d)
+
+
+def _fits(groups, capacity, timeout: float) -> bool:
+    """Whether the groups fit this machine together (:func:`~cpkv.runtime.sizing.check_capacity`)."""
+    from ..runtime.sizing import GroupTooLarge, check_capacity
+
+    try:
+        check_capacity(*(g.footprint(s, capacity) for g, s in groups), timeout=timeout, capacity=capacity)
+        return True
+    except (GroupTooLarge, ValueError):  # ValueError: a memory that holds no page
+        return False
 
 
 def _given(line: Line, dests) -> str:
@@ -675,10 +665,9 @@ def _check_simulate(line: Line) -> None:
         from ..engine.trace import kv_tokens
         from .simulate import SIM_WORKLOADS
 
-        seed = whole_number(str(line["seed"])) if line.has("seed") else 0
         names = list(SIM_WORKLOADS) if "all" in workloads else list(dict.fromkeys(workloads))
         for name in names:
-            w = SIM_WORKLOADS[name](seed=seed if seed is not None else 0)
+            w = SIM_WORKLOADS[name](seed=line["seed"] or 0)
             _work_limits(line, list(w.requests), chunk=False)
             lane_pages, host = line["lane_pages"] or w.lane_pages, line["host_pages"] or 0
             longest = max(kv_tokens(list(w.requests)), default=1)
@@ -730,16 +719,15 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
     traces = []
     for w in workloads:
         try:
-            traces.append(load_mooncake(w, block=_int_or(line, "block_tokens", 512), requests=line["requests"],
-                                        window_ms=_opt_int(line, "window"), max_output=_opt_int(line, "max_output"),
-                                        lazy=True))
+            traces.append(load_mooncake(w, block=line["block_tokens"] or 512, requests=line["requests"],
+                                        window_ms=line["window"], max_output=line["max_output"], lazy=True))
         except (TraceError, OSError, ValueError) as e:
             raise Refused(f"--workload: {e}") from None
     specs = [s for t in traces for s in t.specs]
     _work_limits(line, specs)
     if line.has("requests"):
-        _too_large_for_work("--requests", line["requests"], max(_mooncake_count(w, _opt_int(line, "window"))
-                                                                 for w in workloads), "the requests of the trace")
+        _too_large_for_work("--requests", line["requests"], max(_mooncake_count(w, line["window"]) for w in workloads),
+                            "the requests of the trace")
     longest = max(kv_tokens(specs), default=1)
     usable = usable_bytes(capacity)
     hosts = line["host_memory"] if line.has("host_memory") else [0, HOST_MEMORY]
@@ -804,11 +792,6 @@ DEEPSEEK_V32_TOKEN_BYTES = {"bfloat16": 85_888, "fp8": 48_068}
 DEEPSEEK_V32_CHECKPOINT_BYTES = 673_730_265_088
 #: The modelled machine's host memory (a DGX H200's 2 TB; the default host tier is half of it).
 MODELLED_HOST_BYTES = 2 * 2**40
-
-
-def _int_or(line: Line, dest: str, default: int) -> int:
-    v = _opt_int(line, dest)
-    return default if v is None else v
 
 
 # -- cpkv bench -----------------------------------------------------------------------------------------------
@@ -916,13 +899,6 @@ def _check_bench_scheduler(line: Line, usable: int) -> None:
     raise Refused(what)
 
 
-def _most_ranks(capacity) -> int:
-    """The most ranks this machine schedules (:func:`_refuse_ranks`)."""
-    from ..runtime.sizing import MAX_RANKS_PER_CORE, RANK_BASELINE_BYTES
-
-    return min(MAX_RANKS_PER_CORE * capacity.cores, max(usable_bytes(capacity) // RANK_BASELINE_BYTES, 1))
-
-
 def _advise(line: Line, what: str, knobs, fits: Callable[..., bool]) -> None:
     """Refuse ``what`` naming the first flag given of ``knobs`` (``(dest, least)``) whose smaller value makes
     ``fits(dest=value)`` true, with the largest such value; ``what`` alone when none does."""
@@ -966,7 +942,7 @@ def _check_bench_splits(line: Line, capacity) -> None:
     if fits():
         return
     if s["cp"] > most_ranks:
-        what = f"more than this machine schedules ({most_ranks} ranks: 16 per core on {capacity.cores} cores)"
+        what = f"more ranks than this machine schedules ({_most_ranks_why(capacity)}: at most {most_ranks})"
     else:
         name = max(models, key=need)
         what = (f"bench splits' {name} group takes about {_fmt(need(name))} (its ranks, its KV pool, the attention "
@@ -994,7 +970,7 @@ def _check_bench_capacity(line: Line) -> None:
                                 capacity)
         _work_limits(line, specs, chunk=False)
         if line.has("requests"):
-            _too_large_for_work("--requests", b["requests"], _mooncake_count(line["workload"], _opt_int(line, "window")),
+            _too_large_for_work("--requests", b["requests"], _mooncake_count(line["workload"], line["window"]),
                                 "the requests of the trace")
 
     def group(kv: str, **kw) -> _Run:
@@ -1004,7 +980,7 @@ def _check_bench_capacity(line: Line) -> None:
 
     def problem(**kw) -> str | None:  # the first run of either mode this machine cannot hold, or None
         if kw.get("cp", b["cp"]) > most_ranks:
-            return f"more than this machine schedules ({most_ranks} ranks: 16 per core on {capacity.cores} cores)"
+            return f"more ranks than this machine schedules ({_most_ranks_why(capacity)}: at most {most_ranks})"
         for kv in ("shared", "replicated"):
             g = group(kv, **kw)
             if g.kv_memory < g.page_bytes:
