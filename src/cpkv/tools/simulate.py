@@ -211,8 +211,9 @@ def plot(results: list[RunResult], path: str) -> None:
         ax.set_ylabel("pages used per lane", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from .report import save_figure
+
+    save_figure(fig, path)
 
 
 __all__ = ["POLICIES", "RequestSpec", "RunResult", "SIM_WORKLOADS", "Workload", "compare", "longdoc", "multiturn",
