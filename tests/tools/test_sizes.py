@@ -371,9 +371,9 @@ def test_a_binary_trace_is_refused_by_the_command_with_its_line(tmp_path, capsys
 
 def test_the_search_behind_every_advice_finds_the_edge():
     for edge in (0, 1, 7, 1000, 2**40):
-        assert sizes._largest(lambda v: v <= edge, 0, 2**50) == edge
-        assert sizes._smallest(lambda v: v >= edge, 0, 2**50) == edge
-    assert sizes._largest(lambda v: v < 0, 0, 10) is None and sizes._smallest(lambda v: v > 10, 0, 10) is None
+        assert sizes.largest_where(lambda v: v <= edge, 0, 2**50) == edge
+        assert sizes.smallest_where(lambda v: v >= edge, 0, 2**50) == edge
+    assert sizes.largest_where(lambda v: v < 0, 0, 10) is None and sizes.smallest_where(lambda v: v > 10, 0, 10) is None
     for n in (1, 1023, 2**30 + 5, 3 * 2**40 + 1):
         assert sizing_mod.parse_size(sizes._size_arg(n)) <= n and math.isclose(
             sizing_mod.parse_size(sizes._size_arg(n)), n, rel_tol=0.05, abs_tol=1)

@@ -35,7 +35,7 @@ def _most_pages(cfg, capacity=None) -> int:
 
     from ..engine.config import engine_footprint
     from ..runtime.sizing import GroupTooLarge, check_capacity, machine_capacity
-    from .sizes import _largest
+    from .sizes import largest_where
 
     capacity = capacity or machine_capacity()
     specs = cfg.trace()
@@ -47,7 +47,7 @@ def _most_pages(cfg, capacity=None) -> int:
             return True
         except GroupTooLarge:
             return False
-    return _largest(fits, 1, 2**40) or 0
+    return largest_where(fits, 1, 2**40) or 0
 
 
 def refuse_unless_trace_fits(parser, cfg, specs) -> None:

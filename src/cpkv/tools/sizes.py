@@ -190,7 +190,7 @@ def _fmt(n) -> str:
     return format_size(int(n))
 
 
-def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
+def largest_where(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """The largest ``v`` in ``[lo, hi]`` with ``ok(v)`` (``ok`` true up to a point, false past it); ``None``
     when ``ok(lo)`` is false."""
     if hi < lo or not ok(lo):
@@ -201,7 +201,7 @@ def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
-def _smallest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
+def smallest_where(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """The smallest ``v`` in ``[lo, hi]`` with ``ok(v)`` (false up to a point, true past it); ``None``
     when ``ok(hi)`` is false."""
     if hi < lo or not ok(hi):
@@ -247,7 +247,8 @@ def _too_large_for_work(flag: str, value: int, most: int, what: str) -> None:
                       f"{most} or less")
 
 
-def _combination(line: Line, rules: list[tuple[bool, str]]) -> None:
+def _combination(rules: list[tuple[bool, str]]) -> None:
+    """The first rule whose flag does nothing beside the others, refused with its reason."""
     for wrong, why in rules:
         if wrong:
             raise Refused(why)
@@ -390,7 +391,7 @@ def _bound_builtin_trace(line: Line, d: dict, workload: str, vocab: int, world: 
         return
     for limit in (timeout, MAX_TIMEOUT_S):  # the size that fits the timeout given, else the longest one
         if line.has("requests"):
-            best = _largest(lambda n: problem(n, scale, limit) is None, 1, requests - 1)
+            best = largest_where(lambda n: problem(n, scale, limit) is None, 1, requests - 1)
             if best is not None:
                 raise Refused(f"--requests {requests}: {why}; give --requests {best} or fewer")
         if line.has("scale"):
@@ -477,7 +478,7 @@ def _fit_group(line: Line, groups: list[tuple[_Run, list]], capacity, timeout: f
             continue
         value = line[dest]
         lo = {"host_pages": 0, "kv_memory": groups[0][0].page_bytes}.get(dest, 1)
-        best = _largest(lambda v: fits(with_value(v)), lo, value - 1)
+        best = largest_where(lambda v: fits(with_value(v)), lo, value - 1)
         if best is not None:
             first = groups[0][0]
             if dest in ("kv_memory", "device_pages"):
@@ -513,7 +514,7 @@ def _check_run(line: Line) -> None:
     from ..engine.trace import WORKLOADS
 
     builtin, mooncake = workload in WORKLOADS, not (workload in WORKLOADS) and _is_mooncake(workload)
-    _combination(line, [
+    _combination([
         (not mooncake and any(line.has(k) for k in ("block_tokens", "window", "max_output", "step_ms")),
          f"{_given(line, ('block_tokens', 'window', 'max_output', 'step_ms'))} shape a Mooncake trace; "
          f"--workload {workload} is {'a built-in trace' if builtin else 'a JSONL file'}"),
@@ -563,7 +564,7 @@ def _check_run(line: Line) -> None:
         def fits(n: int) -> bool:
             return _fits(groups(disagg=split(n)) if disagg else groups(cp=n), capacity, timeout)
 
-        best = _largest(fits, 2 if disagg else 1, most) or most
+        best = largest_where(fits, 2 if disagg else 1, most) or most
         why = f"{world} ranks, more than this machine schedules ({_most_ranks_why(capacity)}: at most {most})"
         if disagg is not None:
             m, n = split(best)
@@ -653,7 +654,7 @@ def _check_simulate(line: Line) -> None:
     if wrong:
         raise Refused(f"{', '.join('--' + f.replace('_', '-') for f in wrong)} do not apply to "
                       f"{'Mooncake' if kind == 'mooncake' else 'built-in'} traces")
-    _combination(line, [
+    _combination([
         (line.has("kv_events_buffer") and not line.has("kv_events_replay"),
          "--kv-events-buffer sizes --kv-events-replay's buffer; give --kv-events-replay too, or leave it out"),
         (line.has("markdown") and line.has("json"), "--markdown and --json each print the table; give one"),
@@ -682,7 +683,7 @@ def _check_simulate(line: Line) -> None:
                                        ("--host-pages", "host_pages", lambda v: need(host_=v)),
                                        ("--cp", "cp", lambda v: need(cp_=v))):
                     if line.has(dest):
-                        best = _largest(lambda v: fn(v) <= usable, 0 if dest == "host_pages" else 1, line[dest] - 1)
+                        best = largest_where(lambda v: fn(v) <= usable, 0 if dest == "host_pages" else 1, line[dest] - 1)
                         if best is not None:
                             raise Refused(f"{flag} {line[dest]}: {what}; give {flag} {best} or "
                                           f"{'fewer' if dest == 'cp' else 'less'}")
@@ -711,7 +712,7 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
         raise Refused(f"--host-memory {_shown('--host-memory', line['host_memory'])}: a host tier larger than the "
                       f"modelled machine's memory ({_fmt(MODELLED_HOST_BYTES)}, a DGX H200's); give --host-memory "
                       f"{_size_arg(MODELLED_HOST_BYTES)} or less")
-    least_cp = _smallest(lambda v: kv_memory_beside(H200, DEEPSEEK_V32_CHECKPOINT_BYTES, v) >= 1, 1, 2**20)
+    least_cp = smallest_where(lambda v: kv_memory_beside(H200, DEEPSEEK_V32_CHECKPOINT_BYTES, v) >= 1, 1, 2**20)
     if not line.has("kv_memory") and cp < least_cp:
         raise Refused(f"--cp {cp}: a DeepSeek-V3.2 shard of 1/{cp} of its {_fmt(DEEPSEEK_V32_CHECKPOINT_BYTES)} "
                       f"checkpoint leaves no KV on an {H200.name}; give --cp {least_cp} or more, or --kv-memory")
@@ -757,7 +758,7 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
                 raise Refused(f"--kv-memory {_size_arg(kv_memory(cp))}: holds fewer than 2 pages of "
                               f"{_fmt(per_page)} ({page} tokens, {dtype}); give --kv-memory "
                               f"{_size_arg(2 * per_page)} or more")
-            best = _largest(lambda v: all(need(k, d, page_=v) is not None for k, d in combos), 1, page - 1)
+            best = largest_where(lambda v: all(need(k, d, page_=v) is not None for k, d in combos), 1, page - 1)
             raise Refused(f"--page {page}: {_fmt(kv_memory(cp))} of device KV per rank holds fewer than 2 pages "
                           f"of {_fmt(per_page)} ({dtype}); give --page {best or 1} or less")
 
@@ -777,7 +778,7 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
         if not line.has(dest):
             continue
         now = max(line[dest]) if dest == "host_memory" else line[dest]
-        best = _largest(lambda v: fits(**{kw: v}), lo, now - 1)
+        best = largest_where(lambda v: fits(**{kw: v}), lo, now - 1)
         if best is not None:
             sized = dest in ("kv_memory", "host_memory")
             raise Refused(f"{flag} {_size_arg(now) if sized else now}: {what}; give {flag} "
@@ -836,7 +837,7 @@ def _check_bench(line: Line) -> None:
         if line.has(f.dest) and f.dest not in BENCH_FLAGS[what]:
             takes = [w for w, fl in BENCH_FLAGS.items() if f.dest in fl and w != "all"]
             raise Refused(f"{f.names[0]} is not a flag of bench {what}; it sets bench {', '.join(takes)}")
-    _combination(line, [
+    _combination([
         (what == "capacity" and not line.has("workload") and any(
             line.has(k) for k in ("requests", "block_tokens", "window", "max_output", "step_ms")),
          f"{_given(line, ('requests', 'block_tokens', 'window', 'max_output', 'step_ms'))} shape a Mooncake "
@@ -892,7 +893,7 @@ def _check_bench_scheduler(line: Line, usable: int) -> None:
     for dest, ok in fits.items():
         if line.has(dest):
             now = max(line[dest]) if isinstance(line[dest], list) else line[dest]
-            best = _largest(ok, 1, now - 1)
+            best = largest_where(ok, 1, now - 1)
             if best is not None:
                 raise Refused(f"--{dest} {_shown('--' + dest, line[dest])}: {what}; give --{dest} {best} or "
                               f"{'fewer' if dest in ('batches', 'steps', 'cp') else 'less'}")
@@ -905,7 +906,7 @@ def _advise(line: Line, what: str, knobs, fits: Callable[..., bool]) -> None:
     for dest, lo in knobs:
         if line.has(dest):
             now = max(line[dest]) if isinstance(line[dest], list) else line[dest]
-            best = _largest(lambda v: fits(**{dest: v}), lo, now - 1)
+            best = largest_where(lambda v: fits(**{dest: v}), lo, now - 1)
             if best is not None:
                 flag = "--" + dest.replace("_", "-")
                 raise Refused(f"{flag} {_shown(flag, line[dest])}: {what}; give {flag} {best} or "
@@ -1005,7 +1006,7 @@ def _check_bench_capacity(line: Line) -> None:
     for flag, dest, lo in (("--kv-memory", "kv_memory", group("shared").page_bytes), ("--page", "page", 1),
                            ("--cp", "cp", 1)):
         if line.has(dest):
-            best = _largest(lambda v: problem(**{dest: v}) is None, lo, b[dest] - 1)
+            best = largest_where(lambda v: problem(**{dest: v}) is None, lo, b[dest] - 1)
             if best is not None:
                 raise Refused(f"{flag} {_size_arg(b[dest]) if dest == 'kv_memory' else b[dest]}: {why}; give {flag} "
                               f"{_size_arg(best) if dest == 'kv_memory' else best} or "
