@@ -32,10 +32,10 @@ from cpkv.tools.flags import BENCH_FLAGS
 from cpkv.tools.sizes import FLAGS, MOONCAKE_ONLY, Refused, check_sizes, size_flags
 
 GiB = 2**30
-BAD = ("0", "-1", "1e12", "100TiB", "abc")
+BAD = ("0", "-1", "1e12", "100TiB", "abc", "1e400")
 #: Flags whose 0 means none (a host tier of no pages, the first layer).
 ZERO_IS_A_VALUE = {"host_pages", "host_memory", "index_skip_topk_offset"}
-VALUES = {"disagg": ("0:1", "-1:1", "1e12:1", "1000000000000:1", "100TiB", "abc")}
+VALUES = {"disagg": ("0:1", "-1:1", "1e12:1", "1000000000000:1", "100TiB", "abc", "1e400:1")}
 #: Values of the table that are right: a modelled host tier of 1e12 bytes (the default is 1 TiB, half a DGX H200's);
 #: ``cpkv bytes`` of a group of 1e12 ranks (arithmetic on a deployment's shapes: nothing is sized by it).
 RIGHT = {("simulate", "host_memory", "1e12"), ("bytes", "cp", "1e12")}

@@ -30,26 +30,30 @@ class OneLineParser(argparse.ArgumentParser):
 
 def whole_number(text: str) -> int | None:
     """``text`` as an integer: digits (``1000000``), or a number in scientific
-    notation whose value is whole (``1e6``, ``2.5e3``); ``None`` for anything
-    else (``1.5``, ``abc``, ``inf``)."""
+    notation whose value is whole (``1e6``, ``2.5e3``; exactly: ``1e400`` is
+    10**400); ``None`` for anything else (``1.5``, ``abc``, ``inf``)."""
+    from decimal import Decimal, InvalidOperation
+
     text = text.strip()
     try:
         return int(text)
     except ValueError:
         pass
     try:
-        v = float(text)
-    except ValueError:
+        v = Decimal(text)
+    except InvalidOperation:
         return None
-    if not math.isfinite(v) or not v.is_integer():
+    if not v.is_finite() or v != v.to_integral_value() or abs(v.adjusted()) > 4000:
         return None
-    from decimal import Decimal  # exact: 1e12 is 10**12, not the float nearest it
+    return int(v)
 
-    return int(Decimal(text))
+
+#: The largest count or size a flag takes: a 64-bit integer (the arrays that hold them are int64).
+MOST_INT = 2**63 - 1
 
 
 def int_at_least(lo: int):
-    """A ``type=`` for integers ``>= lo`` (digits, or a whole number in
+    """A ``type=`` for integers ``>= lo`` and at most :data:`MOST_INT` (digits, or a whole number in
     scientific notation: ``1e6``)."""
 
     def parse(text: str) -> int:
@@ -58,6 +62,8 @@ def int_at_least(lo: int):
             raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        if v > MOST_INT:
+            raise argparse.ArgumentTypeError(f"must be at most {MOST_INT} (a 64-bit integer), got {text}")
         return v
 
     parse.__name__ = f"integer >= {lo}"
@@ -221,9 +227,12 @@ def size_arg(text: str) -> int:
     from ..runtime.sizing import parse_size
 
     try:
-        return parse_size(text)
+        v = parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if v > MOST_INT:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MOST_INT} bytes (a 64-bit integer)")
+    return v
 
 
 size_arg.__name__ = "size"

@@ -503,7 +503,8 @@ def _size_arg(n: int) -> str:
     """``n`` bytes as a ``--kv-memory`` value that parses back to at most ``n`` (``4.4GiB`` may round up)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
-            return f"{math.floor(n / scale * 10) / 10:g}{unit}"
+            tenths = int(n) * 10 // scale  # rounded down, so the value given back is at most n
+            return f"{tenths // 10}{unit}" if tenths % 10 == 0 else f"{tenths // 10}.{tenths % 10}{unit}"
     return str(int(n))
 
 
