@@ -345,13 +345,15 @@ class _Run:
 
 def _trace_sample(workload: str, requests: int, scale: float, seed: int, vocab: int) -> tuple[float, float, float]:
     """Per unit of a built-in trace (``--requests`` counts sessions, questions or documents): its tokens, its
-    requests and its prompt tokens, from the first few units (each unit is drawn alike)."""
+    requests and its prompt tokens, from the first few units (each unit is drawn alike), drawn at ``scale`` up
+    to 1 and past it scaled (every length of a built-in trace is its span times ``scale``), so a sample of a
+    long trace stays small."""
     from ..engine.trace import WORKLOADS
 
-    n = min(requests, 32)
-    specs = WORKLOADS[workload](n, seed=seed, vocab=vocab, scale=scale)
-    prompts = sum(len(s.tokens) for s in specs)
-    return (prompts + sum(s.max_new_tokens for s in specs)) / n, len(specs) / n, prompts / n
+    n, at = min(requests, 32), min(scale, 1.0)
+    specs = WORKLOADS[workload](n, seed=seed, vocab=vocab, scale=at)
+    prompts = sum(len(s.tokens) for s in specs) * scale / at
+    return (prompts + sum(s.max_new_tokens for s in specs) * scale / at) / n, len(specs) / n, prompts / n
 
 
 #: Bytes a token of a trace takes in each process that holds it (a tuple slot of a small int), and a request.
@@ -380,8 +382,9 @@ def _bound_builtin_trace(line: Line, d: dict, workload: str, vocab: int, world: 
         steps = math.ceil(n * prompts / chunk) + math.ceil(n * (tokens - prompts) / running)
         secs = expected_run_seconds(world, steps, capacity.cores)
         if secs > limit:
+            past = f"--timeout {limit:g}" if limit == timeout else f"the longest --timeout ({limit:g} s)"
             return (f"the {workload} trace would take at least {steps} steps, about {secs / 60:.0f} min on "
-                    f"{world} ranks and {capacity.cores} cores, past --timeout {limit:g}")
+                    f"{world} ranks and {capacity.cores} cores, past {past}")
         return None
 
     # a trace the run could take within the longest timeout is generated, and then its time is checked exactly
