@@ -6,11 +6,16 @@ each subcommand is one ``_add_<name>(sub)`` that declares its flags and sets
 (cross-flag rules, after parsing, before any work; it calls ``parser.error``).
 The flag checkers and the flags of anything that starts a CP group are in
 :mod:`cpkv.tools.flags`; ``cpkv run``'s defaults are
-:class:`~cpkv.engine.config.RunConfig`'s.
+:class:`~cpkv.engine.config.RunConfig`'s. Before this parser is built (it
+imports the command's modules), every size of the command line is checked by
+:mod:`cpkv.tools.sizes`, which imports nothing heavy: a new size flag joins its
+table (:data:`~cpkv.tools.sizes.FLAGS`) with the checker it is declared with
+here.
 
 Exit codes, every subcommand: 0 done; 1 the run's own check failed (``run``:
-a logit beyond ``--tolerance``); 2 bad arguments (argparse's message) or a failed
-rank (one line naming it); 130 interrupted by Ctrl-C (one line).
+a logit beyond ``--tolerance``); 2 bad arguments (one line: the flag, the limit,
+a value that works) or a failed rank (one line naming it); 130 interrupted by
+Ctrl-C (one line).
 """
 
 from __future__ import annotations

@@ -193,10 +193,10 @@ def cmd_bench_capacity(args) -> int:
 
 
 def validate_bench(args, parser) -> None:
-    """``cpkv bench``: a flag the benchmark does not take is refused, naming the benchmarks that take it
-    (:data:`~cpkv.tools.flags.BENCH_FLAGS`), then the defaults of the others are set; ``--device cuda`` needs CUDA;
-    ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
-    given, and ``--cp``/``--page`` to 4/16 for every bench but scheduler (whose defaults are 8/64)."""
+    """``cpkv bench``: the flags not given take the benchmark's sizes and the parser's defaults (a flag the
+    benchmark does not take and every size were refused first, :mod:`cpkv.tools.sizes`); ``--device cuda`` needs
+    CUDA; ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
+    given."""
     from .sizes import fill_bench_defaults
 
     fill_bench_defaults(args)

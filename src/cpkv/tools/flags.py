@@ -1,8 +1,11 @@
 """The ``cpkv`` command's flag checkers and shared flags.
 
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
-  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`) are ``type=``
-  callables: a bad value is refused while parsing, by argparse itself, naming the flag;
+  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`,
+  :func:`scale_arg`, :data:`timeout_arg`, :func:`block_tokens_arg`) are ``type=`` callables: a bad value is
+  refused while parsing, by argparse itself, naming the flag (the same checkers read the sizes before the parser
+  is built, :mod:`cpkv.tools.sizes`); a count is an integer (``1e12`` reads as 10**12) of at most
+  :data:`MOST_INT`; :class:`OneLineParser` refuses in one line;
 * :func:`add_kv_dtype_flag` adds ``--kv-dtype``; :func:`add_kv_events_flags` the KV event flags, and
   :func:`refuse_unless_kv_events_bind` refuses, before anything starts, an endpoint that cannot be bound;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
