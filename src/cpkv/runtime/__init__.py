@@ -13,7 +13,7 @@
 * :mod:`~cpkv.runtime.runner` - one rank's forward on the shared cache: :class:`CPRunner`
 """
 
-from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch
+from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch
 from .forward_plan import ForwardPlan
 from .comm import Comm, DistComm, LocalComm, run_threads
 from .group import RankContext, RankFailure, launch
@@ -21,6 +21,6 @@ from .runner import CPRunner
 from .shm import shm_segments
 from .sizing import GroupFootprint, GroupTooLarge, check_capacity, group_footprint, machine_capacity
 
-__all__ = ["CPRunner", "Comm", "DECODE_SPLITS", "DistComm", "ForwardBatch", "ForwardPlan", "KERNELS", "GroupFootprint", "GroupTooLarge",
-           "LocalComm", "PREFILL_SPLITS", "RankContext", "RankFailure", "check_capacity", "group_footprint",
+__all__ = ["CPRunner", "Comm", "DECODE_SPLITS", "DistComm", "ForwardBatch", "ForwardPlan", "GroupFootprint",
+           "GroupTooLarge", "LocalComm", "PREFILL_SPLITS", "RankContext", "RankFailure", "check_capacity", "group_footprint",
            "launch", "machine_capacity", "run_threads", "shm_segments"]

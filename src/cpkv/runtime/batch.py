@@ -50,6 +50,7 @@ import torch
 from ..consumers.kv_format import all_finite
 from ..consumers.kv_pool import SharedKVPool
 from ..contract.allocation import Allocation
+from ..kernels import BACKENDS
 from ..kernels import get as get_backend
 from ..kernels import raise_refused
 from ..kernels.backend import Backend, CacheView, QueryPlan
@@ -57,9 +58,7 @@ from ..models.attention import IndexerScore, topk_positions
 from .comm import Comm
 from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ForwardPlan, split_ranks
 
-KERNELS = ("torch", "triton")
-
-__all__ = ["DECODE_SPLITS", "KERNELS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
+__all__ = ["DECODE_SPLITS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
            "split_ranks"]
 
 
@@ -73,9 +72,7 @@ def choose_backend(kernels: str, pool: SharedKVPool) -> tuple[Backend, str | Non
     ``"triton"``; ``ValueError`` otherwise), and the fallback taken, or
     ``None``: the torch backend when a family's format is one the Triton
     kernels cannot read in place (the reason named)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    backend = get_backend(kernels)
+    backend = get_backend(BACKENDS.check(kernels))
     for f in pool.families.values():
         why = backend.unreadable(f.format)
         if why:

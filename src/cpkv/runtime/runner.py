@@ -24,7 +24,8 @@ from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_
 from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
-from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
+from ..kernels import BACKENDS
+from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch, default_kernels
 from .comm import Comm, LocalComm
 
 
@@ -35,8 +36,8 @@ class CPRunner:
     among ranks (:mod:`cpkv.runtime.batch`); over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
     copy) only token splits: ``zigzag`` prefill, ``balanced`` decode.
-    ``kernels`` the data plane, ``"torch"`` or ``"triton"`` (default: triton
-    when the pool is on a GPU, else torch). ``check_plans`` compares every
+    ``kernels`` the data plane, a name of :data:`cpkv.kernels.BACKENDS`
+    (default: triton when the pool is on a GPU, else torch). ``check_plans`` compares every
     allocation across ranks with one collective (debugging only). Raises
     ``ValueError`` for an unknown split or kernels, or a ``comm`` of another
     rank or size than the pool.
@@ -60,8 +61,7 @@ class CPRunner:
         self.rank, self.cp_size = rank, size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
         self.kernels = default_kernels(pool.device) if kernels is None else kernels
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        BACKENDS.check(self.kernels)  # ValueError naming the choices
         self.tokens_computed = 0
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family

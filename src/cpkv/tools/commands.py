@@ -32,7 +32,7 @@ def cmd_simulate(args) -> int:
             runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
                            lane_pages=args.lane_pages, admission=args.admission, host_pages=args.host_pages,
                            progress=not args.no_progress and not args.json, events=pub,
-                           wait_for_prefix=not args.no_prefix_wait)
+                           wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction)
             results += runs
             rows = [r.summary() for r in runs]
             tables.append((name, w, rows))
@@ -347,7 +347,7 @@ def run_config(args):
         kv_events_replay=args.kv_events_replay, kv_events_buffer=args.kv_events_buffer, device=args.device,
         kernels=args.kernels, block_tokens=args.block_tokens,
         window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
-        wait_for_prefix=not args.no_prefix_wait,
+        wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction,
     )
 
 
