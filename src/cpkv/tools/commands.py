@@ -110,13 +110,15 @@ def validate_simulate(args, parser) -> None:
 def cmd_bench(args) -> int:
     """``cpkv bench``: one table per benchmark asked for (``all``: alloc, kv and engine)."""
     from .bench import bench_alloc, bench_engine, bench_kv
+    from .bench.alloc import format_alloc
     from .table import format_rows
 
     tables = {
         "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
-                  "out_cache_loc; arange = writing that out_cache_loc from the same pages; goal = the most "
-                  "cp8/deque may be (extend also cp8/arange <= 2); met = whether this run met it"),
+                  "out_cache_loc; arange = writing that out_cache_loc from the same pages; vllm = vLLM v1's "
+                  "BlockPool on the same decode batch (one free queue, no lanes); goal = the most cp8/deque may "
+                  "be (extend also cp8/arange <= 2, decode cp8/vllm <= 1); met = whether this run met it"),
         "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
         "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
@@ -155,7 +157,7 @@ def cmd_bench(args) -> int:
                 rows = bench(repeats=n)
             out[what] = rows
             if not args.json:
-                print(format_rows(rows, title.format(n=n)))
+                print((format_alloc if what == "alloc" else format_rows)(rows, title.format(n=n)))
                 print()
     if args.json:
         print(json.dumps(out if args.what == "all" else out[args.what], indent=2))
