@@ -60,7 +60,14 @@ def test_sglang_deps_install_without_changing_torch(tmp_path):
     assert "--no-deps sglang==0.5.23" in out and "-r tests/support/sglang-requirements.txt" in out
     assert "torch==$(" in out and "then touch .venv/.sglang-0.5.23; else echo" in out
     assert out.index("sglang==0.5.23") < out.index("pytest")
-    assert dry("sglang-deps") == out[: out.index(".venv/bin/python -m pytest")]
+    assert dry("sglang-deps") == out[: out.index("rm -rf .venv/triton-")]
     assert "sglang" not in dry("demo")
+    # and the Tritons the kernels' compile check runs under, each a --target folder with its own stamp
+    wheels = dry("triton-wheels")  # the venv first (its stamp), then the Tritons, as under `make test`
+    assert wheels[wheels.index("rm -rf .venv/triton-"):] == out[out.index("rm -rf .venv/triton-"):
+                                                                 out.index(".venv/bin/python -m pytest")]
+    for v in ("3.6.0", "3.8.0"):
+        assert f"--no-deps --target .venv/triton-{v} triton=={v}; \\\nthen touch .venv/triton-{v}/.installed" in out
+    assert "triton" not in dry("demo")
     reqs = (ROOT / "tests/support/sglang-requirements.txt").read_text()
     assert "torchvision" not in [line.split("=")[0].strip() for line in reqs.splitlines()]

@@ -61,3 +61,71 @@ def test_engine_runs_the_dsa_models_exactly(kind, N, S, dp, split):
                                         model=model_config(kind), check=True))
     exact(r)
     assert r["evicted_pages"] > 0 and r["load_pages"] > 0
+
+
+def test_auto_decode_split_runs_the_cost_models_choice_each_step_exactly(tmp_path):
+    """``decode_split="auto"``: each step of decodes runs the split the run's
+    cost model prices lower: owner while the short request's context lies in
+    one page (it reads no peer's page and moves nothing), lse once the long
+    one decodes over three pages (moving its partials costs less than reading
+    the peer's page); the report counts them; exact against transformers."""
+    import dataclasses
+    import json
+
+    from cpkv.tools.cost_model import CostModel
+
+    p = tmp_path / "two.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"id": "short", "arrival": 0, "tokens": [(3 * j) % 256 for j in range(10)], "max_new_tokens": 6},
+        {"id": "long", "arrival": 12, "tokens": [(5 * j + 1) % 256 for j in range(150)], "max_new_tokens": 4})))
+    cfg = EngineConfig(cp_size=2, page_size=64, device_pages=8, host_pages=0, workload=str(p), chunk=200,
+                       decode_split="auto", check=True)
+    costs = CostModel.for_run(cfg)
+    assert costs.decode_split([10], [11]) == "owner" and costs.decode_split([150], [151]) == "lse"
+    r = run_engine_threads(dataclasses.replace(cfg, decode_costs=costs))
+    exact(r)
+    assert r["decode_splits"] == {"owner": 5, "lse": 3}  # the short one's 5 decode steps, then the long one's 3
+    assert r["config"]["decode_costs"].startswith("CostModel(shared-auto, 2 ranks, page 64, DenseModel")
+
+
+def test_auto_decode_split_needs_a_cost_model_of_its_group():
+    import dataclasses
+
+    from cpkv.engine.config import DisaggConfig
+    from cpkv.engine.rank import decode_chooser
+    from cpkv.tools.cost_model import CostModel
+
+    cfg = EngineConfig(cp_size=2, device_pages=8, decode_split="auto")
+    with pytest.raises(ValueError, match="give decode_costs"):
+        cfg.sized()
+    costs = CostModel.for_run(dataclasses.replace(cfg, cp_size=4))
+    with pytest.raises(ValueError, match="cost model is of 4 ranks; this group has 2"):
+        decode_chooser(dataclasses.replace(cfg, decode_costs=costs), 2)
+    assert decode_chooser(dataclasses.replace(cfg, kv="replicated", decode_costs=costs), 2) is None
+    with pytest.raises(ValueError, match="with disaggregation choose owner or lse"):
+        DisaggConfig.from_engine(dataclasses.replace(cfg, decode_costs=costs), 1, 1).validate()
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v3.2", "glm-5"])
+def test_lse_decode_on_a_128k_mooncake_conversation_scaled_is_exact(tmp_path, kind):
+    """A Mooncake trace (hash-id blocks) with a 128K-token conversation and a
+    continuation sharing most of its blocks, in the tests' scaled form (one
+    token a 512-token block: 256 tokens of context, 16 times the top-k), on 4
+    ranks under the lse decode split: every decode's top-k all-local over
+    contexts much longer than k, exact against transformers.
+    [[RFC-0001:C-INDEXER-POOL]] [[RFC-0001:C-EXACTNESS]]"""
+    import json
+
+    from cpkv.models import model_config
+
+    p = tmp_path / "conversation.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"timestamp": 0, "input_length": 131072, "output_length": 2048, "hash_ids": list(range(256))},
+        {"timestamp": 3000, "input_length": 126000, "output_length": 1024,
+         "hash_ids": list(range(200)) + list(range(1000, 1047))})))
+    r = run_engine_threads(EngineConfig(cp_size=4, page_size=4, device_pages=40, host_pages=0,
+                                        workload=f"mooncake:{p}", block_tokens=1, max_output=4, step_ms=1000,
+                                        chunk=128, decode_split="lse", model=model_config(kind), check=True))
+    exact(r)
+    assert r["prompt_tokens"] == 256 + 247 and r["device_hit_rate"] > 0.3  # the continuation hits the shared blocks
+    assert all(x["traffic"]["topk_exchange"] > 0 for x in r["ranks"])  # the decodes' top-k found all-local

@@ -4,6 +4,7 @@ key perturbed in the pool, or one DSA selection changed, each fails
 :func:`cpkv.engine.exactness.failures` with the reason; the same run
 unperturbed passes. Ranks are threads. [[RFC-0001:C-EXACTNESS]]"""
 
+import functools
 import threading
 
 import pytest
@@ -76,3 +77,20 @@ def test_a_request_without_a_record_is_refused():
 
     with pytest.raises(ValueError, match="no stored values of request 'r5'"):
         run_record(R(), [R()], {}, {}, {"latent": (0,)})
+
+
+def test_a_reference_that_drops_its_cache_fails_naming_the_count(dsa, monkeypatch):
+    """A ``transformers`` that ignores the cache it is handed (5.17 took ``cache=`` silently) compares
+    nothing of what the run stored: the check fails, and says it compared 0 values."""
+    forward = type(dsa.model).forward
+
+    @functools.wraps(forward)
+    def dropping(self, *args, **kwargs):
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(dsa.model), "forward", dropping)
+    c = run_engine_threads(EngineConfig(**dict(CFG, kv_dtype="float32")), dsa)["check"]
+    assert c["values_compared"] == 0
+    assert "0 stored values compared: the reference never received the run's cache" in failures(c), failures(c)

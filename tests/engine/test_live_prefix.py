@@ -40,9 +40,8 @@ def test_requests_arriving_while_the_first_decodes_share_its_pages(llama, tmp_pa
 
 def _decode_cost_run(context: int, monkeypatch) -> list[int]:
     """One request of ``context`` prompt tokens through the scheduler (no
-    model); during its decode steps ``Request.seq`` and the whole-sequence
-    checks of the deprecated ends (both O(context)) refuse to run and every
-    token conversion of the prefix cache is measured. Returns those
+    model); during its decode steps ``Request.seq`` (O(context)) refuses to
+    run and every token conversion of the prefix cache is measured. Returns those
     conversions' lengths."""
     S, N = 64, 8
     spec = RequestSpec("long", 0, tuple(int(x) for x in np.random.default_rng(0).integers(0, 1000, context)), 130)
@@ -59,7 +58,6 @@ def _decode_cost_run(context: int, monkeypatch) -> list[int]:
         raise AssertionError("a decode step read the whole sequence")
 
     monkeypatch.setattr(pc, "_as_tokens", measured)
-    monkeypatch.setattr(PrefixCache, "_check_whole", refuse)
     monkeypatch.setattr(Request, "seq", property(refuse))
     while not sched.done:  # 129 decode steps, the last one finishing the request
         plan = sched.plan()

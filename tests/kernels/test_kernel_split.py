@@ -61,9 +61,11 @@ def test_ragged_contexts_split(dtype):
 
 
 def test_default_split_fills_the_gpu(monkeypatch):
-    """On a GPU of 3 SMs, a decode at batch 1 launches at least twice as many
-    programs (the context split); one whose queries and heads make that many
-    already does not split."""
+    """On a GPU of 3 SMs, a decode launches at least PROGRAMS_PER_SM programs per SM where the context has
+    that many key tiles (a batch of 1: one split per tile of its 7; 2 queries x 3 heads: split so
+    that they make at least 24); 2 queries x 8 heads, as many as 2 SMs take, do not split."""
+    from cpkv.kernels.triton_common import PROGRAMS_PER_SM
+
     grids = []
     run = triton_backend.run
     monkeypatch.setattr(triton_backend, "run", lambda lc: grids.append((lc.name, lc.grid[0])) or run(lc))
@@ -71,8 +73,10 @@ def test_default_split_fills_the_gpu(monkeypatch):
     layout, table, _ = tables([100, 100], 1, 16, seed=3)
     _attn(layout, table, torch.tensor([0]), torch.tensor([99]), hkv=1, g=1, backend_only=True)
     _attn(layout, table, torch.tensor([0, 1]), torch.tensor([99, 99]), hkv=3, g=1, backend_only=True)
-    assert [n for n, _ in grids] == ["decode", "merge"] * 2
-    assert grids[0][1] >= 2 * 3 and grids[2][1] == 2 * 3  # batch 1 split (7 tiles, 7 splits); 2 x 3 heads fill it
+    monkeypatch.setattr(triton_backend, "sm_count", lambda dev: 16 // PROGRAMS_PER_SM)  # 2 x 8 heads fill it
+    _attn(layout, table, torch.tensor([0, 1]), torch.tensor([99, 99]), hkv=8, g=1, backend_only=True)
+    assert [n for n, _ in grids] == ["decode", "merge"] * 3
+    assert grids[0][1] == 7 and grids[2][1] >= PROGRAMS_PER_SM * 3 and grids[4][1] == 16
 
 
 @pytest.mark.parametrize("cp", [2, 4])

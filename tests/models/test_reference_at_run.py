@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from cpkv.consumers.kv_format import TorchFormat, gqa_fp8, indexer_key_fp8, mla_latent_fp8
 from cpkv.models import LlamaAdapter, TinyDsa, TinyLlama
-from cpkv.models.round_trip import RoundTripCache, RunRecord, admit, reference_logits, round_trip, run_reference
+from cpkv.models.round_trip import (RoundTripCache, RunRecord, admit, cache_forward, reference_logits, round_trip,
+                                     run_reference)
 from cpkv.models.selection import NOISE, compare_selection, indexer_layers
 
 torch.set_num_threads(1)
@@ -141,8 +142,8 @@ def test_the_reference_reads_the_runs_stored_values_and_checks_each():
     fmts = {f.name: f.format for f in fams}
     keep = {}
     cache = RoundTripCache(ad.model.config, fmts)
-    with torch.no_grad():
-        ref = ad.model(seq[None], cache=cache, use_cache=True).logits[0]
+    with torch.no_grad(), cache_forward(ad.model, cache) as forward:  # cache= or past_key_values=, as it takes
+        ref = forward(seq[None]).logits[0]
     for name, i in (("k", 0), ("v", 1)):
         keep[name] = torch.stack([layer_states(cache, layer, i) for layer in range(ad.num_layers)])
     layers = {f.name: tuple(f.layers) for f in fams}

@@ -50,6 +50,13 @@ def count_syncs(adapter, monkeypatch):
     return counts
 
 
+def host_reads(model: str, decode: str) -> int:
+    """Host reads a layer may make: none, but a DSA layer's top-k under the
+    log-sum-exp decode split, which reads whether a fallback round (N > 2)
+    and a tie round are needed (:func:`cpkv.runtime.lse.global_topk`)."""
+    return 2 if (model, decode) == ("dsa", "lse") else 0
+
+
 @pytest.mark.parametrize("model", ["llama", "dsa"])
 @pytest.mark.parametrize("prefill,decode", SPLITS)
 def test_no_host_sync_per_layer(request, monkeypatch, model, prefill, decode):
@@ -57,7 +64,8 @@ def test_no_host_sync_per_layer(request, monkeypatch, model, prefill, decode):
     counts = count_syncs(adapter, monkeypatch)
     run_small(adapter, cfg.vocab, 2, prefill, decode)
     assert len(counts) == 2 * 2 * adapter.num_layers  # ranks x forwards x layers
-    assert counts == [0] * len(counts)
+    assert max(counts) <= host_reads(model, decode)
+    assert sum(c > 0 for c in counts) <= 2 * adapter.num_layers  # the decode forward's layers only
 
 
 class _Widest(torch.Tensor):
@@ -114,7 +122,7 @@ def test_triton_plane_matches_transformers(request, monkeypatch, model, prefill,
     want = {"store"} | ({"merge"} if decode == "lse" else set())
     want |= {"decode", "extend"} if model == "llama" else {"index", "sparse_mla"}
     assert want <= called  # the kernels ran, not the torch path
-    assert counts == [0] * (2 * 2 * adapter.num_layers)
+    assert len(counts) == 2 * 2 * adapter.num_layers and max(counts) <= host_reads(model, decode)
     ref_pre, ref_dec = reference(adapter, cfg.vocab)
     assert (pre - ref_pre).abs().max() < 1e-4
     assert (dec - ref_dec).abs().max() < 1e-4
@@ -133,7 +141,7 @@ def test_triton_plane_reads_and_writes_formatted_caches(request, monkeypatch, mo
     counts = count_syncs(adapter, monkeypatch)
     (pre, dec), runners = run_small(adapter, cfg.vocab, 2, *split, kernels="triton", kv_dtype=kv_dtype)
     assert "store" in called and all(r.kernels == "triton" for r in runners)
-    assert counts == [0] * len(counts)
+    assert max(counts) <= host_reads(model, split[1])
     (ref_pre, ref_dec), _ = run_small(adapter, cfg.vocab, 2, *split, kv_dtype=kv_dtype)
     assert (pre - ref_pre).abs().max() < 1e-4 and (dec - ref_dec).abs().max() < 1e-4
 
@@ -219,15 +227,19 @@ def test_non_owned_write_refused_once_before_any_layer():
 
 
 def test_plan_lists_each_split_writes():
-    """page: every computed slot is written; interleave: the gathered entries
-    this rank owns, -1 elsewhere; lse: the computed slots it owns."""
+    """page and lse: every computed slot is written (lse computes a token on its
+    home rank, the owner of its slot); interleave: the gathered entries this
+    rank owns, -1 elsewhere."""
     pool, a, table = _pool_and_alloc()
     owned = pool.layout.owned_slot_mask(a.out_cache_loc, owner_rank=0)
-    for mode in ("interleave", "lse"):
+    p = ForwardPlan.build(pool, 0, a, table, "interleave")
+    assert torch.equal(p.write_slots, torch.where(owned, a.out_cache_loc, -1))
+    assert torch.equal(p.write_rows, torch.nonzero(owned).flatten())
+    assert torch.equal(p.write_local, pool.layout.translate_write_slots(a.out_cache_loc[owned]))
+    for mode in ("page", "lse"):
         p = ForwardPlan.build(pool, 0, a, table, mode)
-        assert torch.equal(p.write_slots, torch.where(owned, a.out_cache_loc, -1))
-        assert torch.equal(p.write_rows, torch.nonzero(owned).flatten())
-        assert torch.equal(p.write_local, pool.layout.translate_write_slots(a.out_cache_loc[owned]))
+        assert torch.equal(p.write_slots, a.out_cache_loc[owned]) and torch.equal(p.token_indices,
+                                                                                 torch.nonzero(owned).flatten())
 
 
 def test_misuse_refused():

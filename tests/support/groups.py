@@ -10,19 +10,22 @@ from cpkv.runtime.parts import build_parts
 
 
 def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank, seed=0, on_rows=None,
-              decode_counters_only=False):
+              decode_counters_only=False, on_selected=None, prompt_ids=None, **runner_options):
     """``requests`` are ``(cached prefix, prompt length)``: the prefixes are prefilled first, then every request's
     rest in one batch, then ``steps`` greedy decode steps, on N thread ranks over one shared buffer of
     ``pages_per_rank`` pages a rank. ``on_rows(rows)`` is called before each forward (a rank thread's batch);
-    ``decode_counters_only`` zeroes the runners' work counters after the prefill. Returns the prompts and every
-    rank's ``(logits per request, generated tokens, runner)``."""
+    ``on_selected(rows, alloc, idx, selected)`` after each (the runner records its selection then);
+    ``decode_counters_only`` zeroes the runners' work counters after the prefill; ``prompt_ids`` replaces the
+    seeded prompts (one tensor per request). Returns the prompts and every rank's ``(logits per request,
+    generated tokens, runner)``."""
     layout, shared = SharedKVLayout(N, S, pages_per_rank), thread_buffers()
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
+    prompts = prompt_ids or [torch.randint(0, adapter.model.config.vocab_size, (n,), generator=g) for _, n in requests]
 
     def rank(comm):
         own = build_parts(adapter, layout, comm, shared=shared, max_requests=len(requests), max_len=128,
-                          prefill_split=prefill, decode_split=decode)
+                          prefill_split=prefill, decode_split=decode, record_selection=on_selected is not None,
+                          **runner_options)
         run, batches = own.runner, own.rows
         out = {r: [] for r in range(len(requests))}
 
@@ -31,6 +34,8 @@ def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank
                 on_rows(rows)
             a = batches.allocate(rows, [t.numel() for t in parts], dec)
             idx, lg = run.forward(rows, a, torch.cat(parts), dec, table=batches.table)
+            if on_selected is not None:
+                on_selected(rows, a, idx, run.selected)
             full = run.collect(a.out_cache_loc.numel(), idx, lg)
             for i, r in enumerate(rows):
                 s, n = int(a.extend_start_loc[i]), int(a.extend_lens[i])
@@ -44,6 +49,7 @@ def run_group(adapter, N, S, prefill, decode, *, steps, requests, pages_per_rank
         gen = {r: [] for r in rows}
         if decode_counters_only:
             run.kv_read = run.tokens_computed = 0  # from here on: decode work only
+            run.traffic.clear()
         for _ in range(steps):
             nxt = [out[r][-1][-1].argmax().view(1) for r in rows]
             for r, t in zip(rows, nxt):

@@ -24,7 +24,8 @@ def fake_report(kv: str, tpot_p99: float = 0.01, steps: int = 10, tps: float = 1
            "tpot_steps": {"p50": 1.0, "p99": 1.0}, "tpot_s": {"p50": tpot_p99 / 2, "p99": tpot_p99},
            "requests": per, "step_s": {"decode": {"p50": tpot_p99 / 2}, "prefill": {"p50": 0.004},
                                        "mixed": {"p50": tpot_p99 if kv == "shared" else None}}}
-    return {"config": {"kv": kv}, "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0},
+    return {"config": {"kv": kv}, "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0,
+                                       "values_compared": 4096},
             "requests": 1, "finished": 1, "steps": steps, "preemptions": 0, "evicted_pages": 0,
             "device_hit_rate": 0.5, "tokens_per_second": tps, "latency": lat}
 

@@ -3,13 +3,14 @@ config, against what each split must do (nothing here is timed):
 
 * ``page`` moves no cache entry; ``interleave`` / ``zigzag`` move, to each
   rank, exactly the new entries it did not compute, every layer;
-* ``lse`` computes every decode token on every rank, its attention reads sum
-  to one pass over every context (each rank its own pages), and it moves the
-  partial outputs; ``owner`` computes each token once and reads its whole context;
+* ``lse`` computes each decode token once, on its home rank, its attention
+  reads sum to one pass over every context (each rank its own pages), and it
+  moves the queries and the partial outputs; ``owner`` computes each token
+  once and reads its whole context;
 * for DSA, ``lse`` splits the attention over the selected positions (one pass
-  over each selection in all) and scores each query's whole context with the
-  indexer once, on one rank (queries dealt out by context length), then
-  all-gathers the selections: the indexer reads are owner's, balanced.
+  over each selection in all) and the indexer's scoring (each rank its own
+  keys: one pass over every context, balanced), and moves the queries' inputs,
+  the top-k exchange's scores and the partials.
 
 One ``cpkv bench splits --json --repeats 1`` on a tiny size supplies them all.
 
@@ -22,7 +23,7 @@ import json
 import pytest
 import torch
 
-from cpkv.runtime.forward_plan import balanced_ranks
+from cpkv.runtime.lse import exchange_width
 from cpkv.models import TinyLlama
 from cpkv.runtime.comm import LocalComm, run_threads
 from cpkv.tools.bench import SplitsSpec, splits_model
@@ -81,18 +82,21 @@ def test_prefill_page_moves_nothing_and_token_splits_move_what_a_rank_did_not_co
 
 def test_lse_reads_one_pass_over_every_context_and_owner_reads_whole_contexts(report):
     raw, m = report["llama"]["raw"], LLAMA
+    D = m.hidden // m.heads
     for phase, contexts in zip(("decode0", "decode1"), raw["contexts"]):
         B, total = len(contexts), sum(contexts)
-        assert per_rank(raw, phase, "lse", "tokens") == [B] * N  # every rank computes every token
+        home = per_rank(raw, phase, "lse", "tokens")
+        assert sum(home) == B  # each token computed once, by its home rank
         lse = per_rank(raw, phase, "lse", "reads", "k")
         assert sum(lse) == m.layers * total
         assert max(lse) <= m.layers * (total / N + B * 4)  # lanes even to a page (4) per request
         owner_tokens = per_rank(raw, phase, "owner", "tokens")
         assert sum(owner_tokens) == B and sum(per_rank(raw, phase, "owner", "reads", "k")) == m.layers * total
         assert per_rank(raw, phase, "owner", "moved") == [0] * N
-        # lse moves each other rank's partial output [B, H, head_dim] and lse [B, H], fp32, every layer
-        assert per_rank(raw, phase, "lse", "moved") == [(N - 1) * B * m.heads * (m.hidden // m.heads + 1) * 4
-                                                       * m.layers] * N
+        # lse moves, every layer, the other ranks' queries [B - home, H, D] and the partial outputs of this
+        # rank's tokens from every other rank [home, H, D] with their LSEs [home, H]; fp32
+        assert per_rank(raw, phase, "lse", "moved") == [
+            m.layers * 4 * ((B - h) * m.heads * D + (N - 1) * h * m.heads * (D + 1)) for h in home]
     # same-length contexts: a rank's owner reads are exactly its tokens' whole contexts
     assert raw["contexts"][0] == [CONTEXT] * 5
     assert per_rank(raw, "decode0", "owner", "reads", "k") == [
@@ -108,17 +112,21 @@ def test_dsa_lse_splits_the_selected_attention_and_the_selection(report):
         lat = per_rank(raw, phase, "lse", "reads", "latent")
         assert sum(lat) == m.layers * selected and max(lat) <= m.layers * (selected / N + B * 4)
         assert sum(per_rank(raw, phase, "owner", "reads", "latent")) == m.layers * selected
-        # each query scored once, by the rank balanced_ranks deals it to: its whole context
-        scorer = balanced_ranks(torch.tensor(contexts), N)
+        # each rank scores its own keys of every query: one pass over every context in all, balanced
         idx = per_rank(raw, phase, "lse", "reads", "index_k")
-        assert idx == [m.layers * sum(c for c, r in zip(contexts, scorer.tolist()) if r == k) for k in range(N)]
-        assert sum(idx) == m.layers * total and max(idx) <= m.layers * (total / N + max(contexts))
+        assert sum(idx) == m.layers * total and max(idx) <= m.layers * (total / N + B * 4)
         assert sum(per_rank(raw, phase, "owner", "reads", "index_k")) == m.layers * total
-        # moved, every layer: the other ranks' partial outputs (latent-wide, fp32) and lse, and their
-        # selections [T', K] (int32), K = min(top-k, longest context)
-        K, mine = min(m.index_topk, max(contexts)), torch.bincount(scorer, minlength=N).tolist()
-        assert per_rank(raw, phase, "lse", "moved") == [
-            m.layers * ((N - 1) * B * m.heads * (m.kv_lora_rank + 1) * 4 + (B - mine[k]) * K * 4) for k in range(N)]
+        # moved, every layer: the other ranks' q_lora latents and indexer head weights, the top-k exchange's
+        # scores of each query over more than k keys (exchange_width a rank), the partial outputs of this
+        # rank's tokens (after W_UV: v_head wide) with their LSEs; fp32. The fallback and tie rounds on top.
+        home, over = per_rank(raw, phase, "lse", "tokens"), sum(n > m.index_topk for n in contexts)
+        for h, t, moved in zip(home, per_rank(raw, phase, "lse", "traffic"), per_rank(raw, phase, "lse", "moved")):
+            assert t["query_allgather"] == m.layers * 4 * (B - h) * (m.q_lora_rank + m.index_heads)
+            assert t["topk_exchange"] == m.layers * 4 * (N - 1) * over * exchange_width(m.index_topk, N)
+            assert t["partial_alltoall"] == m.layers * 4 * (N - 1) * h * m.heads * (m.v_dim + 1)
+            assert moved == sum(t.values()) and set(t) <= {"query_allgather", "topk_exchange", "partial_alltoall",
+                                                           "topk_fallback", "topk_ties"}
+        assert sum(home) == B
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -42,8 +42,10 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
     top-k), the reference at them (:func:`run_record`). Returns ``max_abs_diff``,
     ``logits_checked``, ``requests``, ``requests_matched``, ``mismatched``
     (spec ids) against that reference, ``tolerance`` (the logits',
-    :data:`~cpkv.engine.exactness.TOLERANCE`), ``agreement`` (the run's
-    stored values and selection against the reference's,
+    :data:`~cpkv.engine.exactness.TOLERANCE`), ``values_compared`` (how many
+    stored values the reference's cache received from the run and compared:
+    0, a reference that never used its cache, fails the check), ``agreement``
+    (the run's stored values and selection against the reference's,
     :class:`~cpkv.models.round_trip.Agreement`, when recorded), and
     ``unquantized``: ``{"max_abs_diff", "greedy_agreement"}`` against the
     plain float model (the same figures as the check when nothing is
@@ -77,7 +79,7 @@ def check(model, sched, ex, families: Sequence[Family] = ()) -> dict:
         plain_agree += plain[n - 1 :].argmax(-1).tolist() == r.generated
     return {"max_abs_diff": worst, "logits_checked": logits_checked, "requests": len(sched.requests),
             "requests_matched": len(sched.requests) - len(mismatched), "mismatched": mismatched,
-            "tolerance": TOLERANCE, **({"agreement": agreement.as_dict()} if stored else {}),
+            "tolerance": TOLERANCE, "values_compared": agreement.values, **({"agreement": agreement.as_dict()} if stored else {}),
             "unquantized": {"max_abs_diff": plain_worst, "greedy_agreement": plain_agree}}
 
 

@@ -19,6 +19,7 @@ device unless ``kernels`` is given; the ranks receive the sized copy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from ..consumers.eviction import EVICTION_POLICIES
 from ..models import ModelConfig, TinyLlama
@@ -58,6 +59,12 @@ class RunConfig:
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
+    ``decode_split="auto"`` chooses each step's decode split with
+    ``decode_costs``, a cost model of this run (anything with
+    ``decode_split(starts, ends) -> "owner" | "lse"`` and ``N`` its ranks:
+    ``cpkv run`` gives :meth:`cpkv.tools.cost_model.CostModel.for_run`'s; the
+    engine, below the tools, builds none itself); :meth:`sized` refuses
+    ``auto`` without one.
 
     ``kv`` is ``"shared"`` (one owner-lane cache for the group) or
     ``"replicated"`` (the baseline: every rank a full copy,
@@ -110,6 +117,7 @@ class RunConfig:
     kernels: str | None = None
     wait_for_prefix: bool = True
     eviction: str = "lru"
+    decode_costs: Any = None
 
     @property
     def replicated(self) -> bool:
@@ -146,6 +154,9 @@ class RunConfig:
         built; ``ValueError`` when ``kv_memory`` holds no page."""
         from ..runtime.batch import default_kernels
 
+        if self.decode_split == "auto" and not self.replicated and self.decode_costs is None:
+            raise ValueError("decode_split 'auto' chooses each step from a cost model: give decode_costs "
+                             "(cpkv.tools.cost_model.CostModel.for_run(cfg), as cpkv run does)")
         pages = self.memory_pages(capacity) if self.device_pages is None else self.device_pages
         kernels = default_kernels(self.device) if self.kernels is None else self.kernels
         return replace(self, device_pages=pages, kernels=kernels)
@@ -207,8 +218,11 @@ class RunConfig:
 
     def public(self) -> dict:
         """The fields a report shows (``asdict``, the model as its family and
-        fields)."""
-        return {**asdict(self), "model": {"family": type(self.model).__name__, **asdict(self.model)}}
+        fields, the decode split's cost model by its name)."""
+        costs = self.decode_costs
+        return {**asdict(replace(self, decode_costs=None)),
+                "model": {"family": type(self.model).__name__, **asdict(self.model)},
+                "decode_costs": None if costs is None else str(costs)}
 
 
 #: Fewest device pages per rank the default budget gives.
@@ -292,6 +306,9 @@ class DisaggConfig(RunConfig):
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.replicated:
             raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
+        if self.decode_split == "auto":
+            raise ValueError("decode_split 'auto' is one CP group's (its cost model is of that group); with "
+                             "disaggregation choose owner or lse")
         if not (self.timeout > 0 and self.transfer_timeout > 0):
             raise ValueError("timeout and transfer_timeout must be > 0 seconds")
 

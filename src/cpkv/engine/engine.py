@@ -244,6 +244,7 @@ def _run_rank(shared: SharedBuffers, comm: Comm, cfg: EngineConfig, adapter, pub
     moved = comm.all_gather_object({"rank": comm.rank, "copied": ex.copied, "backed_up": ex.backed_up,
                                     "loaded": ex.loaded, "tokens_computed": runner.tokens_computed,
                                     "kv_read": runner.kv_read, "moved_bytes": runner.moved_bytes,
+                                    "traffic": dict(runner.traffic), "decode_splits": dict(runner.decode_choices),
                                     # at the end of the trace, before the cache is drained: the pages this rank
                                     # holds, by the allocator and by what this rank wrote into its segment
                                     "pages_allocated": int(held.size), "pages_written": pool.written_pages(held),
@@ -302,6 +303,7 @@ def report(cfg: EngineConfig, sched: Scheduler, page_bytes: int, ranks: list, se
         "tokens_per_second": st.generated_tokens / max(seconds, 1e-9),
         "ranks": ranks,
         "check": checked,
+        "decode_splits": ranks[0].get("decode_splits", {}) if ranks else {},
         "latency": latency,
         "outputs": outputs(sched.requests),
         "sequences": [(list(r.prompt), r.spec.max_new_tokens) for r in sched.requests],

@@ -15,7 +15,11 @@ A run is exact when
    (:func:`~cpkv.models.selection.compare_selection`);
 3. every logit is within :data:`TOLERANCE` of the reference's at those stored
    values and that selection, and every request's greedy tokens equal the
-   reference's.
+   reference's;
+4. something was compared: the reference's cache received the run's stored
+   values (``values_compared > 0``). A ``transformers`` that ignores the cache
+   it is handed would otherwise compare the plain forward, a vacuous pass in
+   float32 and a false failure in bf16 or FP8.
 
 Why the format's tolerance sits at the stored values, not at the logits:
 the engine computes a sequence in chunks and the reference whole, so their
@@ -53,6 +57,9 @@ def failures(c: dict | None, tolerance: float | None = None) -> list[str]:
         out.append(f"greedy tokens equal for {c['requests_matched']} of {c['requests']} requests "
                    f"(mismatched: {c['mismatched']})")
     a = c.get("agreement")
+    compared = c.get("values_compared", a["values"] if a else None)
+    if not compared:
+        out.append(f"{compared or 0} stored values compared: the reference never received the run's cache")
     if a and a["outside"]:
         out.append(f"{a['outside']} of {a['values']} stored values are no rounding of the reference's "
                    f"(worst {a['worst_value']:.3g} of its slot's largest value)")

@@ -70,12 +70,26 @@ def build_rank(cfg: RunConfig, adapter, layout: SharedKVLayout, group: Comm, sha
     prefill_split, decode_split = cfg.splits()
     parts = build_parts(adapter, layout, group, shared=None if cfg.replicated else shared, families=fams,
                         replicated=cfg.replicated, prefill_split=prefill_split, decode_split=decode_split,
-                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device)
+                        check_plans=cfg.check_plans, kernels=cfg.kernels, device=device,
+                        record_selection=cfg.check, choose_split=decode_chooser(cfg, group.size))
     pool, runner = parts.pool, parts.runner
     host_cls = ReplicatedHostPool if cfg.replicated else HostPool
     host = (host_cls(fams, HostPool.allocate(fams, host_pages, layout.slots_per_page, host_shared or shared))
             if host_pages else None)
     return RankParts(pool, host, runner)
+
+
+def decode_chooser(cfg: RunConfig, size: int):
+    """Under ``decode_split="auto"``, the function each decode forward asks for
+    its split: ``cfg.decode_costs.decode_split`` of the batch's contexts
+    before and after the new token (the same on every rank); ``None``
+    otherwise. ``ValueError`` for a cost model of another group size."""
+    costs = cfg.decode_costs
+    if cfg.replicated or cfg.decode_split != "auto" or costs is None:
+        return None
+    if costs.N != size:
+        raise ValueError(f"the decode split's cost model is of {costs.N} ranks; this group has {size}")
+    return lambda alloc: costs.decode_split(alloc.seq_lens - 1, alloc.seq_lens)
 
 
 def thread_buffers() -> SharedBuffers:

@@ -17,10 +17,17 @@ tensors at batch 1 and 64 and contexts 32K and 128K, so the reported grid is
 the one a run launches; the kernel compiles once for all of them (per-batch
 sizes are not specialised: the check fails if two sizes compile twice).
 
+Each row also says how many programs of the kernel an SM holds at once
+(``ctas_per_sm``: :func:`occupancy` of its registers, shared bytes and warps)
+and how many waves of them each reported grid makes on 132 SMs.
+
 Run it in a process where ``TRITON_INTERPRET`` is ``0`` (the kernels must be
 jitted, not interpreted): ``python -m cpkv.kernels.compile_check [--json]
 [--only NAME ...] [--jobs N]``, or :func:`run_check` from any process (it
-starts that process). ``cpkv bench kernels --compile`` prints the table.
+starts that process; ``triton=`` a folder holding another Triton, put first on
+its path). ``cpkv bench kernels --compile`` prints the table. Besides the
+Triton installed, the check runs under each of :data:`CHECKED_TRITONS`
+(``make test`` installs them, ``--target`` folders in the venv: :func:`triton_dir`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+#: The other Triton releases every kernel must compile under without spills, besides the one installed (``make
+#: test``'s, the newest): 3.6.0, the GPU image's (torch 2.11), and 3.8.0, what torch 2.14 (a plain ``pip install``
+#: of cpkv today) requires. The Makefile's ``TRITON_CHECKED`` installs the same list (a test compares them).
+CHECKED_TRITONS = ("3.6.0", "3.8.0")
+#: sm_90 (H100/H200) per SM: registers, shared bytes (228 KB, 1 KB of it reserved per program), warps, programs
+SM90 = dict(registers=65536, shared=233472, shared_reserved=1024, warps=64, programs=32, sms=132)
 
 #: batch sizes and contexts the launch grids are reported at
 SIZES = ((1, 32768), (1, 131072), (64, 32768), (64, 131072))
@@ -315,12 +329,31 @@ def compile_launch(launch) -> dict:
                 seconds=round(time.perf_counter() - t0, 2))
 
 
+def occupancy(registers: int, shared: int, warps: int) -> int:
+    """Programs (CTAs) of a kernel one sm_90 SM holds at once: registers
+    allocated per warp in units of 256 (``registers`` per thread x 32, rounded
+    up), shared bytes plus the 1 KB reserved per program, at most 64 warps
+    and 32 programs (:data:`SM90`)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (SM90["registers"] // per_warp) // warps if per_warp else SM90["programs"]
+    by_shared = SM90["shared"] // (shared + SM90["shared_reserved"])
+    return max(0, min(by_regs, by_shared, SM90["warps"] // warps, SM90["programs"]))
+
+
+def triton_dir(version: str, prefix: str | None = None) -> str:
+    """Where ``make test`` installs Triton ``version`` for this check: ``triton-VERSION`` in the venv
+    (``prefix``, default ``sys.prefix``), a ``pip install --target`` folder."""
+    return os.path.join(prefix or sys.prefix, f"triton-{version}")
+
+
 def check_variant(name: str) -> dict:
     """One row: the variant ``name`` compiled at every size of :data:`SIZES`
     (once: a second binary is an error), its resources and every launch's grid."""
+    import triton
+
     v = next(x for x in VARIANTS if x.name == name)
     row = dict(name=v.name, kernel=v.kernel, dtype=str(v.dtype).removeprefix("torch."), fmt=v.fmt, grids={},
-               error=None)
+               error=None, triton=triton.__version__)
     try:
         hashes: dict[int, set] = {}
         for batch, ctx in SIZES:
@@ -334,6 +367,9 @@ def check_variant(name: str) -> dict:
                 row.update(num_warps=lc.num_warps, num_stages=lc.num_stages)
         most = max(len(h) for h in hashes.values())
         row["binaries"] = most
+        row["ctas_per_sm"] = occupancy(row["registers"], row["shared_bytes"], row["num_warps"])
+        row["waves"] = {k: [round(g / max(1, row["ctas_per_sm"] * SM90["sms"]), 2) for g in gs]
+                        for k, gs in row["grids"].items()}
         if most > v.binaries:
             row["error"] = f"compiled {most} binaries over the sizes (expected {v.binaries}): a per-batch size is " \
                            "specialised"
@@ -353,12 +389,16 @@ def check(names: list[str] | None = None, jobs: int = 1) -> list[dict]:
         return list(pool.map(check_variant, names))
 
 
-def run_check(names: list[str] | None = None, jobs: int = 1, timeout: float = 600) -> list[dict]:
+def run_check(names: list[str] | None = None, jobs: int = 1, timeout: float = 600,
+              triton: str | None = None) -> list[dict]:
     """:func:`check` in a fresh Python process with ``TRITON_INTERPRET=0``
-    (callable from a process that interprets). Raises ``RuntimeError`` if
-    the process fails."""
+    (callable from a process that interprets), under the Triton in folder
+    ``triton`` (first on its path; default: the one installed). Raises
+    ``RuntimeError`` if the process fails."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION",
                                                                                          "1"))
+    if triton is not None:
+        env["PYTHONPATH"] = os.pathsep.join([triton, *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "cpkv.kernels.compile_check", "--json", "--jobs", str(jobs)]
     for n in names or []:
         cmd += ["--only", n]
@@ -375,13 +415,18 @@ def format_check(rows: list[dict]) -> str:
     table = []
     for r in rows:
         t = dict(kernel=r["name"], regs=r.get("registers", "-"), local=r.get("local_bytes", "-"),
-                 shared=r.get("shared_bytes", "-"), warps=r.get("num_warps", "-"), stages=r.get("num_stages", "-"))
-        t.update({f"grid {k}": "/".join(map(str, g)) for k, g in r["grids"].items()})
+                 shared=r.get("shared_bytes", "-"), warps=r.get("num_warps", "-"), stages=r.get("num_stages", "-"),
+                 **{"ctas/SM": r.get("ctas_per_sm", "-")})
+        waves = r.get("waves", {})
+        t.update({f"grid {k}": "/".join(f"{x} ({w}w)" for x, w in zip(g, waves.get(k, [])))
+                  or "/".join(map(str, g)) for k, g in r["grids"].items()})
         t["result"] = r["error"] or "ok"
         table.append(t)
-    return format_rows(table, "Triton kernels compiled for sm_90 (GPUTarget cuda 90) on the CPU: registers and "
-                              "local (spill) bytes per thread, shared bytes per program; grid = programs at batch "
-                              "x context (two for sparse MLA: 16 / 128 heads)")
+    version = rows[0].get("triton", "?") if rows else "?"
+    return format_rows(table, f"Triton {version} kernels compiled for sm_90 (GPUTarget cuda 90) on the CPU: "
+                              "registers and local (spill) bytes per thread, shared bytes per program, programs "
+                              "an SM holds (ctas/SM); grid = programs at batch x context (two for sparse MLA: "
+                              "16 / 128 heads), in waves of ctas/SM x 132 SMs")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,10 @@ from .triton_common import Launch, ViewFormat, block, dot_precision, load_values
 
 #: (BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel, by query dtype
 DECODE_CONFIG = {torch.float32: (16, 4, 2), torch.float16: (64, 4, 3), torch.bfloat16: (64, 4, 3)}
-#: (query rows per program, BLOCK_N, num_warps, num_stages) of the extend kernel, by query dtype
-EXTEND_CONFIG = {torch.float32: (32, 16, 8, 1), torch.float16: (128, 64, 8, 2), torch.bfloat16: (128, 64, 8, 2)}
+#: (query rows per program, BLOCK_N, num_warps, num_stages) of the extend kernel, by query dtype. float32 (the
+#: exact path, ``ieee`` products): 16 rows in 4 warps, 88-90 registers and no local memory under Triton 3.6, 3.8
+#: and 3.9 (32 rows in 8 warps kept 16-32 bytes of local memory under 3.6 and 3.8: the sm_90 compile check)
+EXTEND_CONFIG = {torch.float32: (16, 16, 4, 1), torch.float16: (128, 64, 8, 2), torch.bfloat16: (128, 64, 8, 2)}
 #: queries of one request per planned extend block; a program takes BLOCK_M = rows // G of them
 PLAN_M = 64
 

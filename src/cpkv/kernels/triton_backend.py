@@ -56,7 +56,7 @@ class TritonPlan(QueryPlan):
       ``own_rank`` the owned slots packed left ``[B, W]``, their positions
       and counts ``[B]``;
     * ``reach``: the longest context a decode walks (host int); ``programs``:
-      the programs a launch should reach (twice the device's SMs)."""
+      the programs a launch should reach (:data:`~.triton_common.PROGRAMS_PER_SM` per SM of the device)."""
 
     qidx: torch.Tensor | None = None
     blocks: torch.Tensor | None = None

@@ -21,9 +21,12 @@ import triton.language as tl
 from ..consumers.kv_format import KVFormat, ScaledFp8Format, TorchFormat
 from ..consumers.kv_view import SegmentTable
 
-#: Programs a launch should hold at least, per streaming multiprocessor: two, so
-#: that a decode at batch 1 still fills the GPU (flash-decoding).
-PROGRAMS_PER_SM = 2
+#: Programs a split launch should hold at least, per streaming multiprocessor: eight. A decode at batch 1
+#: then fills the GPU (flash-decoding), and a larger batch is split too until it makes several waves: the
+#: decode kernels fit 2-5 programs per SM (registers and shared bytes of the sm_90 compile check,
+#: :mod:`.compile_check`'s ``ctas/SM``), so 8 per SM is at least 1.6 waves and the last, partial wave idles
+#: little of the GPU (batch 64 x 8 KV heads: 512 programs were 1.3 waves at 3 per SM; split 3 ways, 3.9).
+PROGRAMS_PER_SM = 8
 #: SMs of the GPU the kernels are tuned for (an H200), used where no CUDA device answers
 DEFAULT_SMS = 132
 _SMS: dict[int, int] = {}

@@ -59,17 +59,40 @@ class IndexerScore:
         return index_scores(q, weights, keys, self.scale)
 
 
+def rank_keys(scores: torch.Tensor) -> torch.Tensor:
+    """One int64 per score that orders a row the way a top-k selects from it:
+    by score, then, between equal scores, the lower position first (column
+    ``l`` of ``scores [..., L]`` is position ``l``). All keys of a row are
+    distinct, so the best ``k`` keys are one set whatever splits the row:
+    every rank of a group, each scoring its own positions, and one rank
+    scoring them all, pick the same keys. Key = ``ordered(score) * 2**32 +
+    (2**32 - 1 - l)``, where ``ordered`` is the float32's bits as an int32
+    whose order is the floats' (negative floats' magnitude bits flipped),
+    ``-0.0`` taken as ``+0.0`` (they are equal scores); ``-inf`` orders
+    last. ``scores`` float32 (a NaN has no place in the order)."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 is +0.0: equal scores, equal keys
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    pos = torch.arange(s.shape[-1], dtype=torch.int64, device=s.device)
+    return ordered * 2**32 + (2**32 - 1 - pos)
+
+
 def topk_positions(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """The ``min(k, visible positions)`` best visible context positions per query.
 
     ``scores [T, L]``, ``visible [T, L]`` (causal: positions ``0 .. position``).
-    Returns ``[T, min(k, L)]`` int64 positions, ``-1`` where a query sees fewer
-    than that many positions (it then selects all it sees: the row is dense).
-    Ties are broken by ``torch.topk``, so the set is the reference's when no two
-    scores tie at the k-th place.
+    Returns ``[T, min(k, L)]`` int64 positions, best first, ``-1`` where a
+    query sees fewer than that many positions (it then selects all it sees:
+    the row is dense). Equal scores at the k-th place go to the lower
+    positions (:func:`rank_keys`): the set is the same on every split of the
+    row (the log-sum-exp split's all-local top-k picks it from each rank's
+    own positions). ``transformers``' indexer breaks such a tie by
+    ``torch.topk`` over its own row, an order that depends on the row's
+    length and the sort ``torch.topk`` runs; the check compares selections
+    up to ties (:func:`cpkv.models.selection.compare_selection`).
     """
     if k < 1:
         raise ValueError(f"top-k needs k >= 1, got {k}")
     K = min(k, scores.shape[-1])
-    idx = scores.masked_fill(~visible, float("-inf")).topk(K, dim=-1).indices
+    idx = rank_keys(scores.masked_fill(~visible, float("-inf"))).topk(K, dim=-1).indices
     return torch.where(visible.gather(-1, idx), idx, -1)

@@ -34,45 +34,70 @@ class CacheAccess(Protocol):
 
     ``positions [T]`` are the sequence positions of those tokens and
     ``num_tokens`` is T (it may be 0: a rank with nothing to compute still runs
-    every layer, because the fences are collective). ``scratch`` is a dict that
-    lives for one forward (a model keeps per-forward state there, such as the
-    top-k of the last layer that computed one).
+    every layer, because the collectives are). ``query_positions [Tq]`` are
+    those of the queries this rank attends: its own tokens, or, under the
+    log-sum-exp decode split (decode context parallelism), every token of
+    the batch (each rank attends every query over its own pages, and the
+    partial outputs meet at the token's rank). A model makes its queries from
+    what :meth:`queries` gives it and gets back its own tokens' outputs.
+    ``scratch`` is a dict that lives for one forward (a model keeps
+    per-forward state there, such as the top-k of the last layer that
+    computed one).
     """
 
     positions: torch.Tensor
+    query_positions: torch.Tensor
     num_tokens: int
     scratch: dict
 
     def store(self, layer: int, **values: torch.Tensor) -> None:
         """Cache ``values[family] [T, *shape]`` of this rank's tokens at ``layer``."""
 
+    def queries(self, layer: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-token tensors ``x [T, ...]`` of this rank's tokens as the
+        queries' rows ``[Tq, ...]`` (the tokens of :attr:`query_positions`, in
+        that order). A model hands over the smallest tensors its queries
+        follow from (they may be all-gathered)."""
+
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
-                     value_dims: int | None = None) -> torch.Tensor:
-        """Causal attention of ``q [T, H, D]`` over each token's whole context
+                     value_dims: int | None = None,
+                     project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Causal attention of ``q [Tq, H, D]`` over each query's whole context
         (positions ``0 .. position``) in families ``key`` / ``value`` (the first
-        ``value_dims`` values of ``value`` when given). Returns ``[T, H, Dv]``."""
+        ``value_dims`` values of ``value`` when given), ``project`` (a map of
+        each head's output alone, ``[*, H, Dv] -> [*, H, Dv']``) applied to
+        the output. Returns this rank's tokens' ``[T, H, Dv']``."""
 
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's whole context in ``family``: ``(values [T, L, *shape],
-        visible [T, L])``, where ``visible`` marks positions ``0 .. position``."""
+        """Every query's whole context in ``family``: ``(values [Tq, L, *shape],
+        visible [Tq, L])``, where ``visible`` marks positions ``0 .. position``."""
 
     def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
                *queries: torch.Tensor) -> torch.Tensor:
-        """Each token's best ``min(k, visible)`` context positions in ``family``,
-        ``[T, K]`` int64 (``K <= k``; ``-1``: none), as ``topk_positions`` picks
-        them from ``score(*queries, keys) -> [T', L]``: ``queries`` are per-token
-        tensors ``[T, ...]`` (for DSA's indexer: its queries and head weights)
-        and ``score`` gets the rows of the tokens it scores, ``[T', ...]``, with
-        their whole contexts ``keys [T', L, *shape]``; it must score each token
-        from its own row only. The cache decides who scores which token: under
-        the log-sum-exp decode split each token once, on one rank, and every
-        rank gets every selection (so an expensive selection is not
-        replicated); the model sees the same answer either way."""
+        """Each query's best ``min(k, visible)`` context positions in ``family``,
+        as ``topk_positions`` picks them (ties to the lower position) from
+        ``score(*queries, keys) -> [T', L]``: ``queries`` are per-query
+        tensors ``[Tq, ...]`` (for DSA's indexer: its queries and head weights)
+        and ``score`` gets the rows of the queries it scores, ``[T', ...]``,
+        with contexts ``keys [T', L, *shape]``; it must score each key from
+        its own row and key only. Returns ``[Tq, K]`` int64 (``K <= k``;
+        ``-1``: none), for :meth:`attend_selected` of the same queries: under
+        the log-sum-exp decode split, this rank's share of each query's
+        selection (the keys on its own pages; :meth:`selection` gives the
+        whole)."""
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
-                        value: str, value_dims: int | None = None) -> torch.Tensor:
-        """Attention of ``q [T, H, D]`` over the context positions ``positions
-        [T, K]`` of each token only (``-1``: none), gathered, not masked densely."""
+                        value: str, value_dims: int | None = None,
+                        project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of ``q [Tq, H, D]`` over the context positions ``positions
+        [Tq, K]`` of each query only (``-1``: none; as :meth:`select` returned
+        them), gathered, not masked densely, ``project`` as in
+        :meth:`attend_dense`. Returns this rank's tokens' ``[T, H, Dv']``."""
+
+    def selection(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """The whole selection of this rank's tokens, ``[T, K]`` int32 (``-1``
+        after), from what :meth:`select` returned at ``layer`` (collective
+        under the log-sum-exp decode split: every rank asks alike)."""
 
 
 class ModelAdapter(ABC):
@@ -128,8 +153,9 @@ class ModelAdapter(ABC):
         """The sparse selection of the forward that ran through ``cache``:
         ``[T, selecting layers, k]`` int32 context positions per token (``-1``:
         none), for a model whose attention reads a selection; ``None`` (the
-        default) for a dense model. ``--check`` gives it to the reference
-        (:mod:`cpkv.engine.check`)."""
+        default) for a dense model. Every rank asks alike (it may be
+        collective: :meth:`CacheAccess.selection`). ``--check`` gives it to
+        the reference (:mod:`cpkv.engine.check`)."""
         return None
 
 

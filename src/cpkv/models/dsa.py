@@ -14,12 +14,19 @@ Two per-slot cache families, over the same logical slots and owner lanes
   layers reuse the top-k of the most recent ``full`` layer and keep none.
 
 A query's top-k is asked of the cache (``CacheAccess.select``): the indexer
-scores the request's whole visible context through the shared view, and the
-query attends over the selected latents only (a gather), in absorbed form.
-The cache decides which rank scores which query: the rank that computes it,
-or, under the log-sum-exp decode split (where every rank holds every query),
-one rank per query, whose selection reaches the others by one all-gather; the
-attention over the selected positions is then split by owner.
+scores the request's whole visible context, and the query attends over the
+selected latents only (a gather), in absorbed form. The cache decides where:
+the rank that computes the token reads its context through the shared view;
+under the log-sum-exp decode split every rank scores every query over its own
+pages and the ranks agree on the global top-k from their own best scores
+(:func:`cpkv.runtime.lse.global_topk`), each then attending over its own
+selected latents. The queries come from the cache (``CacheAccess.queries``):
+the model hands it the ``q_lora`` latent and the indexer's head weights, the
+smallest inputs the queries follow from, and makes the queries (``q_b_proj``,
+``W_UK``, the indexer's ``wq_b``, rotary) for whatever rows come back; the
+output goes through ``W_UV`` inside the cache's attention (``project``), so
+under that split a rank moves ``v_head_dim`` values a head, not
+``kv_lora_rank``.
 """
 
 from __future__ import annotations
@@ -189,24 +196,29 @@ class DsaAdapter(ModelAdapter):
         """Token embeddings."""
         return self.model.model.embed_tokens(ids)
 
-    def _index(self, layer, x, q_lat, cos, sin):
-        """Indexer queries ``[T, Hi, Di]``, per-head weights ``[T, Hi]`` and keys
-        ``[T, Di]`` (rotary on the first ``rope`` dims), from transformers' modules."""
+    def _index_key(self, layer, x, cos, sin):
+        """The indexer's key ``[T, Di]`` (rotary on the first ``rope`` dims) and
+        per-head weights ``[T, Hi]`` of this rank's tokens, from transformers' modules."""
         ind = self.layers[layer].self_attn.indexer
         T, dr, Hi, Di = x.shape[0], self.rope, self.index_heads, self.index_dim
-        q = ind.wq_b(q_lat).view(1, T, Hi, Di)
         k = ind.k_norm(ind.wk(x)).view(1, T, 1, Di)
-        q_rot, k_rot = self._index_rope(q[..., :dr], k[..., :dr], cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q[..., dr:]], -1)[0]
+        k_rot = _rotate(self._index_rope, k[..., :dr], cos, sin)
         k = torch.cat([k_rot, k[..., dr:]], -1)[0, :, 0]
         w = ind.weights_proj(x.to(ind.weights_proj.weight.dtype)).float() * Hi**-0.5
-        return q, w, k
+        return k, w
+
+    def _index_query(self, layer, q_lat, cos, sin):
+        """The indexer's queries ``[Tq, Hi, Di]`` (rotary on the first ``rope`` dims) from the ``q_lora`` latent."""
+        ind = self.layers[layer].self_attn.indexer
+        Tq, dr, Hi, Di = q_lat.shape[0], self.rope, self.index_heads, self.index_dim
+        q = ind.wq_b(q_lat).view(1, Tq, Hi, Di)
+        return torch.cat([_rotate(self._index_rope, q[..., :dr], cos, sin), q[..., dr:]], -1)[0]
 
     def select(self, layer: int, q: torch.Tensor, w: torch.Tensor, cache) -> torch.Tensor:
-        """This layer's top-k context positions per query, ``[T, K]`` (``-1``:
-        none), from the indexer keys of each query's whole context in the
-        shared view, through ``cache.select`` (which rank scores which query is
-        the cache's choice). [[RFC-0001:C-INDEXER-POOL]]"""
+        """This layer's top-k context positions per query, ``[Tq, K]`` (``-1``:
+        none), from the indexer keys of each query's visible context,
+        through ``cache.select`` (which rank scores which key is the
+        cache's choice). [[RFC-0001:C-INDEXER-POOL]]"""
         scale = self.layers[layer].self_attn.indexer.softmax_scale
         return cache.select(layer, "index_k", self.index_topk, IndexerScore(scale), q, w)
 
@@ -220,28 +232,37 @@ class DsaAdapter(ModelAdapter):
         attn = blk.self_attn
         T, H, dn, dr, r = h.shape[0], self.num_heads, self.nope, self.rope, self.kv_lora_rank
         x = blk.input_layernorm(h)
-        cos, sin = self.model.model.rotary_emb(x[None], cache.positions[None])  # [1, T, dr]
+        rotary = self.model.model.rotary_emb
+        cos, sin = rotary(x[None], cache.positions[None])  # [1, T, dr]: this rank's tokens (the keys)
         q_lat = attn.q_a_layernorm(attn.q_a_proj(x))
-        q = attn.q_b_proj(q_lat).view(1, T, H, dn + dr)
         kv = attn.kv_a_proj_with_mqa(x)
         c = attn.kv_a_layernorm(kv[:, :r])
-        q_rot, k_rot = self._rope(q[..., dn:], kv[:, r:].view(1, T, 1, dr), cos, sin, unsqueeze_dim=2)
+        k_rot = _rotate(self._rope, kv[:, r:].view(1, T, 1, dr), cos, sin)
         latent = torch.cat([c, k_rot[0, :, 0]], -1)  # [T, r + dr]
-        if attn.indexer is not None:
-            iq, iw, ik = self._index(layer, x, q_lat, cos, sin)
+        indexer = attn.indexer is not None
+        if indexer:
+            ik, iw = self._index_key(layer, x, cos, sin)
             cache.store(layer, latent=latent, index_k=ik)
-            cache.scratch["topk"] = self.select(layer, iq, iw, cache)
-            cache.scratch.setdefault("selected", {})[layer] = cache.scratch["topk"]
+            q_lat, iw = cache.queries(layer, q_lat, iw)
         else:
             cache.store(layer, latent=latent)
             if "topk" not in cache.scratch:
                 raise RuntimeError(f"layer {layer} reuses the top-k of an earlier indexer layer, and none ran "
                                    "in this forward")
+            (q_lat,) = cache.queries(layer, q_lat)
+        qpos = cache.query_positions
+        if qpos is not cache.positions:  # the queries are other tokens than the keys (decode context parallelism)
+            cos, sin = rotary(x[None], qpos[None])
+        Tq = q_lat.shape[0]
+        q = attn.q_b_proj(q_lat).view(1, Tq, H, dn + dr)
+        q_rot = _rotate(self._rope, q[..., dn:], cos, sin)
+        if indexer:
+            cache.scratch["topk"] = self.select(layer, self._index_query(layer, q_lat, cos, sin), iw, cache)
+            cache.scratch.setdefault("selected", {})[layer] = cache.scratch["topk"]
         W = attn.kv_b_proj.weight.view(H, dn + self.v_dim, r)
-        qq = torch.cat([absorb_query(q[0, :, :, :dn], W[:, :dn]), q_rot[0]], -1)  # [T, H, r + dr]
+        qq = torch.cat([absorb_query(q[0, :, :, :dn], W[:, :dn]), q_rot[0]], -1)  # [Tq, H, r + dr]
         o = cache.attend_selected(layer, qq, cache.scratch["topk"], self.scaling[layer], "latent", "latent",
-                                  value_dims=r)  # [T, H, r]
-        o = absorbed_output(o, W[:, dn:])  # [T, H, dv]
+                                  value_dims=r, project=lambda o: absorbed_output(o, W[:, dn:]))  # [T, H, dv]
         h = h + attn.o_proj(o.reshape(T, H * self.v_dim))
         if T == 0:  # no token on this rank: the collectives ran, nothing to compute
             return h
@@ -254,14 +275,22 @@ class DsaAdapter(ModelAdapter):
     def selection(self, cache) -> torch.Tensor:
         """The top-k of each indexer layer of the forward that ran through
         ``cache``, ``[T, len(index_layers), index_topk]`` int32 positions,
-        ``-1`` padding (a ``shared`` GLM-5 layer reuses its indexer layer's)."""
+        ``-1`` padding (a ``shared`` GLM-5 layer reuses its indexer layer's),
+        through ``cache.selection`` (collective: every rank asks alike)."""
         got = cache.scratch.get("selected", {})
         out = torch.full((cache.num_tokens, len(self.index_layers), self.index_topk), -1, dtype=torch.int32,
                          device=cache.positions.device)
         for i, layer in enumerate(self.index_layers):
             if layer in got:
-                out[:, i, : got[layer].shape[1]] = got[layer]
+                sel = cache.selection(layer, got[layer])
+                out[:, i, : sel.shape[1]] = sel
         return out
+
+
+def _rotate(rope, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [1, T, heads, d]`` rotated by transformers' ``rope(q, k, cos, sin)`` (which rotates two
+    tensors alike; here one, so queries and keys may be of other tokens)."""
+    return rope(x, x, cos, sin, unsqueeze_dim=2)[0]
 
 
 @dataclass(frozen=True)

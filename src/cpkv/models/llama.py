@@ -44,7 +44,8 @@ class LlamaAdapter(ModelAdapter):
 
     def qkv(self, layer, h, positions):
         """Input norm, q/k/v projections and Llama's rotary embedding:
-        ``q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]``."""
+        ``q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]`` (queries and keys both
+        rotated at ``positions``)."""
         blk = self.layers[layer]
         x = blk.input_layernorm(h)
         T = x.shape[0]
@@ -56,9 +57,11 @@ class LlamaAdapter(ModelAdapter):
         return q[0], k[0], v
 
     def layer(self, layer, h, cache):
-        """Attention block (cache K/V, causal GQA over the context) and MLP block."""
+        """Attention block (cache K/V; causal GQA of the rotated queries the
+        cache gives, ``cache.queries``, over the context) and MLP block."""
         q, k, v = self.qkv(layer, h, cache.positions)
         cache.store(layer, k=k, v=v)
+        (q,) = cache.queries(layer, q)
         attn = cache.attend_dense(layer, q, self.scaling, "k", "v")
         blk = self.layers[layer]
         h = h + blk.self_attn.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))

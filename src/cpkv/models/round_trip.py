@@ -8,11 +8,21 @@ attended to, exactly where ``transformers`` caches it:
 
 * Llama: ``update(key_states, value_states, layer)``, ``[B, Hkv, S, D]``
   after the rotary, through the ``k`` and ``v`` formats (per token and head);
-* DeepSeek-V3.2 / GLM-5: ``update(k_pass, k_rot, layer)`` (``[B, 1, S, r]``
-  the normed latent, ``[B, 1, S, dr]`` the rotated rope key) through the
-  ``latent`` format over their concatenation, the layout cpkv's latent
-  family stores; ``update_indexer(k, layer)`` (``[B, S, Di]``) through the
-  ``index_k`` format.
+* DeepSeek-V3.2 / GLM-5: the normed latent ``[B, 1, S, r]`` and the rotated
+  rope key ``[B, 1, S, dr]`` through the ``latent`` format over their
+  concatenation, the layout cpkv's latent family stores: where
+  ``transformers`` >= 5.24 caches them (``update(k_pass, k_rot, layer)``),
+  or, where an older one caches the K/V its ``expand_kv`` makes of them
+  (5.17), as they enter ``expand_kv`` (:func:`cache_forward` wraps it);
+  ``update_indexer(k, layer)`` (``[B, S, Di]``) through the ``index_k``
+  format.
+
+The model is handed the cache by the keyword its ``forward`` takes: ``cache``
+(``transformers`` >= 5.24) or ``past_key_values`` (before); a model that
+takes neither is refused (:func:`cache_forward`). The versions this is tested
+with are :data:`TRANSFORMERS_TESTED`; :attr:`Agreement.values` counts the
+stored values compared, so a reference that ignored its cache shows 0 there
+and ``--check`` fails on it (:func:`~cpkv.engine.exactness.failures`).
 
 A forward of a whole sequence with this cache (``use_cache=True``) is the
 quantized model cpkv's engine computes: every query attends to stored (rounded)
@@ -33,6 +43,8 @@ the reference's (a wrong scale, a wrong row) still fails.
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -42,6 +54,25 @@ from transformers import DynamicCache
 from ..consumers import placement
 from ..consumers.kv_format import KVFormat
 from .selection import NOISE, indexer_layers, pinned_indexers
+
+#: The ``transformers`` releases the reference is tested with, ``[low, high)``: 5.17 (the GPU image's,
+#: ``past_key_values=`` and expanded DSA K/V) and 5.25 (``make test``'s: ``cache=`` and cached latents).
+TRANSFORMERS_TESTED = ((5, 17), (6, 0))
+
+
+def transformers_refusal(version: str) -> str | None:
+    """Why ``transformers`` ``version`` cannot serve as ``--check``'s reference
+    (outside :data:`TRANSFORMERS_TESTED`: its cache may not reach the model),
+    one line; ``None`` inside the range."""
+    try:
+        got = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return f"transformers {version}: not a release version; cpkv's reference is tested with >=5.17,<6"
+    (lo, hi) = TRANSFORMERS_TESTED
+    if lo <= got < hi:
+        return None
+    return (f"transformers {version} is outside >={lo[0]}.{lo[1]},<{hi[0]}, the range cpkv's --check reference "
+            "is tested with (the keyword and the place its model caches K/V change between releases)")
 
 
 def round_trip(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
@@ -154,9 +185,26 @@ class RoundTripCache(DynamicCache):
         super().__init__(config=config)
         self.formats, self.run, self.dsa = dict(formats), run, bool(names & {"latent", "index_k"})
         self.agreement = Agreement()
+        self._latent_done: dict[int, Agreement | None] = {}  # layer -> its latent's agreement until cached
 
-    def _entry(self, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """What the cache stores of family ``name`` for ``x [S, *shape]`` at ``layer``."""
+    def latent(self, layer: int, k_pass: torch.Tensor, k_rot: torch.Tensor,
+               cached: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent ``k_pass [B, 1, S, r]`` and rope key ``k_rot [B, 1, S, dr]``
+        of ``layer`` as the cache stores them (:meth:`_entry` of the ``latent``
+        family over their concatenation), once per layer and forward.
+        ``cached`` false (before ``expand_kv``, 5.17): its agreement counts
+        only once the expanded K/V reach :meth:`update`, so a model that never
+        hands them to this cache compares nothing."""
+        r = k_pass.shape[-1]
+        pending = None if cached else Agreement()
+        lat = torch.cat([k_pass, k_rot], -1)
+        lat = torch.stack([self._entry("latent", layer, b[0], pending) for b in lat])[:, None]
+        self._latent_done[layer] = pending
+        return lat[..., :r], lat[..., r:]
+
+    def _entry(self, name: str, layer: int, x: torch.Tensor, into: Agreement | None = None) -> torch.Tensor:
+        """What the cache stores of family ``name`` for ``x [S, *shape]`` at
+        ``layer``; its :func:`admit` added to ``into`` (default :attr:`agreement`)."""
         f = self.formats.get(name)
         own = x if f is None else round_trip(f, x)
         run = self.run
@@ -166,17 +214,22 @@ class RoundTripCache(DynamicCache):
         if ran.shape != x.shape:
             raise ValueError(f"{name} at layer {layer}: the run stored {tuple(ran.shape)}, the reference "
                              f"computes {tuple(x.shape)}")
-        self.agreement.add_values(admit(own.float(), x.float(), ran))
+        (self.agreement if into is None else into).add_values(admit(own.float(), x.float(), ran))
         return ran.to(x.dtype)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """The new entries as :meth:`_entry` stores them (see the module doc),
         then stored as ``DynamicCache`` does."""
-        if self.dsa:  # k_pass [B, 1, S, r], k_rot [B, 1, S, dr]: the latent family over their concatenation
-            r = key_states.shape[-1]
-            lat = torch.cat([key_states, value_states], -1)
-            lat = torch.stack([self._entry("latent", layer_idx, b[0]) for b in lat])[:, None]
-            key_states, value_states = lat[..., :r], lat[..., r:]
+        if self.dsa:
+            if key_states.shape[1] == 1 and layer_idx not in self._latent_done:  # k_pass, k_rot (>= 5.24)
+                key_states, value_states = self.latent(layer_idx, key_states, value_states)
+            elif layer_idx not in self._latent_done:  # expanded K/V whose latent no expand_kv hook saw
+                raise RuntimeError(f"layer {layer_idx}: transformers cached expanded K/V "
+                                   f"{tuple(key_states.shape)} and its latent never passed the round trip "
+                                   "(run the forward through cache_forward)")
+            elif (pending := self._latent_done[layer_idx]) is not None:  # the expanded K/V of a hooked latent
+                self.agreement.merge(pending)
+                self._latent_done[layer_idx] = None
         else:  # GQA: [B, Hkv, S, D]; the families are per [Hkv, D] slot
             key_states = torch.stack([self._entry("k", layer_idx, b.transpose(0, 1)).transpose(0, 1)
                                       for b in key_states])
@@ -189,6 +242,43 @@ class RoundTripCache(DynamicCache):
         if self.dsa:
             indexer_key_states = torch.stack([self._entry("index_k", layer_idx, b) for b in indexer_key_states])
         return super().update_indexer(indexer_key_states, layer_idx)
+
+
+@contextmanager
+def cache_forward(model, cache: RoundTripCache):
+    """While open, ``forward(ids)`` runs ``model`` on ``ids [1, S]`` with
+    ``cache`` handed over by the keyword its ``forward`` takes (``cache``, or
+    ``past_key_values`` before ``transformers`` 5.24) and ``use_cache=True``;
+    where the DSA attention expands its latent before caching (5.17), each
+    layer's ``expand_kv`` first passes the latent through
+    :meth:`RoundTripCache.latent` (once per layer; where the latent was
+    cached first, >= 5.24, it passes through). Raises ``TypeError`` for a
+    model whose ``forward`` takes neither keyword. Restored on the way out."""
+    params = inspect.signature(model.forward).parameters
+    word = next((w for w in ("cache", "past_key_values") if w in params), None)
+    if word is None:
+        raise TypeError(f"{type(model).__name__}.forward takes neither cache= nor past_key_values=: "
+                        "the reference cannot be handed the run's cache")
+    patched = []
+
+    def wrap(layer, orig):
+        def expand_kv(k_pass, k_rot):
+            if layer not in cache._latent_done:
+                k_pass, k_rot = cache.latent(layer, k_pass, k_rot, cached=False)
+            return orig(k_pass, k_rot)
+        return expand_kv
+
+    try:
+        if cache.dsa:
+            for i, blk in enumerate(model.model.layers):
+                attn = blk.self_attn
+                if hasattr(attn, "expand_kv"):
+                    attn.expand_kv = wrap(getattr(attn, "layer_idx", i), attn.expand_kv)
+                    patched.append(attn)
+        yield lambda ids: model(ids, use_cache=True, **{word: cache})
+    finally:
+        for attn in patched:
+            del attn.expand_kv  # the class's method again
 
 
 def reference_logits(model, seq: torch.Tensor, formats: Mapping[str, KVFormat] | None = None) -> torch.Tensor:
@@ -204,8 +294,8 @@ def reference_logits(model, seq: torch.Tensor, formats: Mapping[str, KVFormat] |
     with torch.no_grad():
         if not formats:
             return model(ids).logits[0].cpu()
-        cache = RoundTripCache(model.config, formats)
-        return model(ids, cache=cache, use_cache=True).logits[0].cpu()
+        with cache_forward(model, RoundTripCache(model.config, formats)) as forward:
+            return forward(ids).logits[0].cpu()
 
 
 def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
@@ -230,12 +320,12 @@ def run_reference(model, seq: torch.Tensor, formats: Mapping[str, KVFormat],
     ids = placement.place(seq, next(model.parameters()))[None]
     cache = RoundTripCache(model.config, formats, run)
     rows: list[dict] = []
-    with torch.no_grad():
+    with torch.no_grad(), cache_forward(model, cache) as forward:
         if run.selected is None:
-            logits = model(ids, cache=cache, use_cache=True).logits[0].cpu()
+            logits = forward(ids).logits[0].cpu()
         else:
             with pinned_indexers(model, run.selected, run.pinned, rows):
-                logits = model(ids, cache=cache, use_cache=True).logits[0].cpu()
+                logits = forward(ids).logits[0].cpu()
     for a in rows:
         cache.agreement.add_rows(a)
     return logits, cache.agreement

@@ -12,19 +12,21 @@ way of dividing a batch among the ranks of a CP group:
   (decode over a replicated cache, tokens dealt by context length): a token split
   ([[RFC-0001:C-PLANNER-SPLIT]]); each layer's new entries are all-gathered,
   then every owner writes the slots it owns, fence, read as above.
-* ``lse`` (decode): every rank computes every request's token, attends over
-  the context positions on pages it owns only (reads of its own segment), and
-  the partial outputs merge exactly by log-sum-exp after one all-gather per
-  layer; the owner of the new token's page writes its entries. A top-k
-  selection over the whole context (DSA's indexer, :meth:`ForwardBatch.select`)
-  is not replicated: each token's is made by one rank (tokens dealt out by
-  context length, :func:`cpkv.runtime.forward_plan.balanced_ranks`) and shared by one
-  all-gather; attention over the selected positions is then split by owner.
+* ``lse`` (decode): decode context parallelism (:mod:`cpkv.runtime.lse`).
+  Each token is computed by its home rank, the owner of its new slot, which
+  writes its entries as under ``owner``; the queries are all-gathered
+  (:meth:`ForwardBatch.queries`) and every rank attends every query over the
+  context on its own pages only (its own segment: no fence); a top-k
+  selection is found from each rank's own scores
+  (:func:`~cpkv.runtime.lse.global_topk`); the partial outputs go to the
+  home rank by one all-to-all and merge there exactly by log-sum-exp.
 
 Each batch is planned once, before its first layer (:class:`~cpkv.runtime.forward_plan.ForwardPlan`:
 tokens, write slots with their ownership checked, the data plane's own plan,
 the LSE split's metadata, on the pool's device); per layer only store, fence
-and attend run, without host synchronisation or host-to-device copy.
+and attend run, without host synchronisation or host-to-device copy (but
+the lse split's top-k, which reads on the host whether a second exchange is
+needed: :func:`~cpkv.runtime.lse.global_topk`).
 ``kernels`` chooses the data plane once per batch, one
 :class:`~cpkv.kernels.backend.Backend` every method calls: ``"torch"`` (the
 reference) or ``"triton"`` (:mod:`cpkv.kernels`: the store and the attention
@@ -35,16 +37,17 @@ torch backend, named in :attr:`ForwardBatch.fallback`.
 Fences are collective and lazy: a read of another rank's segment fences first
 if this batch wrote since the last fence. Every rank runs the same layers with
 the same mode, so they fence alike. Work counters (``kv_read``: context
-entries read, and ``reads``: the same per family, ``moved_bytes``: bytes
-received from other ranks: cache entries, partial outputs, selections) feed
-the split benchmark.
+entries read, and ``reads``: the same per family; ``traffic``: bytes received
+from other ranks by layer and term, :data:`~cpkv.runtime.lse.TERMS`, cache
+entries read from other ranks' pages included) feed the split benchmark and
+the cost model's check.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..consumers.kv_format import all_finite
@@ -53,10 +56,11 @@ from ..contract.allocation import Allocation
 from ..kernels import BACKENDS
 from ..kernels import get as get_backend
 from ..kernels import raise_refused
-from ..kernels.backend import Backend, CacheView, QueryPlan
+from ..kernels.backend import Backend, CacheView, QueryPlan, pack_left
 from ..models.attention import IndexerScore, topk_positions
 from .comm import Comm
 from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ForwardPlan, split_ranks
+from .lse import Traffic, global_topk, pack_rows, unpack_rows
 
 __all__ = ["DECODE_SPLITS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
            "split_ranks"]
@@ -114,15 +118,41 @@ class ForwardBatch:
         self._report[1] = p.write_slots.numel()
         self._stores = 0
         self._finite = torch.ones((), dtype=torch.bool, device=dev)  # formatted values cached, read at finish
-        self._counted: list[tuple[tuple[str, ...], torch.Tensor | int]] = []
+        self._counted: list[tuple[int, tuple[str, ...], torch.Tensor | int, torch.Tensor | int, str]] = []
+        self._exchange: dict[int, torch.Tensor] = {}  # k -> the queries that see more than k keys (lse)
         self.kv_read = 0
         self.reads: dict[str, int] = {}
-        self.moved_bytes = 0
+        self.traffic = Traffic()
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """``[Tq]``: the positions of the queries this rank attends (see
+        :meth:`queries`): its own tokens', or under ``lse`` every token's of
+        the batch, in batch order."""
+        return self.plan.attn.q_pos
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes this rank received from the others in the batch's
+        collectives (every term of :attr:`traffic` but reads of other ranks'
+        pages through the shared view)."""
+        return sum(n for t, n in self.traffic.by_term().items() if not t.startswith("kv_remote"))
 
     def _view(self, name: str, layer: int) -> CacheView:
         """One layer of family ``name`` in the rank-major view, with its format."""
         f = self.pool.families[name]
         return CacheView(self.pool.view(name, layer), f.format, f.shape)
+
+    def _slot_bytes(self, name: str) -> int:
+        """Stored bytes of one slot of family ``name`` at one layer."""
+        f = self.pool.families[name]
+        return f.slot_bytes() // len(f.layers)
+
+    def _count(self, layer: int, families: tuple[str, ...], n, remote, term: str = "kv_remote_read") -> None:
+        """Count ``n`` context entries read of ``families`` at ``layer`` and
+        ``remote`` entries on other ranks' pages as ``term`` (ints or device
+        scalars, read at :meth:`finish`)."""
+        self._counted.append((layer, families, n, remote, term))
 
     # -- writes ---------------------------------------------------------------------
     def store(self, layer: int, **values: torch.Tensor) -> None:
@@ -131,8 +161,8 @@ class ForwardBatch:
         are checked finite on the device, read once at :meth:`finish`.
         [[RFC-0001:C-DIRECT-WRITE]]"""
         p = self.plan
-        if p.gathered_order is not None:
-            values = self._gather_entries(values)
+        if p.token_split:
+            values = self._gather_entries(layer, values)
         for n, x in values.items():
             f = self.pool.families[n]
             if f.format is not None:
@@ -142,18 +172,23 @@ class ForwardBatch:
             self._stores += 1
         self._dirty = True
 
-    def _gather_entries(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Under a token split: every rank's new entries, in batch order (one all-gather per dtype)."""
-        full, p = {}, self.plan
-        E = p.gathered_order.numel()
-        for group in _by_dtype(values):  # every family of one dtype packed side by side
-            packed = torch.cat([values[n].reshape(self.num_tokens, math.prod(values[n].shape[1:])) for n in group], 1)
-            parts = self.comm.all_gather(packed, p.rank_sizes)
-            self.moved_bytes += sum(x.numel() * x.element_size() for r, x in enumerate(parts) if r != self.comm.rank)
-            every = torch.empty((E, packed.shape[1]), dtype=packed.dtype, device=packed.device)
-            every[p.gathered_order] = torch.cat(parts)
-            full.update(_unpack(every, {n: values[n].shape[1:] for n in group}))
-        return full
+    def _gather_entries(self, layer: int, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under a token split: every rank's new entries, in batch order."""
+        p = self.plan
+        got = self._gather_rows(layer, "kv_allgather", p.gathered_order, p.rank_sizes, *values.values())
+        return dict(zip(values, got))
+
+    def _gather_rows(self, layer: int, term: str, order: torch.Tensor, sizes: list[int],
+                     *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's rows of ``xs`` (``sizes`` rows a rank), row ``j`` of the
+        gather (rank by rank) at ``order[j]``: one all-gather of the tensors
+        packed side by side, each in its own dtype, counted as ``term``."""
+        parts = self.comm.all_gather(pack_rows(*xs), sizes)
+        self.traffic.received(layer, term, parts, self.comm.rank)
+        every = torch.cat(parts)
+        out = torch.empty_like(every)
+        out[order] = every
+        return tuple(unpack_rows(out, [(x.dtype, tuple(x.shape[1:])) for x in xs]))
 
     def _fence_if_dirty(self) -> None:
         if self._dirty:
@@ -177,133 +212,155 @@ class ForwardBatch:
             if not finite:
                 raise ValueError("a layer cached a NaN or infinite value in a formatted family (its FP8 scale or "
                                  "bfloat16 bytes are garbage now): the model's values must be finite")
-        for names, n in self._counted:
-            n = int(n)
+        for layer, names, n, remote, term in self._counted:
+            n, remote = int(n), int(remote)
             self.kv_read += n
             for name in names:
                 self.reads[name] = self.reads.get(name, 0) + n
+                self.traffic.add(layer, term, remote * self._slot_bytes(name))
         self._counted.clear()
+
+    # -- the queries ----------------------------------------------------------------
+    def queries(self, layer: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The per-token tensors ``x [T, ...]`` of this rank's tokens for the
+        queries it attends at ``layer`` (:attr:`query_positions`): ``x``
+        itself, or under ``lse`` every token's of the batch, in batch order
+        (one all-gather of every tensor packed side by side, each in its own
+        dtype)."""
+        if self.mode != "lse":
+            return x
+        p = self.plan
+        return self._gather_rows(layer, "query_allgather", p.gathered_order, p.rank_sizes, *x)
 
     # -- reads through the shared view -------------------------------------------------
     def context(self, layer: int, family: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's whole context in ``family`` through the shared view:
-        ``(values [T, L, *shape], visible [T, L])``."""
+        """Every query's whole context in ``family`` through the shared view:
+        ``(values [Tq, L, *shape], visible [Tq, L])`` (under ``lse`` too: a
+        read of every rank's pages)."""
         self._fence_if_dirty()
         plan = self.plan.attn
-        self._counted.append(((family,), plan.context.count))
+        self._count(layer, (family,), plan.context.count, self.plan.remote_reads)
         return self.backend.context(plan, self._view(family, layer))
 
     def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
                *queries: torch.Tensor) -> torch.Tensor:
-        """Each token's best ``min(k, visible)`` context positions by ``score``
-        (see :class:`cpkv.models.CacheAccess`), ``[T, K]`` int64, ``-1`` padding.
+        """Each query's best ``min(k, visible)`` context positions by ``score``
+        (see :class:`cpkv.models.CacheAccess`), ``[Tq, K]`` int64, ``-1``
+        padding, ties to the lower position
+        (:func:`~cpkv.models.attention.topk_positions`).
 
-        Under ``lse`` every rank holds every token, yet each token is scored
-        once: by the rank :func:`~cpkv.runtime.forward_plan.balanced_ranks` deals it to
-        by context length, which reads that token's whole context through the
-        shared view; one all-gather of the ``[T', K]`` positions (int32) gives
-        every rank every selection, ``K = min(k, longest context)``. Elsewhere
-        the rank scores its own tokens. The set is the one scoring every
-        token's whole row would pick (the same rows, the same ``topk``). An
+        Under ``lse`` each rank scores the keys on its own pages only and
+        returns its own share of every query's selection: the exchange of
+        :func:`~cpkv.runtime.lse.global_topk` fixes the global threshold, so
+        the shares together are the set one rank scoring every key would
+        pick. Elsewhere the rank scores its own tokens' whole contexts
+        through the shared view. An
         :class:`~cpkv.models.attention.IndexerScore` is computed by the
         backend's ``index_scores`` over the view; another score gets the
         gathered context."""
-        p = self.plan
         if self.mode != "lse":
-            return self._select(layer, family, k, score, queries, p.attn)
-        lp = p.lse
-        sel = self._select(layer, family, k, score, tuple(x[lp.sel_mine] for x in queries), lp.sel)
-        K = min(k, lp.width)
-        packed = torch.full((lp.sel_mine.numel(), K), -1, dtype=torch.int32, device=p.device)
-        w = min(K, sel.shape[1])
-        packed[:, :w] = sel[:, :w]
-        parts = self.comm.all_gather(packed, lp.sel_sizes)
-        self.moved_bytes += sum(x.numel() * x.element_size() for r, x in enumerate(parts) if r != self.comm.rank)
-        out = torch.empty((self.num_tokens, K), dtype=torch.int64, device=p.device)
-        out[lp.sel_order] = torch.cat(parts).to(torch.int64)
-        return out
+            self._fence_if_dirty()
+            plan = self.plan.attn
+            self._count(layer, (family,), plan.context.count, self.plan.remote_reads)
+            return topk_positions(*self._scores(plan, layer, family, score, queries), k)
+        plan = self.plan.lse.sel  # the batch's table with other ranks' slots masked out: all local
+        self._count(layer, (family,), plan.context.count, 0)
+        s, visible = self._scores(plan, layer, family, score, queries)
+        if k not in self._exchange:  # the queries that see more than k keys in all: host positions, no device read
+            x = torch.from_numpy(np.flatnonzero(self.plan.lse.positions + 1 > k))
+            self._exchange[k] = x.to(self.plan.device)
+        return global_topk(s.masked_fill(~visible, float("-inf")), self._exchange[k], k, self.comm, self.traffic,
+                           layer)
 
-    def _select(self, layer, family, k, score, queries, plan: QueryPlan):
-        self._fence_if_dirty()
-        self._counted.append(((family,), plan.context.count))
+    def _scores(self, plan: QueryPlan, layer: int, family: str, score, queries):
+        """``(scores [Tq, L], visible [Tq, L])`` of the plan's queries over their contexts in ``family``."""
         view = self._view(family, layer)
         if isinstance(score, IndexerScore):
             q, w = queries
             L = plan.context.read.shape[1]  # the gathered path's context width: the same top-k width
             s = self.backend.index_scores(plan, q, w, view, score.scale)[:, :L]
-            return topk_positions(s, s > float("-inf"), k)
+            return s, s > float("-inf")
         keys, visible = self.backend.context(plan, view)
-        return topk_positions(score(*queries, keys), visible, k)
+        valid = plan.context.valid if plan.context.identity else plan.context.valid[plan.context.inv]
+        return score(*queries, keys), visible & valid
 
     def attend_dense(self, layer: int, q: torch.Tensor, scaling: float, key: str, value: str,
-                     value_dims: int | None = None) -> torch.Tensor:
-        """Causal attention over each token's whole context (see
-        :class:`cpkv.models.CacheAccess`); under ``lse``, over the context
-        slots this rank owns only (its own segment: no fence), merged."""
+                     value_dims: int | None = None, project: Callable[[torch.Tensor], torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """Causal attention of the queries ``q [Tq, H, D]`` over each one's
+        whole context (see :class:`cpkv.models.CacheAccess`), ``project``
+        applied to the output; this rank's tokens' rows, ``[T, H, Dv']``.
+        Under ``lse``, over the context slots this rank owns only (its own
+        segment: no fence), ``project`` applied to each rank's partial and the
+        partials merged at each token's home rank."""
         a, lse_split = self.plan.attn, self.mode == "lse"
         if not lse_split:
             self._fence_if_dirty()
-        self._counted.append(((key, value), a.own_count if lse_split else a.context.count))
+        self._count(layer, (key, value), a.own_count if lse_split else a.context.count, self.plan.remote_reads)
         out, lse = self.backend.dense(a, q, self._view(key, layer), self._view(value, layer), scaling, value_dims)
         out = out.to(q.dtype)
-        return self._merge(out, lse) if lse_split else out
+        if project is not None:
+            out = project(out)
+        return self._merge_home(layer, out, lse) if lse_split else out
 
     def attend_selected(self, layer: int, q: torch.Tensor, positions: torch.Tensor, scaling: float, key: str,
-                        value: str, value_dims: int | None = None) -> torch.Tensor:
-        """Attention over the selected context positions of each token, keys
-        the rows of family ``key`` and values their first ``value_dims``
-        entries (``value`` must be ``key``: one family, as MLA's latent;
-        ``ValueError`` otherwise); under ``lse``, over the selected slots this
-        rank owns only, merged."""
+                        value: str, value_dims: int | None = None,
+                        project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of the queries ``q [Tq, H, D]`` over their selected
+        context positions ``positions [Tq, K]`` (``-1``: none; under ``lse``
+        this rank's share, as :meth:`select` returns it), keys the rows of
+        family ``key`` and values their first ``value_dims`` entries
+        (``value`` must be ``key``: one family, as MLA's latent;
+        ``ValueError`` otherwise), ``project`` applied to the output (under
+        ``lse`` to each rank's partial, then merged at the home rank; it must
+        act on each head alone, as MLA's ``W_UV`` does, for the merge to
+        commute with it). Returns this rank's tokens' rows, ``[T, H, Dv']``."""
         if key != value:
             raise ValueError(f"attend_selected reads keys and values from one family (MLA's latent), got "
                              f"{key!r} and {value!r}")
         a, lse_split = self.plan.attn, self.mode == "lse"
-        slots = torch.where(positions >= 0, self.table[self.req[:, None], positions.clamp(min=0)], -1)
+        slots = torch.where(positions >= 0, self.table[a.q_req[:, None], positions.clamp(min=0)], -1)
         if lse_split:
             seen = self.layout.owned_slot_mask(slots, owner_rank=a.own_rank, check=False)
+            remote = 0
         else:
             self._fence_if_dirty()
             seen = slots >= 0
-        self._counted.append(((key,), seen.sum()))
+            remote = (seen & ~self.layout.owned_slot_mask(slots, owner_rank=self.pool.rank, check=False)).sum()
+        self._count(layer, (key,), seen.sum(), remote, "kv_remote_selected")
         view = self._view(key, layer)
         dims = value_dims if value_dims is not None else view.shape[-1]
         out, lse = self.backend.selected(a, q, view, slots, scaling, dims)
         out = out.to(q.dtype)
-        return self._merge(out, lse) if lse_split else out
+        if project is not None:
+            out = project(out)
+        return self._merge_home(layer, out, lse) if lse_split else out
+
+    def selection(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """The whole selection ``[T, K]`` (int32, ``-1`` after) of this rank's
+        tokens from what :meth:`select` returned at ``layer``: that itself, or under
+        ``lse`` every rank's share of each token, met at its home rank (one
+        all-to-all, counted as ``selection_record``; collective). The order
+        inside a row is not the selection's."""
+        if self.mode != "lse":
+            return positions.to(torch.int32)
+        p, N = self.plan, self.comm.size
+        mine = positions.to(torch.int32)[p.gathered_order]
+        got = self.comm.all_to_all(list(mine.split(p.rank_sizes)), [self.num_tokens] * N)
+        self.traffic.received(layer, "selection_record", got, self.comm.rank)
+        every = torch.cat(got, 1)  # [T, N K]: the shares are disjoint and together K at most
+        return pack_left(every >= 0, every, positions.shape[1]).to(torch.int32)
 
     # -- the log-sum-exp decode split ----------------------------------------------------
-    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every rank's partial ``out [T, H, Dv]`` and ``lse [T, H]`` of the same
-        tokens, merged; one all-gather when they share a dtype."""
-        T, sizes = out.shape[0], [out.shape[0]] * self.comm.size
-        if out.dtype == lse.dtype:
-            parts = self.comm.all_gather(torch.cat([out.reshape(T, math.prod(out.shape[1:])), lse], 1), sizes)
-            got = _unpack(torch.stack(parts), {"out": out.shape[1:], "lse": lse.shape[1:]}, lead=2)
-            outs, lses = got["out"], got["lse"]
-            self.moved_bytes += sum(p.numel() * p.element_size() for r, p in enumerate(parts) if r != self.comm.rank)
-        else:
-            outs, lses = self.comm.all_gather(out, sizes), self.comm.all_gather(lse, sizes)
-            self.moved_bytes += sum(o.numel() * o.element_size() + s.numel() * s.element_size()
-                                    for r, (o, s) in enumerate(zip(outs, lses)) if r != self.comm.rank)
-            outs, lses = torch.stack(outs), torch.stack(lses)
-        return self.backend.merge(outs, lses.float())[0]
-
-
-def _by_dtype(values: dict[str, torch.Tensor]) -> list[list[str]]:
-    """Names of ``values`` grouped by dtype, in first-seen order."""
-    groups: dict[torch.dtype, list[str]] = {}
-    for n, x in values.items():
-        groups.setdefault(x.dtype, []).append(n)
-    return list(groups.values())
-
-
-def _unpack(packed: torch.Tensor, shapes: dict[str, torch.Size], lead: int = 1) -> dict[str, torch.Tensor]:
-    """Split the last axis of ``packed [*lead dims, sum of widths]`` back into
-    one view per name, shaped ``[*lead dims, *shapes[name]]``."""
-    out, at = {}, 0
-    for n, shape in shapes.items():
-        w = math.prod(shape)
-        out[n] = packed[..., at : at + w].reshape(*packed.shape[:lead], *shape)
-        at += w
-    return out
+    def _merge_home(self, layer: int, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every query's partial ``out [Tq, H, Dv]`` (its dtype) and ``lse
+        [Tq, H]`` (float32) sent to its home rank (one all-to-all of both,
+        packed), merged there exactly: this rank's tokens' ``[T, H, Dv]``."""
+        p, N = self.plan, self.comm.size
+        packed = pack_rows(out, lse.float())[p.gathered_order]
+        got = self.comm.all_to_all(list(packed.split(p.rank_sizes)), [self.num_tokens] * N)
+        self.traffic.received(layer, "partial_alltoall", got, self.comm.rank)
+        outs, lses = unpack_rows(torch.stack(got).flatten(0, 1), [(out.dtype, tuple(out.shape[1:])),
+                                                                  (torch.float32, tuple(lse.shape[1:]))])
+        T = self.num_tokens
+        return self.backend.merge(outs.view(N, T, *out.shape[1:]), lses.view(N, T, *lse.shape[1:]))[0]

@@ -1,9 +1,11 @@
 """The collectives a CP group uses, behind one small interface.
 
-A rank's forward needs three things from its peers: a barrier (the write
+A rank's forward needs four things from its peers: a barrier (the write
 fence), an all-gather of tensors whose first dimension may differ by rank (new
-K/V under a token split; partial attention outputs under the LSE decode split),
-and an all-gather of small Python objects (sampled tokens, reports).
+K/V under a token split; the decode queries and the top-k scores under the
+log-sum-exp decode split), an all-to-all of row blocks (the partial attention
+outputs of each request sent to its rank under that split), and an all-gather
+of small Python objects (sampled tokens, reports).
 
 * :class:`DistComm` runs them on a ``torch.distributed`` group (gloo on the CPU);
 * :class:`LocalComm` is a group of one;
@@ -37,6 +39,15 @@ class Comm:
         (it saves a collective); ``ValueError`` if this rank's disagrees with ``x``."""
         raise NotImplementedError
 
+    def all_to_all(self, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``chunks[r]`` to rank ``r`` (first dimensions may differ, the
+        rest and the dtype must agree); returns what every rank sent this one,
+        in rank order, ``recv_sizes[r]`` rows from rank ``r`` (the caller knows
+        them: no collective for the sizes). ``ValueError`` for ``chunks`` or
+        ``recv_sizes`` not of the group's size, or this rank's own chunk not of
+        ``recv_sizes[rank]`` rows."""
+        raise NotImplementedError
+
     def all_gather_object(self, obj: Any) -> list:
         """``obj`` of every rank, in rank order."""
         raise NotImplementedError
@@ -55,6 +66,11 @@ class LocalComm(Comm):
         """``[x]``."""
         _check_sizes(self, x, sizes)
         return [x]
+
+    def all_to_all(self, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """``[chunks[0]]``."""
+        _check_chunks(self, chunks, recv_sizes)
+        return [chunks[0]]
 
     def all_gather_object(self, obj: Any) -> list:
         """``[obj]``."""
@@ -128,6 +144,21 @@ class DistComm(Comm):
         dist.all_gather(out, pad.contiguous(), group=self.group)
         return [o[:s] for o, s in zip(out, sizes)]
 
+    def all_to_all(self, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """One ``dist.all_to_all_single`` of the chunks' rows (a CUDA tensor on
+        a gloo group goes through the host and comes back on its device)."""
+        _check_chunks(self, chunks, recv_sizes)
+        if self.size == 1:
+            return [chunks[0]]
+        dev = chunks[0].device
+        staged = self._staged and dev.type == "cuda"
+        send = torch.cat([c.cpu() if staged else c for c in chunks]).contiguous()
+        recv = send.new_empty((sum(int(n) for n in recv_sizes), *send.shape[1:]))
+        dist.all_to_all_single(recv, send, output_split_sizes=[int(n) for n in recv_sizes],
+                               input_split_sizes=[c.shape[0] for c in chunks], group=self.group)
+        out = list(recv.split([int(n) for n in recv_sizes]))
+        return [o.to(dev) for o in out] if staged else out
+
     def all_gather_object(self, obj: Any) -> list:
         """``dist.all_gather_object`` on the group."""
         if self.size == 1:
@@ -141,6 +172,15 @@ def _check_sizes(comm: Comm, x: torch.Tensor, sizes: Sequence[int] | None) -> No
     if sizes is not None and (len(sizes) != comm.size or int(sizes[comm.rank]) != x.shape[0]):
         raise ValueError(f"rank {comm.rank} of {comm.size}: all_gather sizes {list(sizes)} do not match its "
                          f"{x.shape[0]} rows")
+
+
+def _check_chunks(comm: Comm, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> None:
+    if len(chunks) != comm.size or len(recv_sizes) != comm.size:
+        raise ValueError(f"rank {comm.rank} of {comm.size}: all_to_all takes one chunk and one receive size per "
+                         f"rank, got {len(chunks)} chunks and {len(recv_sizes)} sizes")
+    if chunks[comm.rank].shape[0] != int(recv_sizes[comm.rank]):
+        raise ValueError(f"rank {comm.rank} of {comm.size}: its own chunk has {chunks[comm.rank].shape[0]} rows, "
+                         f"recv_sizes says {int(recv_sizes[comm.rank])}")
 
 
 class _Rendezvous:
@@ -178,6 +218,15 @@ class ThreadComm(Comm):
         """Every rank's ``x`` (cloned, so later in-place changes do not leak across ranks)."""
         _check_sizes(self, x, sizes)
         return [t.clone() for t in self._exchange(x)]
+
+    def all_to_all(self, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """What every rank's ``chunks`` hold for this one (cloned)."""
+        _check_chunks(self, chunks, recv_sizes)
+        got = [sent[self.rank].clone() for sent in self._exchange(list(chunks))]
+        if [g.shape[0] for g in got] != [int(n) for n in recv_sizes]:
+            raise ValueError(f"rank {self.rank}: received {[g.shape[0] for g in got]} rows, expected "
+                             f"{[int(n) for n in recv_sizes]}")
+        return got
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj``."""

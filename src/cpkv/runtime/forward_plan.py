@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..consumers.kv_pool import SharedKVPool
@@ -40,16 +41,24 @@ from ..kernels import get as get_backend
 from ..kernels.backend import Backend, QueryPlan, WriteIndex
 
 PREFILL_SPLITS = ("page", "interleave", "zigzag")
-DECODE_SPLITS = ("owner", "lse")
+#: The splits that compute tokens apart from their owners and all-gather the new entries
+#: (``balanced``: a replicated cache's decode).
+TOKEN_SPLITS = ("interleave", "zigzag", "balanced")
+#: The decode splits a forward runs; ``auto`` (:data:`DECODE_SPLITS`) picks one of them per step.
+CHOSEN_DECODE_SPLITS = ("owner", "lse")
+DECODE_SPLITS = (*CHOSEN_DECODE_SPLITS, "auto")
 
 
-def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | None:
-    """Rank that computes each token of the flattened batch, or ``None`` when
-    every rank computes every token (``lse``). Pure: every rank gets the same.
-    The page and owner splits take the owners the allocation carries, never
-    recomputed from lengths ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]); the token
-    splits are the three functions below. [[RFC-0001:C-PLANNER-SPLIT]]"""
-    if mode in ("page", "owner"):
+def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor:
+    """Rank that computes each token of the flattened batch. Pure: every rank
+    gets the same. The page, owner and lse splits take the owners the
+    allocation carries, never recomputed from lengths
+    ([[RFC-0001:C-DOWNSTREAM-CONTRACT]]): under ``lse`` the owner of a
+    token's new slot is its *home* rank (its projections, MLP and cache
+    writes), while its attention is divided among every rank by pages
+    (:mod:`cpkv.runtime.lse`); the token splits are the three functions below.
+    [[RFC-0001:C-PLANNER-SPLIT]]"""
+    if mode in ("page", "owner", "lse"):
         return alloc.token_owners
     if mode == "interleave":
         return interleave_ranks(alloc.out_cache_loc.numel(), cp_size, alloc.out_cache_loc.device)
@@ -57,9 +66,7 @@ def split_ranks(alloc: Allocation, mode: str, cp_size: int) -> torch.Tensor | No
         return zigzag_ranks(alloc.extend_lens, cp_size)
     if mode == "balanced":  # any batch size, context work balanced: a replicated cache's decode split
         return balanced_ranks(alloc.positions + 1, cp_size)
-    if mode == "lse":
-        return None
-    raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {DECODE_SPLITS}")
+    raise ValueError(f"unknown split {mode!r}; prefill: {PREFILL_SPLITS}, decode: {CHOSEN_DECODE_SPLITS}")
 
 
 def interleave_ranks(num_tokens: int, cp_size: int, device=None) -> torch.Tensor:
@@ -99,8 +106,7 @@ def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
     near equal and item counts differ by at most one: items sorted by work,
     largest first (ties: lower index first), dealt out in snake order
     ``0 .. N-1, N-1 .. 0, 0 .. N-1, ...``. Any two ranks' sums then differ by at
-    most the largest item. Pure: every rank gets the same (the log-sum-exp
-    decode split spreads each query's top-k selection with it)."""
+    most the largest item. Pure: every rank gets the same."""
     n = work.numel()
     order = torch.sort(work, descending=True, stable=True).indices
     j = torch.arange(n, device=work.device)
@@ -112,18 +118,17 @@ def balanced_ranks(work: torch.Tensor, cp_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LseParts:
-    """Under the log-sum-exp decode split, who selects which token (DSA's
-    top-k is made once per token, not on every rank): ``sel_mine`` this
-    rank's tokens, ``sel_order`` every token in selector order, ``sel_sizes``
-    every rank's count, ``sel`` the backend's plan of this rank's selectors
-    over their whole contexts, and ``width`` the selection width bound (the
-    longest context)."""
+    """What the log-sum-exp decode split (:mod:`cpkv.runtime.lse`) plans
+    besides the queries' own plan (every token of the batch a query of every
+    rank, over that rank's own pages; its all-gathers and all-to-alls move
+    rows in :attr:`ForwardPlan.gathered_order`, :attr:`ForwardPlan.rank_sizes`):
+    ``sel`` the backend's plan of every query over the batch's table with the
+    slots of other ranks masked out (what the indexer scores, all local);
+    ``positions`` every query's position on the host, numpy (which queries
+    see more than a top-k's ``k`` keys, known without a device read)."""
 
-    sel_mine: torch.Tensor
-    sel_order: torch.Tensor
-    sel_sizes: list[int]
     sel: QueryPlan
-    width: int
+    positions: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -133,9 +138,11 @@ class ForwardPlan:
     * ``token_indices [T]`` (int64): the entries of the flattened batch this
       rank computes; ``req``, ``positions``, ``slots [T]`` theirs (``req``
       indexes the rows of ``table``);
-    * ``rank_sizes``: under a token split every rank's token count (all-gather
-      sizes), else ``None``; ``gathered_order [E]``: where every rank's
-      tokens, gathered in rank order, go in the batch (token splits only);
+    * ``rank_sizes``: under a token split and ``lse`` every rank's token count
+      (the all-gather's sizes; ``lse``'s all-to-all's too), else ``None``;
+      ``gathered_order [E]``: where every rank's tokens, gathered in rank
+      order, go in the batch (token splits and ``lse``); ``token_split``:
+      whether the new entries are all-gathered (a token split);
     * ``write_slots [W]``: logical slot of each entry this rank stores, -1
       where it writes none (``W`` = T, or E under a token split);
       ``write_rows [W']``/``write_local [W']``: the entries it writes and
@@ -157,6 +164,7 @@ class ForwardPlan:
     slots: torch.Tensor
     rank_sizes: list[int] | None
     gathered_order: torch.Tensor | None
+    remote_reads: int
     write_slots: torch.Tensor
     write_rows: torch.Tensor
     write_local: torch.Tensor
@@ -169,6 +177,11 @@ class ForwardPlan:
     def num_tokens(self) -> int:
         """T, the tokens this rank computes."""
         return self.token_indices.numel()
+
+    @property
+    def token_split(self) -> bool:
+        """Whether the batch runs a token split (its new entries all-gathered, each owner writing its own)."""
+        return self.mode in TOKEN_SPLITS
 
     @property
     def write(self) -> WriteIndex:
@@ -198,41 +211,47 @@ class ForwardPlan:
         backend = backend or get_backend("torch")
         N = layout.cp_size if group_size is None else group_size
         ranks = split_ranks(alloc, mode, N)
-        E = alloc.out_cache_loc.numel()
-        if ranks is None:
-            idx = torch.arange(E)
-        else:
-            idx = torch.nonzero(ranks == rank).flatten()
+        idx = torch.nonzero(ranks == rank).flatten()
         req, positions, slots = alloc.request_of_token[idx], alloc.positions[idx], alloc.out_cache_loc[idx]
-        token_split = mode in ("interleave", "zigzag", "balanced")  # compute, all-gather, write what one owns
-        gathered = torch.argsort(ranks, stable=True) if token_split else None
-        sizes = torch.bincount(ranks, minlength=N).tolist() if ranks is not None else None
-        # writes: page/owner write every slot they compute (each must be theirs); a token split writes the
-        # gathered entries it owns; lse, the computed ones it owns
-        if mode in ("page", "owner"):
-            write_slots = slots
-        else:
-            cand = alloc.out_cache_loc if token_split else slots
+        token_split = mode in TOKEN_SPLITS  # compute, all-gather, write what one owns
+        gathers = token_split or mode == "lse"  # entries, or the lse split's queries
+        gathered = torch.argsort(ranks, stable=True) if gathers else None
+        sizes = torch.bincount(ranks, minlength=N).tolist() if gathers else None
+        # writes: page/owner/lse write every slot they compute (each must be theirs); a token split writes the
+        # gathered entries it owns
+        if token_split:
+            cand = alloc.out_cache_loc
             write_slots = torch.where(layout.owned_slot_mask(cand, owner_rank=pool.rank), cand, layout.padding_value)
+        else:
+            write_slots = slots
         write_local, write_rows = pool.write_index(write_slots)
         seq = alloc.seq_lens
         L = int(seq.max()) if seq.numel() else 0
         tab = (table[:, :L] if rows is None else table[:, :L][rows.to(table.device)]).to(dev)
         to = lambda x: None if x is None else x.to(dev)  # noqa: E731
-        lse_split = mode == "lse"
-        attn = backend.plan(tab, to(req), to(positions), layout, own_rank=rank if lse_split else None,
-                            with_lse=lse_split)
-        lse = _lse_parts(backend, layout, rank, tab, req, positions) if lse_split else None
-        return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes, to(gathered),
+        if mode == "lse":
+            every_req, every_pos = alloc.request_of_token.to(dev), alloc.positions.to(dev)
+            attn = backend.plan(tab, every_req, every_pos, layout, own_rank=rank, with_lse=True)
+            own = torch.where(layout.owned_slot_mask(tab, owner_rank=rank), tab, layout.padding_value)
+            sel = backend.plan(own, every_req, every_pos, layout, with_lse=False)
+            lse = LseParts(sel, alloc.positions.cpu().numpy())
+            remote = 0
+        else:
+            attn = backend.plan(tab, to(req), to(positions), layout, with_lse=False)
+            lse, remote = None, _remote_reads(layout, pool.rank, tab, to(req), to(positions))
+        return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes, to(gathered), remote,
                    to(write_slots), to(write_rows), to(write_local), tab, backend, attn, lse)
 
 
-def _lse_parts(backend: Backend, layout, rank: int, tab: torch.Tensor, req: torch.Tensor,
-               positions: torch.Tensor) -> LseParts:
-    dev = tab.device
-    ranks = balanced_ranks(positions + 1, layout.cp_size)
-    mine = torch.nonzero(ranks == rank).flatten()
-    width = int(positions.max()) + 1 if positions.numel() else 0
-    sel = backend.plan(tab, req[mine].to(dev), positions[mine].to(dev), layout)
-    return LseParts(mine.to(dev), torch.argsort(ranks, stable=True).to(dev),
-                    torch.bincount(ranks, minlength=layout.cp_size).tolist(), sel, width)
+def _remote_reads(layout, rank: int, tab: torch.Tensor, req: torch.Tensor, positions: torch.Tensor) -> int:
+    """Entries on pages another rank owns that the queries ``req [T]``,
+    ``positions [T]`` over ``tab [B, L]`` read: each request's context once,
+    up to the furthest position its queries here see (a kernel reads a key
+    once for a block of queries). Host int (once per batch)."""
+    if not req.numel() or layout.cp_size == 1:
+        return 0
+    reach = torch.full((tab.shape[0],), -1, dtype=torch.int64, device=tab.device)
+    reach.scatter_reduce_(0, req, positions.to(torch.int64), reduce="amax")
+    rows = torch.nonzero(reach >= 0).flatten()
+    remote = (tab[rows] >= 0) & ~layout.owned_slot_mask(tab[rows], owner_rank=rank, check=False)
+    return int(torch.cumsum(remote.to(torch.int64), 1).gather(1, reach[rows, None]).sum())

@@ -61,6 +61,17 @@ class ReorderedComm(Comm):
         got = self.inner.all_gather(x, inner_sizes)
         return [got[r] for r in self.order]
 
+    def all_to_all(self, chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+        """``chunks[i]`` to new rank ``i``; what every rank sent, new rank order (one ``inner.all_to_all``)."""
+        if len(chunks) != self.size or len(recv_sizes) != self.size:
+            raise ValueError(f"rank {self.rank} of {self.size}: all_to_all takes one chunk and one receive size per "
+                             f"rank, got {len(chunks)} chunks and {len(recv_sizes)} sizes")
+        inner_chunks, inner_sizes = [None] * self.size, [0] * self.size
+        for i, r in enumerate(self.order):
+            inner_chunks[r], inner_sizes[r] = chunks[i], int(recv_sizes[i])
+        got = self.inner.all_to_all(inner_chunks, inner_sizes)
+        return [got[r] for r in self.order]
+
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj``, new rank order."""
         got = self.inner.all_gather_object(obj)

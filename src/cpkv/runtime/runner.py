@@ -9,7 +9,8 @@ communicated ([[RFC-0001:C-NO-PLANNER-COLLECTIVE]]). For each batch the runner
 builds a :class:`~cpkv.runtime.batch.ForwardBatch` (this rank's tokens under
 the chosen split, planned once from the page table's ``[rows, :L]``) and runs
 the model's layers through it; only the split's own collectives (the fences,
-and the all-gathers of a token split or of the LSE decode split) cross ranks.
+the all-gathers of a token split, the exchanges of the log-sum-exp decode
+split: :mod:`cpkv.runtime.lse`) cross ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
 from ..kernels import BACKENDS
+from .forward_plan import CHOSEN_DECODE_SPLITS
 from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch, default_kernels
 from .comm import Comm, LocalComm
 
@@ -33,19 +35,31 @@ class CPRunner:
     """One rank's forward: the pool, the model, the splits.
 
     ``prefill_split`` and ``decode_split`` choose how batches are divided
-    among ranks (:mod:`cpkv.runtime.batch`); over a
+    among ranks (:mod:`cpkv.runtime.batch`). A prefill batch of fewer tokens
+    than ranks under ``interleave`` (which refuses it: some rank would have no
+    token, [[RFC-0001:C-PLANNER-SPLIT]]) runs under the page split, as SGLang
+    runs a batch too short to split unsplit: an engine cannot keep every
+    batch at N tokens (a last chunk, a request resumed after preemption), and
+    refusing it mid-run would lose the run; the page split moves no entry and
+    gives the same logits. Over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
     copy) only token splits: ``zigzag`` prefill, ``balanced`` decode.
     ``kernels`` the data plane, a name of :data:`cpkv.kernels.BACKENDS`
-    (default: triton when the pool is on a GPU, else torch). ``check_plans`` compares every
-    allocation across ranks with one collective (debugging only). Raises
-    ``ValueError`` for an unknown split or kernels, or a ``comm`` of another
-    rank or size than the pool.
+    (default: triton when the pool is on a GPU, else torch). ``decode_split="auto"`` asks
+    ``choose_split(alloc)`` for each forward of decodes (``"owner"`` or
+    ``"lse"``; every rank must get the same answer from the same
+    allocation: a cost model's, :meth:`cpkv.tools.cost_model.CostModel.decode_split`),
+    counted in :attr:`decode_choices`. ``record_selection`` keeps each
+    forward's sparse selection in :attr:`selected` (``--check``; under
+    ``lse`` one more all-to-all a selecting layer). ``check_plans`` compares
+    every allocation across ranks with one collective (debugging only).
+    Raises ``ValueError`` for an unknown split or kernels, ``auto`` without
+    ``choose_split``, or a ``comm`` of another rank or size than the pool.
     """
 
     def __init__(self, adapter: ModelAdapter, pool: SharedKVPool, comm: Comm | None = None, *,
                  prefill_split: str = "page", decode_split: str = "owner", check_plans: bool = False,
-                 kernels: str | None = None):
+                 kernels: str | None = None, choose_split=None, record_selection: bool = False):
         replicated = isinstance(pool, ReplicatedKVPool)
         prefills, decodes = ((REPLICATED_PREFILL_SPLITS, REPLICATED_DECODE_SPLITS) if replicated
                              else (PREFILL_SPLITS, DECODE_SPLITS))
@@ -53,6 +67,8 @@ class CPRunner:
             raise ValueError(f"unknown prefill split {prefill_split!r}; choose from {prefills}")
         if decode_split not in decodes:
             raise ValueError(f"unknown decode split {decode_split!r}; choose from {decodes}")
+        if decode_split == "auto" and choose_split is None:
+            raise ValueError("decode split 'auto' asks a cost model each step: give choose_split")
         self.adapter, self.pool = adapter, pool
         self.comm = comm or LocalComm()
         rank, size = (pool.group_rank, pool.group_size) if replicated else (pool.rank, pool.layout.cp_size)
@@ -60,13 +76,22 @@ class CPRunner:
             raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}; the pool is rank {rank} of {size}")
         self.rank, self.cp_size = rank, size
         self.prefill_split, self.decode_split, self.check_plans = prefill_split, decode_split, check_plans
+        self.choose_split, self.record_selection = choose_split, record_selection
+        self.decode_choices: dict[str, int] = {}  # forwards of decodes per split run (auto: as chosen)
         self.kernels = default_kernels(pool.device) if kernels is None else kernels
         BACKENDS.check(self.kernels)  # ValueError naming the choices
         self.tokens_computed = 0
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family
-        self.moved_bytes = 0
+        self.traffic: dict[str, int] = {}  # bytes received from other ranks, per term (runtime.lse.TERMS)
         self.selected: torch.Tensor | None = None  # the last forward's sparse selection (see forward)
+        self.last_traffic = None  # the last forward's runtime.lse.Traffic: bytes by layer and term
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes this rank received from the others in its forwards' collectives
+        (every :attr:`traffic` term but reads of other ranks' pages)."""
+        return sum(n for t, n in self.traffic.items() if not t.startswith("kv_remote"))
 
     def _agree(self, alloc: Allocation) -> None:
         h = hashlib.sha256()
@@ -87,14 +112,23 @@ class CPRunner:
         ``ids [E]`` are the batch's new token ids in flattened order;
         ``decode`` chooses the decode split (else the prefill split). Returns
         ``(token_indices, logits [t, vocab])``: which entries of the flattened
-        batch this rank computed, and their logits. :attr:`selected` is then
-        the model's sparse selection of those tokens
+        batch this rank computed, and their logits. With ``record_selection``,
+        :attr:`selected` is then the model's sparse selection of those tokens
         (:meth:`~cpkv.models.ModelAdapter.selection`, on the pool's device;
-        ``None`` for a dense model). Raises ``TypeError`` without a ``table``."""
+        ``None`` for a dense model, or without ``record_selection``). Raises
+        ``TypeError`` without a ``table``."""
         if table is None:
             raise TypeError("forward needs the page table holding the batch's rows (table=)")
         rows = torch.as_tensor(rows, dtype=torch.int64)
         mode = self.decode_split if decode else self.prefill_split
+        if mode == "interleave" and alloc.out_cache_loc.numel() < self.cp_size:
+            mode = "page"  # too short to interleave (see the class doc)
+        if mode == "auto":
+            mode = self.choose_split(alloc)
+            if mode not in CHOSEN_DECODE_SPLITS:
+                raise ValueError(f"choose_split chose {mode!r}; a decode runs {CHOSEN_DECODE_SPLITS}")
+        if decode:
+            self.decode_choices[mode] = self.decode_choices.get(mode, 0) + 1
         if self.check_plans:
             self._agree(alloc)
         fb = ForwardBatch(self.pool, self.comm, alloc, table.req_to_token, mode, self.kernels, rows=rows)
@@ -104,13 +138,15 @@ class CPRunner:
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
-            self.selected = ad.selection(fb)
+            self.selected = ad.selection(fb) if self.record_selection else None
         fb.finish()
         self.tokens_computed += fb.num_tokens
         self.kv_read += fb.kv_read
         for n, c in fb.reads.items():
             self.reads[n] = self.reads.get(n, 0) + c
-        self.moved_bytes += fb.moved_bytes
+        for t, c in fb.traffic.by_term().items():
+            self.traffic[t] = self.traffic.get(t, 0) + c
+        self.last_traffic = fb.traffic
         if logits.device.type != "cpu":  # once per batch: the host samples and collects
             return fb.token_indices.cpu(), logits.cpu()
         return fb.token_indices, logits

@@ -245,8 +245,9 @@ def _add_run(sub) -> None:
                    help="who computes a prefill token: page (the owner of its page, no K/V moves; default), "
                         "interleave or zigzag (token splits with an all-gather of new K/V)")
     r.add_argument("--decode-split", choices=DECODE_SPLITS, default=D.decode_split,
-                   help="owner (the owner of the new slot computes the token; default) or lse (every rank "
-                        "attends over its own pages, partials merged by log-sum-exp)")
+                   help="owner (the owner of the new slot computes the token; default), lse (decode context "
+                        "parallelism: every rank attends over its own pages, partials merged by log-sum-exp at the "
+                        "token's rank) or auto (each step the one the cost model prices lower)")
     add_kv_dtype_flag(r, D.kv_dtype)
     r.add_argument("--seed", type=non_negative, default=D.seed, help=f"trace and weights seed (default {D.seed})")
     r.add_argument("--check", action="store_true",

@@ -334,11 +334,15 @@ def cmd_bytes(args) -> int:
 
 def run_config(args):
     """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
-    (``--cp`` not given: the default group size), not yet sized."""
+    (``--cp`` not given: the default group size), not yet sized; with
+    ``--decode-split auto``, the run's cost model to choose each step by."""
+    import dataclasses
+
     from ..engine.config import EngineConfig
     from ..models import model_config
+    from .cost_model import CostModel
 
-    return EngineConfig(
+    cfg = EngineConfig(
         cp_size=default_cp_size() if args.cp is None else args.cp, page_size=args.page,
         device_pages=args.device_pages, kv_memory=args.kv_memory, host_pages=args.host_pages,
         chunk=args.chunk, max_running=args.max_running, admission=args.admission,
@@ -351,6 +355,9 @@ def run_config(args):
         window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
         wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction,
     )
+    if cfg.decode_split == "auto" and not cfg.replicated:
+        cfg = dataclasses.replace(cfg, decode_costs=CostModel.for_run(cfg))
+    return cfg
 
 
 def validate_disagg(args, parser, cfg) -> None:

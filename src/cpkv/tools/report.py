@@ -39,6 +39,8 @@ def format_engine(r: dict) -> str:
         ("max lane gap", f"{r['max_lane_gap_pct']:.2f} % of a lane"),
         ("generated tokens per second", f"{r['tokens_per_second']:.1f} ({r['seconds']:.2f} s)"),
     ]
+    if r.get("decode_splits"):
+        rows += [("forwards of decodes by split", ", ".join(f"{k} {v}" for k, v in sorted(r["decode_splits"].items())))]
     rows += latency_rows(r.get("latency"))
     if r.get("kernels_fallback"):
         rows += [("kernels fallback", r["kernels_fallback"])]

@@ -152,11 +152,20 @@ def _fraction(bps: float, copy: dict) -> float:
 
 
 def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS, kv_heads: int = 8,
-                 heads: int = 32, head_dim: int = 128, page: int = 64, repeats: int = 20,
+                 heads: int = 32, head_dim: int = 128, page: int = 64, cp: int = 8, repeats: int = 20,
                  dry_run: bool = False) -> dict:
     """Paged GQA decode attention (one query per request, split-KV and the
-    merge) at each batch x context: the K and V bytes read per second, as a
-    fraction of :func:`copy_bandwidth` measured in the same run."""
+    merge) at each batch x context over a group of ``cp`` ranks' pages: the K
+    and V bytes read per second, as a fraction of :func:`copy_bandwidth`
+    measured in the same run, for the group's memory read as one buffer
+    (``fraction_of_copy``) and as ``cp`` segments through their table
+    (``table_fraction_of_copy``: what every multi-rank group runs;
+    ``table_vs_buffer`` its time over the one buffer's), timed in the same
+    interleaved rounds. The segments are views of the one buffer (the
+    kernel's arithmetic is a table of bases either way; no second copy of
+    the cache)."""
+    from ...consumers.kv_view import KVView
+
     dev, dtype, reps = _setup(device, dry_run, repeats)
     if dry_run:
         batches, contexts, kv_heads, heads, head_dim, page = _DRY["batches"], _DRY["contexts"], 2, 4, 16, 16
@@ -164,22 +173,30 @@ def bench_decode(device: str = "cuda", batches=DECODE_BATCHES, contexts=DECODE_C
     b, rows, how = get("triton"), [], {}
     for batch in batches:
         for ctx in contexts:
-            layout, table = _paged(batch, ctx, page, 1, dev)
-            n = layout.cp_size * layout.slots_per_rank
+            layout, table = _paged(batch, ctx, page, cp, dev)
+            n, spr = layout.cp_size * layout.slots_per_rank, layout.slots_per_rank
             k = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
             v = torch.randn(n, kv_heads, head_dim, device=dev, dtype=dtype)
             q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
             req = torch.arange(batch, device=dev)
             plan = b.plan(table, req, torch.full((batch,), ctx - 1, device=dev), layout, with_lse=False)
             kv = (CacheView(k, None, (kv_heads, head_dim)), CacheView(v, None, (kv_heads, head_dim)))
-            t = medians({f"{batch}x{ctx}": lambda: b.dense(plan, q, *kv, head_dim**-0.5)}, dev, reps, how)
-            t = t[f"{batch}x{ctx}"]
+            segs = [KVView.of_segments([x[None, r * spr: (r + 1) * spr] for r in range(cp)]).layer(0) for x in (k, v)]
+            kv_table = tuple(CacheView(x, None, (kv_heads, head_dim)) for x in segs)
+            name = f"{batch}x{ctx}"
+            t = medians({name: lambda: b.dense(plan, q, *kv, head_dim**-0.5),
+                         f"{name} table": lambda: b.dense(plan, q, *kv_table, head_dim**-0.5)}, dev, reps, how)
             read = 2 * batch * ctx * kv_heads * head_dim * k.element_size()
-            rows.append(dict(batch=batch, context=ctx, seconds=t, bytes_read=read, bytes_per_second=read / t,
-                             fraction_of_copy=_fraction(read / t, copy)))
+            one, seg = t[name], t[f"{name} table"]
+            rows.append(dict(batch=batch, context=ctx, seconds=one, table_seconds=seg, bytes_read=read,
+                             bytes_per_second=read / one, fraction_of_copy=_fraction(read / one, copy),
+                             table_fraction_of_copy=_fraction(read / seg, copy),
+                             table_vs_buffer=round(seg / one, 3)))
+            kv = kv_table = segs = None  # the views hold the buffers: free them before the next size
             del k, v
-    return dict(title=f"decode attention, {dtype}, Hkv {kv_heads} x D {head_dim}, {heads} heads, page {page}: "
-                      "K/V bytes read per second against a device-to-device copy", copy=copy, rows=rows, timing=how)
+    return dict(title=f"decode attention, {dtype}, Hkv {kv_heads} x D {head_dim}, {heads} heads, page {page}, "
+                      f"{cp} ranks' pages: K/V bytes read per second against a device-to-device copy, from one "
+                      "buffer and through the segment table", copy=copy, rows=rows, timing=how)
 
 
 def bench_sparse_mla(device: str = "cuda", batches=DECODE_BATCHES, heads=(16, 128), kv_lora_rank: int = 512,
@@ -365,8 +382,10 @@ def format_kernels(report: dict) -> str:
 def run_kernels_command(args) -> int:
     """``cpkv bench kernels``: on ``--device cuda`` every section (and with
     ``--compile`` the compile report); on the CPU the compile report only.
-    Exit 1 when a kernel fails the compile check."""
+    Exit 1 when a kernel fails the compile check, each failing kernel and why
+    on stderr (one line each, after the report)."""
     import json
+    import sys
 
     from ...kernels.compile_check import format_check, run_check
 
@@ -386,6 +405,13 @@ def run_kernels_command(args) -> int:
             print(format_check(out["compile"]))
         if args.device != "cuda":
             print("\n(no GPU here: the timed sections run with --device cuda)")
+    if failed:
+        bad = [r for r in out["compile"] if r["error"]]
+        version = out["compile"][0].get("triton", "?")
+        print(f"cpkv bench kernels: {len(bad)} kernel(s) fail the sm_90 compile check under Triton {version}:",
+              file=sys.stderr)
+        for r in bad:
+            print(f"  {r['name']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -116,7 +116,8 @@ class SplitsSpec:
 
 
 def _split_counters(runner) -> dict:
-    return {"tokens": runner.tokens_computed, "reads": dict(runner.reads), "moved": runner.moved_bytes}
+    return {"tokens": runner.tokens_computed, "reads": dict(runner.reads), "moved": runner.moved_bytes,
+            "traffic": dict(runner.traffic)}
 
 
 def _time_splits(runner, comm, cases: dict, repeats: int) -> dict:
@@ -134,7 +135,9 @@ def _time_splits(runner, comm, cases: dict, repeats: int) -> dict:
             comm.barrier()
             after = _split_counters(runner)
             counts[name] = {"tokens": after["tokens"] - before["tokens"], "moved": after["moved"] - before["moved"],
-                            "reads": {k: v - before["reads"].get(k, 0) for k, v in after["reads"].items()}}
+                            "reads": {k: v - before["reads"].get(k, 0) for k, v in after["reads"].items()},
+                            "traffic": {k: v - before["traffic"].get(k, 0) for k, v in after["traffic"].items()
+                                        if v != before["traffic"].get(k, 0)}}
         return run
 
     t = median_seconds({name: (timed(name, fn), comm.barrier) for name, fn in cases.items()}, repeats)
@@ -159,7 +162,8 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
     split of each interleaved in rounds; rank 0 returns every rank's counters."""
     from ...contract.layout import SharedKVLayout
     from ...models import build_adapter
-    from ...runtime.batch import DECODE_SPLITS, PREFILL_SPLITS
+    from ...runtime.batch import PREFILL_SPLITS
+    from ...runtime.forward_plan import CHOSEN_DECODE_SPLITS
     from ...runtime.parts import build_parts
 
     adapter = build_adapter(spec.model)
@@ -208,7 +212,8 @@ def _splits_matrix(ctx, comm, spec: SplitsSpec) -> dict | None:
                 runner.forward(rows, d, ids, decode=True, table=batches.table)
             return fn
 
-        out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in DECODE_SPLITS}, spec.decode_rounds())
+        out[f"decode{i}"] = _time_splits(runner, comm, {s: decode(s) for s in CHOSEN_DECODE_SPLITS},
+                                         spec.decode_rounds())
         for r in rows:
             pool.release(batches.free(r))
 
