@@ -305,6 +305,7 @@ FORMER_NAMES = {
                          "lane_pages", "lane_free_pages", "is_allocated"),
     "cpkv.Allocation": ("rank_split",),
     "cpkv.PageTable": ("rows",),
+    "cpkv.SharedKVPool": ("write", "write_at", "read_index", "gather", "check", "row", "num_layers"),
     "cpkv.runtime.runner.CPRunner": ("allocate", "extend", "finish", "record", "release", "last_loc", "lens", "table",
                                      "req_to_token"),
 }

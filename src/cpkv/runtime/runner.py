@@ -134,13 +134,13 @@ class CPRunner:
         fb = ForwardBatch(self.pool, self.comm, alloc, table.req_to_token, mode, self.kernels, rows=rows)
         ad = self.adapter
         with torch.no_grad():
-            h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])
+            h = ad.embed(ids.to(fb.plan.device)[fb.plan.token_indices])
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
             self.selected = ad.selection(fb) if self.record_selection else None
         fb.finish()
-        self.tokens_computed += fb.num_tokens
+        self.tokens_computed += fb.plan.num_tokens
         self.kv_read += fb.kv_read
         for n, c in fb.reads.items():
             self.reads[n] = self.reads.get(n, 0) + c
@@ -148,8 +148,8 @@ class CPRunner:
             self.traffic[t] = self.traffic.get(t, 0) + c
         self.last_traffic = fb.traffic
         if logits.device.type != "cpu":  # once per batch: the host samples and collects
-            return fb.token_indices.cpu(), logits.cpu()
-        return fb.token_indices, logits
+            return fb.plan.token_indices.cpu(), logits.cpu()
+        return fb.plan.token_indices, logits
 
     def collect(self, n: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Every rank's ``values`` of a batch of ``n`` tokens, in flattened order,
