@@ -36,6 +36,7 @@ _PUBLIC = {
     "SharedKVLayout": "contract.layout",
     "OwnerLaneAllocator": "contract.allocator",
     "SGLangAllocator": "contract.sglang",
+    "SGLangKVShardAllocator": "contract.sglang",
     "Allocation": "contract.allocation",
     "UnsupportedPagePlan": "contract.errors",
     "InvalidFree": "contract.errors",

@@ -3,10 +3,12 @@ through their KV events (vLLM 0.33's wire, with replay), and at several points o
 tokens for every request's prompt equal what cpkv's own caches match, on the device and on the host.
 
 Two workers (CP groups of 2 and of 3, both through cpkv's launcher) run traces that share a system prompt, with follow-up turns, evictions to
-the host tier and loads back; worker 1 is registered as soon as its run has bound its sockets, worker 2 a
-few batches into its run (the indexer replays both from seq 0: its SUB, unlike libzmq's, does not
-reconnect to an endpoint that was not bound yet, so a worker is registered once up). Worker 2, which
-starts sooner, waits stopped from its registration until worker 1 runs. The runs are paused (SIGSTOP to
+the host tier and loads back. They are registered as a deployment registers its workers, as their commands
+start: worker 1 the moment its ``cpkv run`` is started, before it has bound its sockets (checked), worker 2
+as soon as its sockets answer, while the command still imports (no batch sent yet, checked); ``cpkv run``
+binds them before anything slow (:mod:`cpkv.tools.kv_events_start`), so the indexer's SUB, which retries an
+unbound endpoint only with a growing delay, is connected long before the first batch. The worker that runs
+first waits, stopped, from its first batch until the other runs. The runs are paused (SIGSTOP to
 each whole process group, every process of it seen stopped in ``/proc``) when the test's own subscriber
 has heard enough batches; then every request's prompt is asked of the indexer and compared with the
 caches' matches after that batch, which the test recomputes by replaying the worker's scheduler with the
@@ -18,8 +20,8 @@ both workers. [[RFC-0001:C-KV-EVENTS]]
 import itertools
 import json
 import os
-import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,7 +51,6 @@ SYSTEM = [(11 * j + 3) % 256 for j in range(3 * S)]  # three pages every convers
 WORKERS = {1: dict(cp=2, device_pages=6), 2: dict(cp=3, device_pages=4)}
 LAG_BATCHES = 1  # how many batches behind the test's subscriber the indexer may be at a pause (see there)
 PAUSE_AT = {1: (8, 12, 16), 2: (8, 14)}  # a pause when either worker has had this many batches heard
-REGISTER_2_AT = 3  # worker 2's batches heard before it is registered
 
 
 def trace(path: Path, worker: int) -> str:
@@ -183,9 +184,13 @@ def pause(procs, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def replayed(log: str) -> set[int]:
-    """The workers the indexer's log says it replayed (``Replay complete``, its colours taken out)."""
-    return {int(w) for w in re.findall(r"Replay complete .*?worker_id=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", log))}
+def accepts(endpoint: str) -> bool:
+    """Whether something is bound on ``endpoint`` (``tcp://127.0.0.1:PORT``) now: a TCP connect succeeds."""
+    try:
+        socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), timeout=0.05).close()
+        return True
+    except OSError:
+        return False
 
 
 def wait_equal(indexer, prompts, truth_of, timeout_s: float = 5.0):
@@ -235,10 +240,17 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
     with Indexer(tmp_path / "indexer.log") as indexer:
         subs = {w: KVEventSubscriber(*eps[w], from_seq=0) for w in WORKERS}
         try:
-            for w in WORKERS:
-                procs[w] = start_worker(w, workloads[w], *eps[w], tmp_path / f"worker{w}.out")
-            registered, pauses, hold, ready = {}, {w: list(PAUSE_AT[w]) for w in WORKERS}, "not yet", False
-            waiting = set()  # workers stopped at their first pause until the indexer has replayed both
+            pauses, hold = {w: list(PAUSE_AT[w]) for w in WORKERS}, {}
+            procs[1] = start_worker(1, workloads[1], *eps[1], tmp_path / "worker1.out")
+            assert not accepts(eps[1][0]), "worker 1's sockets were bound before it could be registered first"
+            indexer.register(1, *eps[1], block_size=S)  # the command just started: nothing bound yet
+            procs[2] = start_worker(2, workloads[2], *eps[2], tmp_path / "worker2.out")
+            end = time.monotonic() + 60
+            while not accepts(eps[2][0]):  # worker 2's sockets answer: its command is still importing
+                assert procs[2].poll() is None and time.monotonic() < end, (tmp_path / "worker2.out").read_text()
+                time.sleep(0.002)
+            indexer.register(2, *eps[2], block_size=S)
+            t_reg = time.perf_counter()
 
             def hear(quiet_s, until=None):
                 """Take what the subscribers have until none came for ``quiet_s`` (or ``until()`` holds)."""
@@ -256,34 +268,18 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
                 for w, sub in subs.items():  # one batch a worker at a time: the decisions below come in time
                     if (got := sub.recv(0.005)) is not None:
                         heard[w][got[0]] = got[1]
-                # the indexer's SUB does not reconnect to an endpoint not yet bound: a worker is registered once
-                # its run has bound (worker 1 at its first batch, worker 2 a few batches in); both replay from 0
-                for w, after in ((1, 0), (2, REGISTER_2_AT)):
-                    if w not in registered and heard[w] and max(heard[w]) >= after:
-                        indexer.register(w, *eps[w], block_size=S)
-                        registered[w] = max(heard[w])
-                # worker 2 (one process) starts sooner than worker 1 (a launcher and its ranks): it waits, stopped,
-                # from its registration until worker 1 runs, so that the pauses find both in the middle of their runs
-                worker_1_runs = bool(heard[1]) and max(heard[1]) >= 2
-                if hold == "not yet" and 2 in registered and not worker_1_runs:
-                    signal_group([procs[2]], signal.SIGSTOP)
-                    hold = "held"
-                elif hold == "held" and worker_1_runs:
-                    signal_group([procs[2]], signal.SIGCONT)
-                    hold = "released"
-                # the indexer has caught up with a worker once it replayed its missed batches (from seq 0): a pause
-                # before that would stop the replay's answer too. A worker replayed and at its first pause waits,
-                # stopped, for the other's replay (a loaded machine must not let it run past its pauses)
-                done = replayed(indexer.log()) if registered else set()
-                ready = ready or (len(registered) == 2 and done == set(WORKERS))
-                for w in WORKERS:
-                    if (not ready and w in done and w not in waiting and hold != "held" and pauses[w] and heard[w]
-                            and max(heard[w]) >= pauses[w][0]):
+                        if w == 2 and len(heard[2]) == 1:  # a run binds at its start, not just before its first batch
+                            assert time.perf_counter() - t_reg > 0.2, "worker 2 bound its sockets only as it ran"
+                # the worker that runs first waits, stopped, from its first batch until the other runs, so that the
+                # pauses find both in the middle of their runs
+                for w, other in ((1, 2), (2, 1)):
+                    if hold.get(w) is None and heard[w] and not heard[other]:
                         signal_group([procs[w]], signal.SIGSTOP)
-                        waiting.add(w)
-                if waiting and (ready or any(p.poll() is not None for p in procs.values())):
-                    signal_group([procs[w] for w in waiting], signal.SIGCONT)
-                    waiting.clear()
+                        hold[w] = "held"
+                    elif hold.get(w) == "held" and heard[other]:
+                        signal_group([procs[w]], signal.SIGCONT)
+                        hold[w] = "released"
+                ready = "held" not in hold.values() and all(heard[w] for w in WORKERS)  # both under way
                 due = [w for w in WORKERS if pauses[w] and heard[w] and max(heard[w]) >= pauses[w][0]]
                 if ready and due:
                     for w in WORKERS:
@@ -342,6 +338,5 @@ def test_dynamo_indexer_matches_cpkvs_caches_through_cpkv_run(tmp_path, llama):
         assert [body(encode_batch(heard[w][i])) for i in sorted(heard[w])] == [body(p) for p in payloads[w]]
     assert "Failed to find parent block" not in log and "ERROR" not in log, log[-3000:]
     assert "decode" not in log.lower(), log[-3000:]  # no batch the indexer could not read
-    assert replayed(log) == set(WORKERS)  # both were replayed from seq 0, worker 2 a few batches into its run
     print(f"interop: {len(checks)} checks at batches {[c[0] for c in checks]} of {[len(payloads[w]) for w in WORKERS]}, "
           f"{time.perf_counter() - t0:.1f} s")

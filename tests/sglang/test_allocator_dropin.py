@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cpkv.contract.errors import InvalidFree, UnsupportedPagePlan
-from cpkv.contract.sglang import SGLangAllocator
+from cpkv.contract.sglang import SGLangAllocator, SGLangKVShardAllocator
 from support.sglang_classes import ALLOCATOR, sglang_classes
 
 torch.set_num_threads(1)
@@ -321,6 +321,64 @@ def test_differential_lanes_beside_kv_shard(sg, N):
             assert all(_owner_lane_ok(s, S, N) for s in live[name].values()), name
     assert me.available_size() == N * S * min(me.class_free_page_counts())
     assert ref.available_size() == N * S * min(ref.class_free_page_counts())
+
+
+@pytest.mark.parametrize("N", [2, 4, 8])
+def test_kv_shard_call_for_call(sg, N):
+    """cpkv's ``SGLangKVShardAllocator`` and SGLang's ``PageInterleavePoolAllocator`` on the same random calls
+    (fresh extends with ``None`` or given rotation bases, page-aligned continuations with their chain's base and
+    ``last_loc``, frees, free groups): the same slots, the same bases written back, the same class lists,
+    ``available_size`` and ``least_full_class`` after every call. SGLang's ``page_interleave_shard_size`` reads N
+    of cpkv's, and its kv-shard ``isinstance`` checks take it. [[RFC-0001:C-OWNER-LANE]]"""
+    S, per_rank = 4, 12
+    ref = sg.page_interleave.PageInterleavePoolAllocator(per_rank * S, S, N, torch.int64, "cpu", MagicMock(), False)
+    me = SGLangKVShardAllocator(per_rank * S, S, N, torch.int64, "cpu", MagicMock(), False)
+    assert sg.page_interleave.page_interleave_shard_size(me) == N
+    assert isinstance(me, sg.page_interleave.PageInterleavePoolAllocator)
+    assert isinstance(me, sg.allocator.PagedTokenToKVPoolAllocator)
+    assert sg.page_interleave.page_interleave_shard_size(SGLangAllocator(64, 4, cp_size=N)) == 1
+    rnd = random.Random(N)
+    live: dict[int, tuple[list[int], int]] = {}  # request -> (its slots, its base)
+
+    def both(call):
+        a, b = call(ref), call(me)
+        assert (a is None) == (b is None) and (a is None or a.tolist() == b.tolist())
+        return a
+
+    for step in range(120):
+        op = rnd.random()
+        if op < 0.6 or not live:
+            aligned = sorted(k for k, (v, _) in live.items() if len(v) % S == 0)  # SGLang's kv-shard takes no other
+            conts = rnd.sample(aligned, min(len(aligned), 1))
+            reqs = [(k, live[k][0], live[k][1]) for k in conts] + [(None, [], rnd.choice([None, rnd.randrange(9)]))
+                                                                   for _ in range(rnd.randint(0, 2) if conts else
+                                                                                  rnd.randint(1, 3))]
+            new = [rnd.randint(1, 3 * S) for _ in reqs]
+            pre = torch.tensor([len(v) for _, v, _ in reqs])
+            seq = pre + torch.tensor(new)
+            last = torch.tensor([v[-1] if v else -1 for _, v, _ in reqs])
+            lists = {id(ref): [b for *_, b in reqs], id(me): [b for *_, b in reqs]}
+            out = both(lambda a: a.alloc_extend(pre, pre, seq, seq, last, sum(new), rotation_bases=lists[id(a)]))
+            if out is not None:  # (on None SGLang has written its resolved bases back, cpkv leaves the list as it was)
+                assert lists[id(ref)] == lists[id(me)]
+                at = 0
+                for (k, v, _), n, b in zip(reqs, new, lists[id(me)]):
+                    live[step * 10 + len(live) if k is None else k] = (v + out[at : at + n].tolist(), b)
+                    at += n
+        elif op < 0.85:
+            k = rnd.choice(sorted(live))
+            both(lambda a: a.free(torch.tensor(live[k][0])))
+            del live[k]
+        else:
+            ks = rnd.sample(sorted(live), min(len(live), 2))
+            both(lambda a: a.free_group_begin())
+            for k in ks:
+                both(lambda a: a.free(torch.tensor(live[k][0])))
+                del live[k]
+            both(lambda a: a.free_group_end())
+        assert [p.tolist() for p in ref.class_free_pages] == [p.tolist() for p in me.class_free_pages]
+        assert (ref.available_size(), ref.least_full_class()) == (me.available_size(), me.least_full_class())
+    assert all(_owner_lane_ok(v, S, N) for v, _ in live.values())
 
 
 def test_misuse_refused_state_unchanged(sg):

@@ -2,13 +2,16 @@
 
 `make test` installs ``sglang==0.5.23`` with ``--no-deps`` and the small packages of
 ``tests/support/sglang-requirements.txt``. Its allocator, radix cache, request-to-token pool and allocation
-helpers then import on the CPU with ONE stand-in, named here and nowhere else:
+helpers then import on the CPU with TWO stand-ins, named here and nowhere else:
 
 * ``torchvision``: SGLang's model-config package imports it (image transforms of multimodal configs: InternVL,
   DeepSeek-OCR) on the way to the memory pool; nothing under test calls it. Its PyPI wheel cannot load beside
   the CPU torch (and would replace torch), so a module whose every name is a stand-in that refuses to be called
   takes its place, put in ``sys.modules`` only after transformers has decided that torchvision is absent (so
   transformers' own image code does not try it).
+* ``datasets``: SGLang's test utilities (``sglang.test.test_utils``, whose ``CustomTestCase`` its own unit-test
+  files subclass: tests/sglang/upstream) import it for their benchmark loaders; nothing under test calls it,
+  and the package is large. A stand-in likewise, unless a real one is installed.
 
 :func:`sglang_classes` returns the modules asked for, or skips the test with the reason when SGLang is not installed.
 """
@@ -22,7 +25,7 @@ from types import SimpleNamespace
 
 SGLANG_VERSION = "0.5.23"
 STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-             "torchvision.transforms.v2")
+             "torchvision.transforms.v2", "datasets")
 
 _loaded: dict[str, types.ModuleType] = {}
 
@@ -61,7 +64,8 @@ MODULES = {"allocator": "sglang.srt.mem_cache.allocator",
            "base": "sglang.srt.mem_cache.base_prefix_cache",
            "radix_cache": "sglang.srt.mem_cache.radix_cache",
            "common": "sglang.srt.mem_cache.common",
-           "allocation": "sglang.srt.mem_cache.allocation"}
+           "allocation": "sglang.srt.mem_cache.allocation",
+           "test_utils": "sglang.test.test_utils"}
 ALLOCATOR = ("allocator", "page_interleave")  # what the allocator tests need: no model configs, no torchvision
 
 
@@ -89,8 +93,9 @@ def sglang_classes(*names: str) -> SimpleNamespace:
 
         if hf.is_torchvision_available():
             pytest.skip("a real torchvision is installed: the stand-in would shadow it")
+        real_datasets = hf.is_datasets_available()
         for name in STAND_INS:
-            if name not in sys.modules:
+            if name not in sys.modules and not (name == "datasets" and real_datasets):
                 _stand_in(name)
     for short in names:
         if short not in _loaded:

@@ -23,19 +23,25 @@
 :class:`KVEventPublisher` binds both sockets; the engine's ``publish`` only
 appends to a bounded queue (the oldest batch is dropped when it is full) and a
 background thread encodes, sends and serves replays, so neither a slow nor an
-absent subscriber ever blocks the engine. :class:`KVEventSubscriber` connects,
-hands batches out in sequence order and recovers a gap through the replay socket.
+absent subscriber ever blocks the engine. With ``relay=True`` it also takes
+batches from other processes: a :class:`KVEventRelay` there (``cpkv run``'s
+rank 0) hands each batch to the process that bound the sockets (``cpkv run``'s
+launcher, which binds them before anything slow, so a router that registers
+as the command starts is served), which numbers, sends and buffers it as its
+own. :class:`KVEventSubscriber` connects, hands batches out in sequence order
+and recovers a gap through the replay socket. The module imports neither
+torch nor numpy: a launcher binds before it imports them.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections import deque
 from typing import Iterator
 
-from ..contract.inputs import int_scalar
 from .kv_wire import KVEventBatch, decode_batch, encode_batch
 
 try:
@@ -49,8 +55,17 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame that ends a replay (its topic and payload frames are empty)."""
 
 
+def _int(x, name: str) -> int:
+    """An integer argument as an ``int`` (a bool is refused: ``TypeError``), as
+    :func:`cpkv.contract.inputs.int_scalar` takes one; written here so that
+    this module imports no array library."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    return int(x)
+
+
 def _positive(x, name: str) -> int:
-    v = int_scalar(x, name)
+    v = _int(x, name)
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
     return v
@@ -73,30 +88,37 @@ class KVEventPublisher:
     encoded batches are kept for replay, and each subscriber's socket queue holds
     at most ``hwm`` messages (ZMQ drops past that; a replay peer's up to one
     whole replay). ``data_parallel_rank`` is
-    stamped on every batch that has none, as vLLM's publisher does. A bind that
+    stamped on every batch that has none, as vLLM's publisher does. With
+    ``relay=True`` a third socket (a PULL on a free loopback port,
+    :attr:`relay_endpoint`) takes the encoded batches of
+    :class:`KVEventRelay` s in other processes; each is numbered after the
+    ones before it and sent and buffered as a published one. A bind that
     fails raises ``ValueError`` and leaves no socket or thread behind.
     :meth:`close` (or leaving a ``with`` block) stops the thread and frees the
     sockets."""
 
     TICK_S = 0.005
-    """How long the thread sleeps between looks at the replay socket when idle."""
+    """How long the thread sleeps between looks at the replay and relay sockets when idle."""
+    RELAY_QUIET_S = 0.25
+    """At :meth:`close`, the relay is read until no batch came for this long (a relay's last batches are on
+    their way over loopback when its process ends)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  data_parallel_rank: int | None = 0, max_queue: int = 10_000,
-                 buffer_steps: int = 10_000, hwm: int = 10_000):
+                 buffer_steps: int = 10_000, hwm: int = 10_000, relay: bool = False):
         _endpoint(endpoint, "endpoint")
         if replay_endpoint is not None:
             _endpoint(replay_endpoint, "replay_endpoint")
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        self.data_parallel_rank = None if data_parallel_rank is None else int_scalar(
+        self.data_parallel_rank = None if data_parallel_rank is None else _int(
             data_parallel_rank, "data_parallel_rank")
         self.max_queue = _positive(max_queue, "max_queue")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=_positive(buffer_steps, "buffer_steps"))
         hwm = _positive(hwm, "hwm")
         self._topic = topic.encode("utf-8")
         self._ctx = zmq.Context()
-        self._pub = self._replay = None
+        self._pub = self._replay = self._relay = None
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -108,12 +130,18 @@ class KVEventPublisher:
                 self._replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 1)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(replay_endpoint)
+            if relay:
+                self._relay = self._ctx.socket(zmq.PULL)
+                self._relay.setsockopt(zmq.LINGER, 0)
+                self._relay.bind("tcp://127.0.0.1:*")
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"cannot bind the KV event sockets ({endpoint}, {replay_endpoint}): {e}") from e
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound PUB address (the real port when ``endpoint`` asked for ``*``)."""
         self.replay_endpoint = None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.relay_endpoint = None if self._relay is None else self._relay.getsockopt_string(zmq.LAST_ENDPOINT)
+        """Where a :class:`KVEventRelay` connects (``None`` without ``relay``)."""
         self._queue: deque[tuple[int, KVEventBatch]] = deque()
         self._cond = threading.Condition()
         self._next_seq = 0
@@ -146,26 +174,45 @@ class KVEventPublisher:
         return seq
 
     def _run(self) -> None:
+        quiet_since = None  # when closing: since when the relay has been quiet
         while True:
             with self._cond:
                 if not self._queue and not self._closing:
                     self._cond.wait(self.TICK_S)
-                items = list(self._queue)
+            relayed = self._take_relayed()
+            with self._cond:  # the relayed batches numbered after every batch queued so far
+                items = [(seq, encode_batch, batch) for seq, batch in self._queue]
                 self._queue.clear()
+                items += [(self._next_seq + i, None, payload) for i, payload in enumerate(relayed)]
+                self._next_seq += len(relayed)
                 stop = self._closing
-            for seq, batch in items:
+            for seq, encode, what in items:
                 try:
-                    payload = encode_batch(batch)
-                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    self._send(seq, what if encode is None else encode(what))
                 except Exception:  # a broken batch must not kill the stream
                     log.exception("KV event batch %d not sent", seq)
-                    continue
-                self._buffer.append((seq, payload))
-                self.sent += 1
             while self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             if stop and not items:
-                return
+                if self._relay is None or (quiet_since is not None
+                                           and time.monotonic() - quiet_since >= self.RELAY_QUIET_S):
+                    return
+                quiet_since = quiet_since or time.monotonic()
+                time.sleep(self.TICK_S)
+            elif stop:
+                quiet_since = time.monotonic()
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.sent += 1
+
+    def _take_relayed(self) -> list[bytes]:
+        """The encoded batches the relay holds now, in arrival order."""
+        out = []
+        while self._relay is not None and self._relay.poll(0):
+            out.append(self._relay.recv())
+        return out
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -180,14 +227,15 @@ class KVEventPublisher:
         self._replay.send_multipart((*head, b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
-        for s in (self._pub, self._replay):
+        for s in (self._pub, self._replay, self._relay):
             if s is not None:
                 s.close()
         self._ctx.term()
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued, stop the thread, close both sockets and the
-        ZMQ context (PUB lingers at most 0.2 s). Idempotent."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (and, with a relay, what reaches it until it has
+        been quiet for :attr:`RELAY_QUIET_S`), stop the thread, close the
+        sockets and the ZMQ context (PUB lingers at most 0.2 s). Idempotent."""
         with self._cond:
             if self._closing:
                 return
@@ -199,6 +247,57 @@ class KVEventPublisher:
         self._close_sockets()
 
     def __enter__(self) -> "KVEventPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class KVEventRelay:
+    """Hands batches to a :class:`KVEventPublisher` of another process, the
+    one that bound the sockets (its :attr:`~KVEventPublisher.relay_endpoint`):
+    ``publish`` encodes the batch (``data_parallel_rank`` stamped where it has
+    none) and queues it on a PUSH socket, never blocking on the network (the
+    publisher numbers it: ``publish`` returns ``None``); at most ``hwm``
+    batches wait for the connection (past that a batch is dropped and counted
+    in :attr:`dropped`). :meth:`close` waits up to ``linger_s`` for the queued
+    batches to leave. [[RFC-0001:C-KV-EVENTS]]"""
+
+    def __init__(self, endpoint: str, data_parallel_rank: int | None = 0, hwm: int = 100_000,
+                 linger_s: float = 10.0):
+        _endpoint(endpoint, "endpoint")
+        self.data_parallel_rank = None if data_parallel_rank is None else _int(
+            data_parallel_rank, "data_parallel_rank")
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, _positive(hwm, "hwm"))
+        self._push.setsockopt(zmq.LINGER, int(float(linger_s) * 1000))
+        self._push.connect(endpoint)
+        self.dropped = 0
+        """Batches dropped because ``hwm`` of them waited already."""
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue ``batch`` for the publisher (``TypeError`` for anything but a
+        :class:`KVEventBatch`, ``RuntimeError`` after :meth:`close`)."""
+        if not isinstance(batch, KVEventBatch):
+            raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+        if self._ctx.closed:
+            raise RuntimeError("the KV event relay is closed")
+        if batch.data_parallel_rank is None and self.data_parallel_rank is not None:
+            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.data_parallel_rank)
+        try:
+            self._push.send(encode_batch(batch), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+        return None
+
+    def close(self) -> None:
+        """Let the queued batches leave (at most ``linger_s``), then close. Idempotent."""
+        if not self._ctx.closed:
+            self._push.close()
+            self._ctx.term()
+
+    def __enter__(self) -> "KVEventRelay":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -224,7 +323,7 @@ class KVEventSubscriber:
             _endpoint(replay_endpoint, "replay_endpoint")
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        self.next_seq = None if from_seq is None else int_scalar(from_seq, "from_seq")
+        self.next_seq = None if from_seq is None else _int(from_seq, "from_seq")
         if self.next_seq is not None and self.next_seq < 0:
             raise ValueError(f"from_seq must be >= 0, got {self.next_seq}")
         self.replay_timeout_s = float(replay_timeout_s)

@@ -45,6 +45,7 @@ changes:
 * :meth:`~PrefixCache.allocate_extend` / :meth:`~PrefixCache.allocate_decode` - the rest of the KV
   (evicting on a refusal);
 * :meth:`~PrefixCache.cache_pages` - running requests' full pages enter the cache;
+* :meth:`~PrefixCache.cache_chain` - a chain the caller holds enters the cache (SGLang's ``insert``);
 * :meth:`~PrefixCache.finish` - requests end: their KV cached, or their private pages freed;
 * :meth:`~PrefixCache.evict` / :meth:`~PrefixCache.clear` - free cached pages.
 
@@ -86,8 +87,8 @@ from .prefix_match import Admission, CacheSizes, Evicted, PrefixHit, PrefixMatch
 from .prefix_rules import PrefixCacheMisuse, _as_end, _as_key, _as_limit, _as_tokens, _int_vector
 from .radix_tree import RadixTree, _Node, page_key
 
-__all__ = ["Admission", "CacheSizes", "EvictHook", "Evicted", "PrefixCache", "PrefixCacheMisuse", "PrefixHit",
-           "PrefixMatch", "RadixTree"]
+__all__ = ["Admission", "CacheSizes", "CallerSlots", "EvictHook", "Evicted", "PrefixCache", "PrefixCacheMisuse",
+           "PrefixHit", "PrefixMatch", "RadixTree"]
 
 #: ``on_evict(tokens, slots, key)``: int64 tokens ``[n]``, int64 slots ``[n]`` (tensor), the namespace (bytes).
 EvictHook = Callable[[np.ndarray, torch.Tensor, bytes], None]
@@ -96,9 +97,38 @@ _NO_COPY = np.empty(0, dtype=np.int64)  # the copy of a match that copies nothin
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 
 
+class CallerSlots:
+    """The slots of a prefix cache whose caller manages them: SGLang's
+    ``RadixCache`` built with no memory pool, or over SGLang's own allocator.
+    The cache keeps the values it is given (ints >= 0, in any order: no page,
+    lane or fill rule applies to them) and allocates nothing; ``free(slots)``
+    hands the values of a node it drops back (an int64 tensor ``[n]``), or,
+    with ``free=None``, they are just dropped (as SGLang's simulated tree
+    does). One lane (``cp_size`` 1). A :class:`PrefixCache` over it refuses the
+    verbs that allocate (``no-allocator``)."""
+
+    cp_size = 1
+    num_pages = None
+
+    def __init__(self, page_size: int, free: Callable[[torch.Tensor], None] | None = None):
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if free is not None and not callable(free):
+            raise TypeError(f"free must be callable or None, got {type(free).__name__}")
+        self.page_size, self._free = int(page_size), free
+
+    def free(self, slots) -> None:
+        """Hand ``slots`` (values the cache dropped) back to the caller's ``free``."""
+        if self._free is not None and len(slots):
+            self._free(torch.as_tensor(np.asarray(slots, dtype=np.int64)))
+
+
 class PrefixCache:
     """Radix prefix cache over an :class:`~cpkv.contract.allocator.OwnerLaneAllocator`
-    (see the module doc for its invariants and verbs).
+    (see the module doc for its invariants and verbs), or over
+    :class:`CallerSlots` (values its caller manages: no lanes, nothing
+    allocated; ``owns_pages`` is False and the verbs that allocate refuse,
+    ``no-allocator``).
 
     ``alloc`` is the allocator it runs over: ask it about free pages
     (``lane_free_pages``, ``lane_pages``, ``is_allocated``); change pages only
@@ -126,9 +156,12 @@ class PrefixCache:
     help a short lane go. [[RFC-0001:C-PREFIX-CACHE]]
     """
 
-    def __init__(self, allocator: OwnerLaneAllocator, on_evict: EvictHook | None = None,
+    def __init__(self, allocator: OwnerLaneAllocator | CallerSlots, on_evict: EvictHook | None = None,
                  eviction: str | EvictionPolicy = "lru"):
+        if not isinstance(allocator, (OwnerLaneAllocator, CallerSlots)):
+            raise TypeError(f"PrefixCache runs over an OwnerLaneAllocator or CallerSlots, got {type(allocator).__name__}")
         self.alloc = allocator
+        self.owns_pages = isinstance(allocator, OwnerLaneAllocator)
         self.S, self.N = allocator.page_size, allocator.cp_size
         self.tree = RadixTree(self.S, self.N, allocator.num_pages, eviction)
         self._set_hook(on_evict)
@@ -203,6 +236,7 @@ class PrefixCache:
         Pure, O(N + the walk). Raises :class:`PrefixCacheMisuse` for bad tokens
         or key, or an ``end`` that is not an int >= 0 (``bad-end``).
         [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]"""
+        self._need_allocator("can_allocate")
         tokens, end = _as_tokens(tokens), _as_end(end, "can_allocate")
         hit = self.lookup(tokens, key=key)
         host_len = host.lookup(tokens, hit) if host is not None else 0
@@ -219,6 +253,7 @@ class PrefixCache:
         allocator would pick now. Pure, O(N); the scheduler's reservation of
         what its running requests will take (its inputs are the scheduler's
         own, unchecked)."""
+        self._need_allocator("chain_need")
         S, N = self.S, self.N
         first, stop = -(-length // S), -(-end // S)
         if stop <= first:
@@ -265,8 +300,9 @@ class PrefixCache:
         the returned ``length`` is the one that holds); its path is pinned, and
         a partly matched page is copied into a private page (evicting if
         needed; the copy is dropped, and the match ends at the shared pages,
-        when no page can be had: ``last_deficit`` says why). After shared
-        pages the copy takes the lane that continues their chain.
+        when no page can be had: ``last_deficit`` says why; over
+        :class:`CallerSlots` there is no copy). After shared pages the copy
+        takes the lane that continues their chain.
 
         Returns the :class:`PrefixMatch`, which :meth:`finish` must end once;
         ``last_evicted`` holds what the copy page evicted. Raises
@@ -292,7 +328,7 @@ class PrefixCache:
         self.tree.pin(held, +1, hit=True)
         self.last_evicted = []
         copy_src = copy_dst = _NO_COPY
-        if w.src is not None:
+        if w.src is not None and self.owns_pages:  # over caller slots nothing is copied: the match ends at whole pages
             lane = self.tree.chain_lane(held, w.shared) if held is not None else \
                 self.alloc.lane_for_new_chain(0, prefer=self.tree.lane_of(w.src.slots[w.src_off]))
             self.tree.pin(w.src, +1)  # the source must survive the eviction the copy page may cause
@@ -330,6 +366,7 @@ class PrefixCache:
         ``UnsupportedPagePlan("extends-cached-page")`` for a chain that would
         grow inside a partly filled page the cache holds, before anything is
         evicted. [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]"""
+        self._need_allocator("allocate_extend")
         self._refuse_cached_growth(prefix_lens, seq_lens, last_loc)
         return self._with_eviction(lambda: self.alloc.allocate_extend(prefix_lens, seq_lens, last_loc))
 
@@ -337,6 +374,7 @@ class PrefixCache:
         """The allocator's ``allocate_decode`` (one new token per request;
         ``seq_lens`` include it), evicting, returning and refusing as
         :meth:`allocate_extend` does. [[RFC-0001:C-PREFIX-CACHE]]"""
+        self._need_allocator("allocate_decode")
         seq = int_vector(seq_lens, "seq_lens")
         self._refuse_cached_growth(seq - 1, seq, last_loc)
         return self._with_eviction(lambda: self.alloc.allocate_decode(seq_lens, last_loc))
@@ -438,6 +476,62 @@ class PrefixCache:
             else:
                 m.node, m.shared = node, m.shared + c
         return np.fromiter((n is not None for n in nodes), bool, len(nodes))
+
+    # -- a chain the caller holds ------------------------------------------------------------------
+    def cache_chain(self, tokens, slots, key=None) -> int:
+        """Cache a chain of whole pages that the caller holds (SGLang's
+        ``RadixCache.insert``): ``tokens`` and ``slots`` ``[n]`` (int64, ``n``
+        a multiple of the page size), in namespace ``key``. The tokens the
+        tree holds already keep the tree's slots: their count is returned, and
+        the caller's slots for them stay the caller's (to free, as SGLang's
+        ``insert`` leaves them); the rest become one new unreferenced node,
+        announced to the event sink, and the cache's (freed when evicted).
+        Uses the path now (LRU).
+
+        Over an :class:`~cpkv.contract.allocator.OwnerLaneAllocator` the slots
+        past the held part must be a page chain of allocated pages the cache
+        does not hold, continuing the lane base of the chain they join
+        ([[RFC-0001:C-OWNER-LANE]]); over :class:`CallerSlots` they are values
+        >= 0. Raises :class:`PrefixCacheMisuse`, nothing changed:
+        ``bad-tokens``, ``bad-key``, ``bad-slots``, ``length-mismatch``,
+        ``not-whole-pages``, the page-chain rules of :meth:`finish`
+        (``not-a-page-chain``, ``private-page-not-allocated``,
+        ``private-page-cached``) and ``lane-base-changed`` (a page whose lane
+        is not ``(b + q) % N`` of the chain it would join).
+        [[RFC-0001:C-PREFIX-CACHE]] [[RFC-0001:C-FAIL-FAST]]"""
+        tokens, ns = _as_tokens(tokens), _as_key(key)
+        arr = _int_vector(slots, "slots", "bad-slots")
+        S, n, tree = self.S, tokens.size, self.tree
+        if arr.size != n:
+            raise PrefixCacheMisuse("length-mismatch", f"cache_chain: {n} tokens but {arr.size} slots")
+        if n % S:
+            raise PrefixCacheMisuse("not-whole-pages", f"cache_chain: {n} tokens are not whole pages of {S}")
+        w = tree.walk(tokens, n, ns)
+        held, node, m = w.shared, None, 0
+        if w.path:
+            node, m = w.path[-1]
+        rest = arr[held:]
+        if rest.size:
+            self._check_chains(rest, np.arange(rest.size), "cache_chain")
+            if self.owns_pages:  # page q of the new run lies in the lane after page q - 1's
+                lanes = owner_of(page_of(rest[::S], S), self.N)
+                first = lanes[0] if node is None else (tree.lane_of(node.slots[m * S - 1]) + 1) % self.N
+                if (bad := np.flatnonzero(lanes != (first + np.arange(lanes.size)) % self.N)).size:
+                    raise PrefixCacheMisuse("lane-base-changed", f"cache_chain: the page at position {held // S + bad[0]} "
+                                            f"is in lane {lanes[bad[0]]}, the chain it joins continues in lane "
+                                            f"{(first + bad[0]) % self.N}; a cached chain keeps one lane base")
+        # -- nothing refuses past this line
+        if not rest.size:
+            if node is not None:
+                tree.pin(node, 0)
+            return held
+        if node is None:
+            node = tree.root_of(ns, create=True)
+        elif m * S < len(node.key):
+            node = tree.split(node, m)
+        tree.pin(node, 0)
+        self._attach(node, tokens[held:], rest)
+        return held
 
     # -- the end of a request --------------------------------------------------------------------
     def finish(self, matches: Sequence[PrefixMatch], tokens, slots, counts, *, cache: bool = True) -> None:
@@ -637,6 +731,12 @@ class PrefixCache:
         self.last_evicted = evicted if notify else []
 
     # -- the rules of the ends (read the state, change nothing) ----------------------------------
+    def _need_allocator(self, what: str) -> None:
+        """Raise ``no-allocator`` when the cache runs over :class:`CallerSlots`."""
+        if not self.owns_pages:
+            raise PrefixCacheMisuse("no-allocator", f"{what}: this cache keeps slots its caller manages "
+                                    "(CallerSlots); it allocates nothing")
+
     def _check_match(self, match, what: str) -> None:
         """``match`` is a live match of this cache, or raise."""
         if not isinstance(match, PrefixMatch):
@@ -697,6 +797,10 @@ class PrefixCache:
         and their pages are allocated and not the cache's, or raise. Vectorised."""
         S, n = self.S, slots.size
         if not n:
+            return
+        if not self.owns_pages:  # values the caller manages: only their sign is a rule
+            if slots.min() < 0:
+                raise PrefixCacheMisuse("bad-slots", f"{what}: slots must be >= 0, got {int(slots.min())}")
             return
         pages = page_of(slots, S)
         heads = np.flatnonzero(run_pos % S == 0)  # each page's first position

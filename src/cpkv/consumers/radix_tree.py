@@ -82,10 +82,11 @@ class RadixTree:
     nodes per lane), ``evictable_lanes`` [N] (pages of unreferenced nodes per
     lane; an unreferenced node's whole subtree is unreferenced, so all of them
     can go, leaves first) and ``page_cached`` [num_pages + 1] (whether the tree
-    holds a page).
+    holds a page; ``None`` when ``num_pages`` is ``None``: the slots are values
+    a caller manages, not pages of an allocator, and nothing tracks them).
     """
 
-    def __init__(self, page_size: int, cp_size: int, num_pages: int, policy: str | EvictionPolicy = "lru"):
+    def __init__(self, page_size: int, cp_size: int, num_pages: int | None, policy: str | EvictionPolicy = "lru"):
         self.S, self.N = page_size, cp_size
         self.policy = eviction_policy(policy)
         self._serial = 0
@@ -96,7 +97,7 @@ class RadixTree:
         self.leaves: dict[_Node, None] = {}  # insertion-ordered, so iteration is deterministic
         self.cached_lanes = np.zeros(cp_size, dtype=np.int64)
         self.evictable_lanes = np.zeros(cp_size, dtype=np.int64)
-        self.page_cached = np.zeros(num_pages + 1, dtype=bool)
+        self.page_cached = None if num_pages is None else np.zeros(num_pages + 1, dtype=bool)
 
     def pages_of(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """The distinct pages under ``slots`` (an int tensor or array) and their count per lane."""
@@ -279,8 +280,9 @@ class RadixTree:
             kids = tuple((k, one(c)) for k, c in n.children.items())
             return tuple(n.key.tolist()), tuple(n.slots.tolist()), n.ref, n.last_access, n.hits, n.serial, kids
 
+        cached = None if self.page_cached is None else self.page_cached.tobytes()
         return (tuple((ns, one(r)) for ns, r in self.roots.items()), self.now, self._serial, tuple(self.cached_lanes.tolist()),
-                tuple(self.evictable_lanes.tolist()), self.page_cached.tobytes())
+                tuple(self.evictable_lanes.tolist()), cached)
 
     # -- shape changes (counts kept exact) ---------------------------------------------
     def attach(self, parent: _Node, key: np.ndarray, slots) -> _Node:
@@ -338,7 +340,8 @@ class RadixTree:
         self.cached_lanes += got
         if not held:
             self.evictable_lanes += got
-        self.page_cached[pages[made[run]]] = True
+        if self.page_cached is not None:
+            self.page_cached[pages[made[run]]] = True
         return nodes
 
     def _announce(self, node: _Node, call) -> None:
@@ -377,7 +380,8 @@ class RadixTree:
             del self.roots[parent.ns]  # an emptied namespace leaves no root behind
         self.cached_lanes -= leaf.lanes
         self.evictable_lanes -= leaf.lanes
-        self.page_cached[leaf.pages] = False
+        if self.page_cached is not None:
+            self.page_cached[leaf.pages] = False
 
     def hold_child(self, child: _Node) -> None:
         """One live request whose path ends at ``child``'s parent (and holds

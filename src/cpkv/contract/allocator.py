@@ -43,7 +43,7 @@ from .planner import BatchPlanner, PendingAllocation, _device_tensor
 from .free_lists import AllocatorState, LaneFreeLists, rank_in_lane
 from .inputs import int_scalar, int_vector, usable_device
 from .kv_row import RowPlacement
-from .layout import SharedKVLayout, lane_of_position
+from .layout import SharedKVLayout, lane_base_of_last_loc, lane_of_position
 from .rules import AllocationRules, pages_of
 
 __all__ = ["Allocation", "AllocatorState", "OwnerLaneAllocator", "RowPlacement"]
@@ -55,8 +55,9 @@ class OwnerLaneAllocator:
     ``size`` tokens make ``size // page_size`` usable pages, numbered from 1
     (SGLang's ``size`` and ``page_size``). ``base_policy`` picks lane bases for
     requests without a prefix: ``"least_full"`` (default; the lane-base rule of
-    :func:`~cpkv.contract.plan.choose_lane_bases`) or
-    ``"lane0"`` (a baseline). ``layout``, if given, must agree with
+    :func:`~cpkv.contract.plan.choose_lane_bases`), ``"least_full_lowest"``
+    (SGLang's kv-shard rule: the lane with the most free pages, ties to the
+    lowest) or ``"lane0"`` (a baseline). ``layout``, if given, must agree with
     ``page_size`` and ``cp_size`` and hold every page. Results are torch
     tensors on ``device``, which must be usable here (``ValueError``
     otherwise). ``need_sort`` (SGLang's flag): keep every lane's free list
@@ -139,6 +140,8 @@ class OwnerLaneAllocator:
             return int(lane_of_position(0, position, N))
         if N == 1:
             return 0
+        if self.base_policy == "least_full_lowest":  # SGLang's kv-shard rule: the most free, ties to the lowest
+            return int(lane_of_position(int(np.argmax(free)), position, N))
         rem = None if pages is None else int(pages) % N
         if prefer is not None and rem != 0 and free[prefer] == free.max():
             return int(prefer)
@@ -290,7 +293,8 @@ class OwnerLaneAllocator:
             self._lists.put(pages[::-1])
 
     # -- extend / decode ----------------------------------------------------------------------
-    def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None, *, last_loc_gen=None):
+    def allocate_extend(self, prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens=None, *, last_loc_gen=None,
+                        lane_bases=None):
         """Allocate the new slots of a batch on owner lanes, with the batch plan.
 
         ``prefix_lens_cpu``, ``seq_lens_cpu``, ``last_loc`` ``[bs]``
@@ -313,10 +317,22 @@ class OwnerLaneAllocator:
         stamp (``stale-last-loc``). Without it, a ``last_loc`` kept from a
         request whose page was freed and refilled by another request to the
         same mark and chain position cannot be told from the new owner's.
+
+        ``lane_bases [bs]`` (optional; SGLang's kv-shard ``rotation_bases``):
+        each request's lane base, or -1 where the ``base_policy`` picks it (the
+        pages of the batch's earlier requests counted). A fresh request takes
+        the base given; a request with a prefix must be given the base its
+        ``last_loc`` continues, ``(owner(last_loc) - (prefix - 1) // S) mod
+        N``, or -1 (``lane-base-changed`` otherwise: another base would put its
+        new pages on lanes that break its chain's owner lanes,
+        [[RFC-0001:C-OWNER-LANE]]); a base outside ``[-1, N)`` is
+        ``lane-base-out-of-range``. The bases used are the result's
+        ``lane_base``.
         """
         prefix, seq, last = self._lengths(prefix_lens_cpu, seq_lens_cpu, last_loc)
         gen = self._gens(last_loc_gen, seq.size)
         has, last_page = self._rules.check_extend(prefix, seq, last)
+        wanted = self._wanted_bases(lane_bases, prefix, last, seq.size)
         self._rules.check_capacity(prefix, seq, False if has is None else has, last_page)
         if has is not None:
             self._rules.check_chain(prefix, last, gen)
@@ -325,7 +341,7 @@ class OwnerLaneAllocator:
             raise UnsupportedPagePlan(
                 "extend-num-tokens", f"extend_num_tokens={extend_num_tokens} but seq_lens - prefix_lens sum to {total}"
             )
-        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page))
+        return self._commit(self._planner.extend(prefix, seq, last, total, has, last_page, wanted))
 
     def allocate_decode(self, seq_lens_cpu, last_loc, *, last_loc_gen=None) -> Allocation | None:
         """One new token per request (``seq_lens`` include it; ``last_loc`` is
@@ -342,6 +358,26 @@ class OwnerLaneAllocator:
         seq, last = int_vector(seq_lens_cpu, "seq_lens"), int_vector(last_loc, "last_loc")
         gen = self._gens(last_loc_gen, seq.size)
         return self._commit(self._planner.decode(seq, last, gen))
+
+    def _wanted_bases(self, lane_bases, prefix: np.ndarray, last: np.ndarray, bs: int) -> np.ndarray | None:
+        """``lane_bases`` checked (see :meth:`allocate_extend`): None when no base is given."""
+        if lane_bases is None:
+            return None
+        wanted, N = int_vector(lane_bases, "lane_bases").copy(), self.cp_size
+        if wanted.size != bs:
+            raise UnsupportedPagePlan("mismatched-lengths", f"{bs} requests but {wanted.size} lane_bases")
+        if wanted.size and (wanted.min() < -1 or wanted.max() >= N):
+            r = int(((wanted < -1) | (wanted >= N)).nonzero()[0][0])
+            raise UnsupportedPagePlan("lane-base-out-of-range", f"lane base {wanted[r]} not in [0, {N}) or -1", r)
+        has = (prefix > 0) & (wanted >= 0)
+        if np.count_nonzero(has):
+            implied = lane_base_of_last_loc(np.where(has, last, 0), prefix, self.page_size, N)
+            if (bad := has & (wanted != implied)).any():
+                r = int(bad.nonzero()[0][0])
+                raise UnsupportedPagePlan(
+                    "lane-base-changed", f"lane base {wanted[r]} given, but last_loc {last[r]} continues a chain of "
+                    f"lane base {implied[r]}: the new pages would leave its owner lanes", r)
+        return wanted if np.count_nonzero(wanted >= 0) else None
 
     @staticmethod
     def _gens(last_loc_gen, bs: int) -> np.ndarray | None:

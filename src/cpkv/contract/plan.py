@@ -18,7 +18,7 @@ import numpy as np
 from . import layout
 from .layout import floor_mod
 
-BASE_POLICIES = ("least_full", "lane0")
+BASE_POLICIES = ("least_full", "least_full_lowest", "lane0")
 
 
 def sequential_lane_bases(fixed_bases, has_prefix, first_positions, new_pages, lane_free, cp_size: int,
@@ -80,6 +80,27 @@ def sequential_lane_bases(fixed_bases, has_prefix, first_positions, new_pages, l
     return np.array(bases, dtype=np.int64), c
 
 
+def lowest_tie_lane_bases(fixed_bases, has_prefix, first_positions, new_pages, lane_free,
+                          cp_size: int) -> np.ndarray:
+    """SGLang's kv-shard rule (``least_full_lowest``), request by request:
+    a request with a fixed base keeps ``fixed_bases[r]``; a fresh one takes
+    the lane with the most free pages, ties to the lowest lane, the pages of
+    the requests before it in the batch counted (SGLang's
+    ``PageInterleavePoolAllocator.alloc_extend`` resolving a ``None``
+    rotation base). Same arguments as :func:`sequential_lane_bases`; no
+    cursor. O(bs * N) on host ints. [[RFC-0001:C-REQUEST-RELATIVE]]"""
+    N = cp_size
+    free = [int(f) for f in lane_free]
+    bases = [int(b) for b in fixed_bases]
+    for r, (h, q, n) in enumerate(zip(has_prefix, first_positions, new_pages)):
+        if not h:
+            bases[r] = max(range(N), key=lambda lane: (free[lane], -lane))
+        start, n = bases[r] + int(q), int(n)
+        for lane in range(N):  # a chain of n pages from lane `start` takes n // N of every lane, one more of n % N
+            free[lane] -= n // N + ((lane - start) % N < n % N)
+    return np.array(bases, dtype=np.int64)
+
+
 def _complete_groups(has: list[bool], k: list[int], N: int) -> dict[int, int]:
     """The complete round groups of :func:`sequential_lane_bases`: the index of
     each one's first request -> the index after its last."""
@@ -135,8 +156,10 @@ def choose_lane_bases(fixed_bases: np.ndarray | None, has_prefix: np.ndarray | N
                       cursor: int = 0) -> tuple[np.ndarray, int]:
     """Lane base of every request of a batch and the cursor after it, ``(bases
     [bs] int64, cursor)``, under ``policy``: ``least_full`` is the rule of
-    :func:`sequential_lane_bases` (same arguments); ``lane0`` (the comparison
-    baseline) gives every fresh request base 0 and keeps the cursor.
+    :func:`sequential_lane_bases` (same arguments); ``least_full_lowest``
+    SGLang's kv-shard rule, :func:`lowest_tie_lane_bases` (the cursor is
+    kept); ``lane0`` (the comparison baseline) gives every fresh request base
+    0 and keeps the cursor.
     ``has_prefix`` None says no request has a prefix (``fixed_bases`` and
     ``first_positions`` are not read then).
 
@@ -158,6 +181,11 @@ def choose_lane_bases(fixed_bases: np.ndarray | None, has_prefix: np.ndarray | N
         return fixed_bases, cursor
     elif policy == "lane0":
         return np.where(has_prefix, fixed_bases, 0), cursor
+    if policy == "least_full_lowest":
+        if has_prefix is None:
+            fixed_bases = has_prefix = first_positions = np.zeros(m, dtype=np.int64)
+        return lowest_tie_lane_bases(fixed_bases, has_prefix, np.broadcast_to(first_positions, (m,)), new_pages,
+                                     lane_free, N), cursor
     rem = floor_mod(new_pages, N)
     if has_prefix is None:
         moving, fixed_moving = np.count_nonzero(rem), 0

@@ -101,22 +101,31 @@ class BatchPlanner:
             self._iota_cache = np.arange(max(n, 2 * self._iota_cache.size), dtype=np.int64)
         return self._iota_cache
 
-    def extend(self, prefix, seq, last, total: int, has, last_page) -> PendingAllocation | np.ndarray:
+    def extend(self, prefix, seq, last, total: int, has, last_page, wanted=None) -> PendingAllocation | np.ndarray:
         """An extend batch that passed :meth:`AllocationRules.check_extend` and
         ``check_capacity`` (``total`` new tokens): the :class:`PendingAllocation`, or the
-        per-lane deficit when some lane lacks pages."""
+        per-lane deficit when some lane lacks pages. ``wanted [bs]`` (checked; None for none): a request's
+        given lane base, -1 where the policy picks."""
         S, N, lists = self.S, self.N, self.lists
         # request level: lane bases and pages per lane  [[RFC-0001:C-REQUEST-RELATIVE]]
         fresh = has is None
         n_new = floor_div(seq + (S - 1), S)
         if fresh:  # no request has a prefix
             ext, first_new = seq, 0
-            base, cursor = plan.choose_lane_bases(None, None, 0, n_new, lists.free, N, self.base_policy, lists.cursor)
+            if wanted is None:
+                base, cursor = plan.choose_lane_bases(None, None, 0, n_new, lists.free, N, self.base_policy,
+                                                      lists.cursor)
+            else:  # the given bases are fixed, the rule picks the rest
+                given = wanted >= 0
+                base, cursor = plan.choose_lane_bases(np.maximum(wanted, 0), given, np.zeros_like(seq), n_new,
+                                                      lists.free, N, self.base_policy, lists.cursor)
         else:
             ext, first_new = seq - prefix, floor_div(prefix + (S - 1), S)
             n_new -= first_new
-            fixed = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0)
-            base, cursor = plan.choose_lane_bases(fixed, has, first_new, n_new, lists.free, N, self.base_policy,
+            fixed, kept = np.where(has, lane_base_of_last_loc(last, prefix, S, N), 0), has
+            if wanted is not None:  # a given base of a request with a prefix is the one its last_loc continues
+                fixed, kept = np.where(has, fixed, np.maximum(wanted, 0)), has | (wanted >= 0)
+            base, cursor = plan.choose_lane_bases(fixed, kept, first_new, n_new, lists.free, N, self.base_policy,
                                                   lists.cursor)
         ends = n_new.cumsum()
         starts = ends - n_new

@@ -3,9 +3,12 @@
 :class:`SGLangAllocator` speaks the call shapes of SGLang's paged allocators
 (``alloc_extend``, ``alloc_decode``, ``alloc``, ``free``,
 ``free_segment(s)``, ``get_num_new_pages``, ``available_size``, ``clear`` and
-the retraction copies ``get_cpu_copy`` / ``load_cpu_copy``), each with
-SGLang's meaning under owner lanes (where a lane changes it, the docstring
-says so). It holds no allocator state of its own (only the last
+the retraction copies ``get_cpu_copy`` / ``load_cpu_copy``) and of its
+kv-shard allocator (``rotation_bases``, ``least_full_class``,
+``class_free_pages``, ``aggregate_free_size``), each with SGLang's meaning
+under owner lanes (where a lane changes it, the docstring says so);
+:class:`SGLangKVShardAllocator` is built as SGLang builds that kv-shard
+allocator and numbers pages as it does. It holds no allocator state of its own (only the last
 :class:`~cpkv.contract.allocation.Allocation` it made, whose slots SGLang's
 calls return): every call answers or changes state through the public verbs
 of the :class:`~cpkv.contract.allocator.OwnerLaneAllocator` it wraps
@@ -14,6 +17,8 @@ of the :class:`~cpkv.contract.allocator.OwnerLaneAllocator` it wraps
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -64,7 +69,10 @@ class SGLangAllocator:
     @classmethod
     def over(cls, allocator: OwnerLaneAllocator, *, kvcache=None, dtype: torch.dtype | None = None,
              cp_rank: int = 0) -> SGLangAllocator:
-        """The adapter over an existing core (which keeps every state)."""
+        """The adapter over an existing core (which keeps every state); ``SGLangAllocator``'s only (a kv-shard
+        allocator builds its own core: ``TypeError``)."""
+        if cls is not SGLangAllocator:
+            raise TypeError(f"{cls.__name__} builds its own core; over() makes an SGLangAllocator")
         if not isinstance(allocator, OwnerLaneAllocator):
             raise TypeError(f"SGLangAllocator.over takes an OwnerLaneAllocator, got {type(allocator).__name__}")
         adapter = cls.__new__(cls)
@@ -126,6 +134,18 @@ class SGLangAllocator:
     def class_free_page_counts(self) -> list[int]:
         """Free pages per lane (SGLang's kv-shard allocator's name)."""
         return self.allocator.lane_free_pages()
+
+    def least_full_class(self) -> int:
+        """SGLang's kv-shard rule for a new chain's lane base: the lane with the
+        most free pages, ties to the lowest (whatever ``base_policy`` the
+        allocator runs; ``base_policy="least_full_lowest"`` makes a ``None``
+        rotation base resolve the same way). Changes nothing."""
+        return int(np.argmax(self.allocator.lane_free_pages()))
+
+    def aggregate_free_size(self) -> int:
+        """Free tokens over every lane (SGLang's kv-shard allocator's name): not
+        what fits one request, which :meth:`available_size` says."""
+        return self.page_size * int(sum(self.allocator.lane_free_pages()))
 
     def get_kvcache(self):
         """The KV cache given at construction (SGLang's call sites read it)."""
@@ -195,26 +215,42 @@ class SGLangAllocator:
     # -- extend and decode --------------------------------------------------------------
     def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                      seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
-                     num_new_pages: int | None = None, *, last_loc_gen=None) -> torch.Tensor | None:
+                     num_new_pages: int | None = None, rotation_bases: list | None = None, *,
+                     last_loc_gen=None) -> torch.Tensor | None:
         """SGLang's paged ``alloc_extend``: ``out_cache_loc [extend_num_tokens]``
         or ``None`` when a lane is short (state unchanged; the core's
         ``last_deficit`` says where). The device copies are checked for kind
         and length, never read; the full plan is :attr:`last_allocation`.
         ``num_new_pages`` (SGLang's precomputed :meth:`get_num_new_pages`), if
         given, must match the lengths (rule ``num-new-pages``). Refusals and
-        ``last_loc_gen``: :meth:`OwnerLaneAllocator.allocate_extend`."""
+        ``last_loc_gen``: :meth:`OwnerLaneAllocator.allocate_extend`.
+
+        ``rotation_bases`` (SGLang's kv-shard allocator): a list, one entry per
+        request, the lane base its chain takes (an int, taken mod N) or
+        ``None`` for a fresh chain, whose base the allocator's ``base_policy``
+        picks at that request's turn (the earlier requests' pages counted) and
+        writes back into the list, as SGLang resolves them in place (only on
+        success). A request with a prefix must be given the base its
+        ``last_loc`` continues: another one is ``lane-base-changed``, refused
+        before anything changes; ``None`` there takes that base.
+        [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-REQUEST-RELATIVE]]"""
         _device_copies(prefix_lens, prefix_lens_cpu, "prefix_lens")
         _device_copies(seq_lens, seq_lens_cpu, "seq_lens")
         if num_new_pages is not None:
             want = self.get_num_new_pages(seq_lens_cpu, prefix_lens=prefix_lens_cpu)
             if int_scalar(num_new_pages, "num_new_pages") != want:
                 raise UnsupportedPagePlan("num-new-pages", f"num_new_pages={num_new_pages} but the lengths add {want}")
+        wanted = None if rotation_bases is None else _given_bases(rotation_bases, self.cp_size)
         alloc = self.allocator.allocate_extend(prefix_lens_cpu, seq_lens_cpu, last_loc,
                                                int_scalar(extend_num_tokens, "extend_num_tokens"),
-                                               last_loc_gen=last_loc_gen)
+                                               last_loc_gen=last_loc_gen, lane_bases=wanted)
         if alloc is None:
             return None
         self.last_allocation = alloc
+        if rotation_bases is not None:  # SGLang reads the resolved bases back from its list
+            used = alloc.to_host("lane_base")
+            for i in np.flatnonzero(wanted < 0).tolist():
+                rotation_bases[i] = int(used[i])
         return alloc.out_cache_loc
 
     def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, *,
@@ -411,6 +447,14 @@ class SGLangAllocator:
         return row_lane_base(s, core.page_size, core.cp_size)
 
 
+def _given_bases(rotation_bases, n: int) -> np.ndarray:
+    """SGLang's ``rotation_bases`` list as the core's ``lane_bases``: an int mod ``n``, -1 for ``None``."""
+    if not isinstance(rotation_bases, list):
+        raise TypeError(f"rotation_bases is a list (SGLang resolves it in place), got {type(rotation_bases).__name__}")
+    return np.array([-1 if b is None else int_scalar(b, "rotation_bases") % n for b in rotation_bases],
+                    dtype=np.int64)
+
+
 def _rank_in(rank, n: int) -> int:
     rank = int_scalar(rank, "cp_rank")
     if not 0 <= rank < n:
@@ -450,3 +494,121 @@ def _device_copies(device_copy, host_copy, name: str) -> None:
     size = (lambda x: x.shape[0] if isinstance(x, (torch.Tensor, np.ndarray)) else len(x))
     if size(device_copy) != size(host_copy):
         raise UnsupportedPagePlan("mismatched-lengths", f"device and cpu copies of {name} differ in size")
+
+
+#: SGLang's kv-shard allocator module: when it is loaded, :class:`SGLangKVShardAllocator` registers with its class.
+SGLANG_KV_SHARD = "sglang.srt.mem_cache.allocator.page_interleave"
+
+
+class SGLangKVShardAllocator(SGLangAllocator):
+    """cpkv where SGLang builds its kv-shard allocator (``PageInterleavePoolAllocator``,
+    server option enable-kv-cache-sharding), built as SGLang builds it:
+    ``(size, physical_page_size, shard_size, dtype, device, kvcache,
+    need_sort, shard_spec=None)``, ``size`` the token slots of ONE rank;
+    ``cp_rank`` / ``cp_group`` as :class:`SGLangAllocator` takes them, and
+    ``base_policy`` (default ``"least_full_lowest"``, SGLang's rule for a
+    ``None`` rotation base).
+
+    Pages are numbered as SGLang numbers them: logical page ``l`` lies on rank
+    ``l % N`` at local page ``l // N``, and pages ``0 .. N-1`` (local page 0
+    of every rank) are never handed out: SGLang's kv-shard pool reads loc
+    ``0 .. N*ps - 1`` as its padding range. So each lane holds
+    ``size // physical_page_size`` pages, local pages ``1 ..`` of its rank;
+    ``size`` reads ``N`` times the given one (the logical slots, SGLang's
+    reading) and ``num_pages`` the usable pages. A free that names pages
+    ``0 .. N-1`` is refused (``InvalidFree`` ``free-out-of-range``); ``clear``
+    keeps them out. ``shard_size`` is N: where SGLang's module is loaded the
+    class is registered as a virtual subclass of its
+    ``PageInterleavePoolAllocator``, so SGLang's ``page_interleave_shard_size``
+    and its scheduler's kv-shard branches read it. Unlike SGLang's, ``alloc``
+    and ``alloc_decode`` allocate (on owner lanes) and a prefix need not end on
+    a page boundary. ``shard_size`` must be at least 2 (SGLang's
+    assertion; at one rank, :class:`SGLangAllocator`).
+    [[RFC-0001:C-OWNER-LANE]] [[RFC-0001:C-FAIL-FAST]]"""
+
+    def __init__(self, size: int, physical_page_size: int, shard_size: int, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", kvcache=None, need_sort: bool = False, shard_spec=None, *,
+                 cp_rank: int | None = None, cp_group=None, base_policy: str = "least_full_lowest"):
+        n, S = int_scalar(shard_size, "shard_size"), int_scalar(physical_page_size, "physical_page_size")
+        if n < 2:
+            raise ValueError(f"shard_size must be >= 2 (SGLang's kv-shard allocator), got {n}; at one rank use "
+                             "SGLangAllocator")
+        if S < 1:
+            raise ValueError(f"physical_page_size must be >= 1, got {S}")
+        per_rank = int_scalar(size, "size") // S
+        if per_rank < 1:
+            raise ValueError(f"size {size} holds no page of {S} tokens on a rank")
+        # one more local page per rank (local page 0), of which the pages 1 .. N-1 are held out below
+        super().__init__(((per_rank + 1) * n - 1) * S, S, dtype, device, kvcache, need_sort, cp_size=n,
+                         cp_rank=cp_rank, cp_group=cp_group, base_policy=base_policy)
+        self.shard_spec, self._per_rank = shard_spec, per_rank
+        self._hold_out_padding_pages()
+        _register_with_sglang()
+
+    def _hold_out_padding_pages(self) -> None:
+        """Take pages ``1 .. N-1`` (local page 0 of ranks 1 .. N-1: the head of each lane of a cleared core) for
+        good, so no call hands them out."""
+        held = self.allocator.alloc_pages_with_owners(np.arange(1, self.cp_size))
+        assert held is not None and held.tolist() == list(range(1, self.cp_size)), "a cleared core's lane heads"
+
+    @property
+    def size(self) -> int:
+        """Logical token slots, ``N`` times one rank's (SGLang's kv-shard ``size``)."""
+        return self._per_rank * self.page_size * self.cp_size
+
+    @property
+    def size_full(self) -> int:
+        """SGLang's ``size_full``: :attr:`size`."""
+        return self.size
+
+    @property
+    def num_pages(self) -> int:
+        """Usable pages, ``N`` times one rank's."""
+        return self._per_rank * self.cp_size
+
+    @property
+    def shard_size(self) -> int:
+        """N, what SGLang's ``page_interleave_shard_size`` reads."""
+        return self.cp_size
+
+    @property
+    def physical_page_size(self) -> int:
+        """Tokens per page (SGLang's kv-shard name; ``page_size`` is the same)."""
+        return self.page_size
+
+    def clear(self) -> None:
+        """Every page free, pages ``0 .. N-1`` still held out."""
+        self.allocator.clear()
+        self._hold_out_padding_pages()
+
+    def free(self, free_index) -> None:
+        """:meth:`SGLangAllocator.free`, refusing (``InvalidFree``
+        ``free-out-of-range``, nothing freed) a slot on pages ``0 .. N-1``."""
+        s = int_vector(free_index, "free_index")
+        s = s[s != self.allocator.layout.padding_value]
+        if s.size and (s < self.cp_size * self.page_size).any():
+            raise InvalidFree("free-out-of-range", f"pages 0..{self.cp_size - 1} are SGLang's padding range, never "
+                              "handed out")
+        super().free(s)
+
+    def free_page_ids(self, page_ids) -> None:
+        """:meth:`SGLangAllocator.free_page_ids`, refusing pages ``0 .. N-1`` as :meth:`free` does."""
+        p = int_vector(page_ids, "page_ids")
+        if p.size and (p < self.cp_size).any():
+            raise InvalidFree("free-out-of-range", f"pages 0..{self.cp_size - 1} are SGLang's padding range, never "
+                              "handed out")
+        super().free_page_ids(p)
+
+    def alloc_cyclic(self, start_class: int, need_size: int) -> torch.Tensor | None:
+        """SGLang's ``alloc_cyclic`` (its HiCache loads whole pages back this way): :meth:`alloc` of
+        ``need_size`` tokens whose pages cycle the lanes from ``start_class`` (taken mod N)."""
+        return self.alloc(need_size, first_lane=int_scalar(start_class, "start_class") % self.cp_size)
+
+
+def _register_with_sglang() -> None:
+    """Register :class:`SGLangKVShardAllocator` as a virtual subclass of SGLang's kv-shard allocator class when
+    SGLang's module is loaded (its isinstance checks then see cpkv's allocator there); cpkv never imports it."""
+    mod = sys.modules.get(SGLANG_KV_SHARD)
+    cls = getattr(mod, "PageInterleavePoolAllocator", None)
+    if cls is not None and not issubclass(SGLangKVShardAllocator, cls):
+        cls.register(SGLangKVShardAllocator)

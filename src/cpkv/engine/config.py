@@ -78,7 +78,11 @@ class RunConfig:
     step, a publisher of the prefix cache's KV events in vLLM's format
     (``None``: no events), ``kv_events_replay`` where it binds vLLM's replay
     socket (``None``: none), keeping ``kv_events_buffer`` batches for replay
-    ([[RFC-0001:C-KV-EVENTS]]).
+    ([[RFC-0001:C-KV-EVENTS]]); with ``kv_events_relay`` (the
+    :attr:`~cpkv.consumers.kv_events_zmq.KVEventPublisher.relay_endpoint` of
+    a publisher another process bound on those endpoints: ``cpkv run``'s
+    launcher, before anything slow) rank 0 binds nothing and hands its batches
+    there.
     ``device`` where the model and the KV cache live (``"cpu"``, or
     ``"cuda"``: each rank's KV segment on its GPU, :mod:`cpkv.runtime.device`;
     not yet run on hardware); ``kernels`` the data plane, ``"torch"``
@@ -113,6 +117,7 @@ class RunConfig:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_buffer: int = 10_000
+    kv_events_relay: str | None = None
     device: str = "cpu"
     kernels: str | None = None
     wait_for_prefix: bool = True

@@ -152,15 +152,18 @@ def connect_kv_events(sched: Scheduler, publisher) -> KVEventSink:
 
 @contextmanager
 def kv_event_publisher(cfg: EngineConfig, rank: int):
-    """Rank 0's publisher bound on ``cfg.kv_events`` and its replay socket on
-    ``cfg.kv_events_replay`` (``None`` elsewhere, or without ``kv_events``),
-    closed on the way out, error or not."""
+    """Rank 0's publisher: a :class:`~cpkv.consumers.kv_events_zmq.KVEventRelay`
+    to ``cfg.kv_events_relay`` (the sockets bound by the launcher), or else one
+    bound here on ``cfg.kv_events`` with its replay socket on
+    ``cfg.kv_events_replay``; ``None`` elsewhere, or without ``kv_events``.
+    Closed on the way out, error or not."""
     if not cfg.kv_events or rank != 0:
         yield None
         return
-    from ..consumers.kv_events_zmq import KVEventPublisher
+    from ..consumers.kv_events_zmq import KVEventPublisher, KVEventRelay
 
-    pub = KVEventPublisher(cfg.kv_events, cfg.kv_events_replay, buffer_steps=cfg.kv_events_buffer)
+    pub = KVEventRelay(cfg.kv_events_relay) if cfg.kv_events_relay else \
+        KVEventPublisher(cfg.kv_events, cfg.kv_events_replay, buffer_steps=cfg.kv_events_buffer)
     try:
         yield pub
     finally:

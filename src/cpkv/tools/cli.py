@@ -263,7 +263,8 @@ def _add_run(sub) -> None:
                         "message per rank pair and transfer; prints the bytes per rank pair and the transfer time")
     r.add_argument("--decode-page", type=positive, default=None, metavar="S",
                    help="with --disagg: the decode group's page size (default --page)")
-    add_kv_events_flags(r, "the group's caches' (rank 0 binds)")
+    add_kv_events_flags(r, "the group's caches' (bound as the command starts, before anything slow; rank 0 relays "
+                           "its batches there)")
     r.add_argument("--plot", metavar="FILE.png", type=output_file(".png", ".pdf", ".svg"),
                    help="write device lane occupancy and host occupancy over steps")
     r.add_argument("--json", action="store_true",
@@ -331,13 +332,28 @@ def _what_it_finished(name: str, e: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpkv`` console command (and ``python -m cpkv``);
-    returns the exit code (see the module docstring)."""
+    returns the exit code (see the module docstring). ``cpkv run --kv-events``
+    binds its sockets first, before anything slow
+    (:func:`~cpkv.tools.kv_events_start.bind_at_start`); they close when the
+    command ends."""
+    from .kv_events_start import bind_at_start
+
+    publisher = bind_at_start(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv, publisher)
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+def _main(argv: list[str] | None, publisher) -> int:
     from ..runtime.group import RankFailure
 
     parser = build_parser()
     name = "cpkv"
     try:
         args = parser.parse_args(argv)
+        args.kv_publisher = publisher
         name = f"cpkv {args.cmd}"
         if getattr(args, "validate", None):
             args.validate(args, _subparser(parser, args.cmd))

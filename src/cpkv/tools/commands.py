@@ -335,7 +335,9 @@ def cmd_bytes(args) -> int:
 def run_config(args):
     """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
     (``--cp`` not given: the default group size), not yet sized; with
-    ``--decode-split auto``, the run's cost model to choose each step by."""
+    ``--decode-split auto``, the run's cost model to choose each step by; with
+    the KV event sockets bound at the start (``args.kv_publisher``), rank 0
+    relays its batches there."""
     import dataclasses
 
     from ..engine.config import EngineConfig
@@ -350,7 +352,8 @@ def run_config(args):
         requests=args.requests, scale=args.scale, seed=args.seed, model=model_config(args.model, seed=args.seed),
         kv_dtype=args.kv_dtype, check=args.check, check_plans=args.check_plans, timeout=args.timeout,
         progress=not (args.json or args.no_progress), kv=args.kv, kv_events=args.kv_events,
-        kv_events_replay=args.kv_events_replay, kv_events_buffer=args.kv_events_buffer, device=args.device,
+        kv_events_replay=args.kv_events_replay, kv_events_buffer=args.kv_events_buffer,
+        kv_events_relay=getattr(getattr(args, "kv_publisher", None), "relay_endpoint", None), device=args.device,
         kernels=args.kernels, block_tokens=args.block_tokens,
         window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
         wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction,
@@ -424,7 +427,9 @@ def validate_run(args, parser) -> None:
         parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     if args.kv_events is not None and args.disagg is not None:
         parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
-    refuse_unless_kv_events_bind(parser, args)
+    from .kv_events_start import refuse_unless_bound
+
+    refuse_unless_bound(parser, args)
     cfg = run_config(args)  # sized below, at launch (for --disagg, for its world)
     ranks, flag = (args.disagg[0], "the prefill ranks of --disagg") if args.disagg else (cfg.cp_size, "--cp")
     if args.prefill_split == "interleave" and ranks > 1 and args.chunk < ranks:
