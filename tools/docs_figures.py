@@ -14,7 +14,8 @@ writes its standard output between the markers. Two kinds:
 - ``figure:`` deterministic (counts, hit rates, lane gaps, bytes): the same code prints the same text on any
   machine; ``tests/docs/test_docs_figures.py`` re-runs each one and fails when the docs and the code disagree.
 - ``figure timed:`` timings, which no two runs repeat: the script writes them with the date and the machine they
-  were measured on, and no test compares them.
+  were measured on; ``tests/docs/test_docs_figures.py`` runs each one's command at a small size (one timed round,
+  :func:`small_command`) and compares every count it prints (:func:`counts`), not the times.
 
 Usage: ``python tools/docs_figures.py [--only deterministic|timed] [--check] [--match TEXT] [FILE ...]``;
 ``--check`` rewrites nothing and exits 1 when a figure differs from what its command prints now."""
@@ -82,6 +83,54 @@ def run(command: str, timeout: float = 1800) -> str:
     if r.returncode != 0:
         raise RuntimeError(f"{command} exited {r.returncode}:\n{r.stderr[-3000:]}")
     return r.stdout.rstrip("\n") + "\n"
+
+
+#: The name of a column, or the label of a report line, that holds a time, a ratio of times, or the rounds that
+#: set them: its figures are not counts.
+TIMED = re.compile(r"\bms\b|\bus\b|\bs\b|/s\b|speed|ratio|^vs\b|per second|\bcpu\b|\bmet\b|TTFT|TPOT|\btime\b|"
+                   r"behind|wait|rounds|^cp\d+/")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+#: In prose (a title, a summary line): a number that is a time, the rounds, or the machine's load.
+PROSE_TIME = re.compile(r"-?\d[\d,.]*\s*(?:ms|s|us|min|step/s)\b|\d+ (?:interleaved )?rounds|median of \d+|"
+                        r"load average [\d./ ]+")
+
+
+def counts(text: str) -> list[str]:
+    """Every count a figure's text prints, in order, each with where it stands (a table's column, a report
+    line's label): each table's columns and every number but the times (in a column or on a report line that
+    :data:`TIMED` names, a time in prose). What a timed figure is compared on.
+
+    A table is a line of column names (three or more, or indented: right-aligned, as
+    :func:`cpkv.tools.table.format_rows` writes them; no number among them) followed by rows of as many cells,
+    or one more (a row's label first); a report line is a label and a value, two or more spaces apart."""
+    lines = text.splitlines()
+    out, header = [], None
+    for i, line in enumerate(lines):
+        cells = re.split(r"\s{2,}", line.strip())
+        if header is not None and len(cells) in (len(header), len(header) + 1):
+            named = list(zip(header if len(cells) == len(header) else ["row", *header], cells))
+            out += [f"{h}={c}" for h, c in named if not TIMED.search(h)]
+            continue
+        header = None
+        following = next((x for x in lines[i + 1:] if x.strip()), "")
+        width = len(re.split(r"\s{2,}", following.strip()))
+        if ((len(cells) >= 3 or line.startswith(" ")) and len(cells) >= 2 and width in (len(cells), len(cells) + 1)
+                and not any(NUMBER.fullmatch(c) for c in cells)):
+            header = cells
+            out.append("columns: " + " | ".join(cells))
+        elif len(cells) == 2:
+            out.append(cells[0] if TIMED.search(cells[0]) else f"{cells[0]}={cells[1]}")
+        elif line.strip():
+            out.append(PROSE_TIME.sub("<time>", line.strip()))
+    return out
+
+
+def small_command(command: str) -> str:
+    """A timed figure's command at a small size that prints the same counts: a benchmark with one timed round."""
+    words = shlex.split(command)
+    if words[1:2] == ["bench"] and "--repeats" not in words and words[2:3] != ["kernels"]:
+        words += ["--repeats", "1"]
+    return shlex.join(words)
 
 
 def machine() -> str:

@@ -30,6 +30,9 @@ if __name__ == "__main__":
 
         ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 
-    from .tools.cli import main
-
+    try:
+        from .tools.cli import main
+    except KeyboardInterrupt:  # Ctrl-C while the command's first modules load: one line, as from main()
+        print("cpkv: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

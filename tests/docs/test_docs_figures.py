@@ -1,7 +1,9 @@
 """The figures of README.md and docs/ are what their commands print (``make docs-figures``, ``tools/docs_figures.py``).
 
 Each deterministic figure (counts, hit rates, lane gaps, bytes) is re-run here and compared, whole; each timed
-one must say when and where it was measured. The rewriting itself is checked on a made-up page."""
+one must say when and where it was measured, and its command, run at a small size (one timed round), prints the
+counts it shows (every number but the times: ``docs_figures.counts``). The rewriting itself is checked on a
+made-up page."""
 
 import importlib.util
 import re
@@ -51,6 +53,42 @@ def test_each_deterministic_figure_is_what_its_command_prints_now(fig):
     printed = docs_figures.run(fig.command, timeout=600)
     assert printed == fig.printed, (f"{_ID(fig)} differs from what the command prints now; run "
                                     f"`make docs-figures FIGURES=deterministic`:\n{printed}")
+
+
+TIMED = [f for f in FIGURES if f.timed]
+#: Timed figures whose small command takes seconds (one round of a benchmark); the others (a CP group's runs, the
+#: Mooncake replay, the scheduler's 3 GB matrix, the split benchmark's groups, the engine's) run with the slow tests.
+QUICK = ("cpkv bench alloc", "cpkv bench kv", "cpkv bench plan")
+
+
+@pytest.mark.parametrize("fig", [pytest.param(f, id=_ID(f), marks=() if f.command in QUICK else pytest.mark.slow)
+                                 for f in TIMED])
+def test_each_timed_figure_shows_the_counts_its_command_prints_now(fig):
+    small = docs_figures.small_command(fig.command)
+    printed = docs_figures.run(small, timeout=1800)
+    assert docs_figures.counts(printed) == docs_figures.counts(fig.printed), (
+        f"{_ID(fig)}: its counts (or its table's columns) differ from what `{small}` prints now; run `python "
+        f"tools/docs_figures.py --only timed --match {fig.command.split(' ', 1)[1]!r}`:\n{printed}")
+
+
+def test_counts_keep_every_count_and_no_time():
+    text = ("plan: 4 layers; median of 7 interleaved rounds; load average 2.05 / 2.34\n"
+            "  phase  layers  syncs per layer  step ms  vs before\n"
+            "prefill       4           12.750   1047.0      1.000\n"
+            "requests                  24 of 24 finished in 134 steps\n"
+            "generated tokens per second   48.2 (5.56 s)\n"
+            "24/24 requests, 21 transfers, transfer time 326.7 ms\n")
+    assert docs_figures.counts(text) == [
+        "plan: 4 layers; <time> interleaved rounds; <time>", "columns: phase | layers | syncs per layer | step ms | "
+        "vs before", "phase=prefill", "layers=4", "syncs per layer=12.750", "requests=24 of 24 finished in 134 steps",
+        "generated tokens per second", "24/24 requests, 21 transfers, transfer time <time>"]
+    slower = text.replace("1047.0", "9.5").replace("48.2 (5.56 s)", "3.1 (0.2 s)").replace("326.7 ms", "2 ms")
+    assert docs_figures.counts(slower) == docs_figures.counts(text)  # times move, counts stay
+    for changed in (text.replace("12.750", "13.500"), text.replace("  vs before", "  vs before  GB/s").replace(
+            "1.000\n", "1.000  3.0\n")):
+        assert docs_figures.counts(changed) != docs_figures.counts(text)  # a count, a column
+    assert docs_figures.small_command("cpkv bench kv") == "cpkv bench kv --repeats 1"
+    assert docs_figures.small_command("cpkv run --check") == "cpkv run --check"
 
 
 # -- the rewriting, on a made-up page -------------------------------------------------------------

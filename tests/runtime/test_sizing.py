@@ -98,12 +98,14 @@ from cpkv.runtime.sizing import (KV_MEMORY_CAP, default_kv_memory, expected_run_
 
 
 @pytest.mark.parametrize("text,n", [("64MiB", 64 * 2**20), ("2GiB", 2 * GiB), ("1.5 gib", 3 * 2**29),
-                                    ("500MB", 500 * 10**6), ("4096", 4096), (" 1kB ", 1000), ("1TiB", 2**40)])
+                                    ("500MB", 500 * 10**6), ("4096", 4096), (" 1kB ", 1000), ("1TiB", 2**40),
+                                    ("1e9", 10**9), ("1e12", 10**12), ("2.5e3", 2500), ("1e-3GiB", 1073741)])
 def test_parse_size_reads_units_and_plain_bytes(text, n):
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("bad", ["", "MiB", "64XB", "64 M", "-1", "0", "0.5", "1.5", "2 GiBs", "1e9", "nan"])
+@pytest.mark.parametrize("bad", ["", "MiB", "64XB", "64 M", "-1", "0", "0.5", "1.5", "2 GiBs", "1e-3", "1e", "nan",
+                                 "inf"])
 def test_parse_size_refuses_what_is_not_a_size(bad):
     with pytest.raises(ValueError, match="size|whole number"):
         parse_size(bad)

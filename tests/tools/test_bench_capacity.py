@@ -33,8 +33,9 @@ def test_bench_capacity_refuses_a_memory_without_a_page(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "capacity", "--kv-memory", "0"])
     assert e.value.code == 2
-    assert main(["bench", "capacity", "--cp", "2", "--kv-memory", "100"]) == 2
-    assert "holds no page" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "capacity", "--cp", "2", "--kv-memory", "100"])
+    assert e.value.code == 2 and "holds no page" in capsys.readouterr().err
 
 
 def test_a_group_the_machine_cannot_hold_is_refused_before_any_rank_starts(monkeypatch, capsys):
@@ -48,14 +49,16 @@ def test_a_group_the_machine_cannot_hold_is_refused_before_any_rank_starts(monke
         raise AssertionError("the bench started before refusing")
 
     monkeypatch.setattr(capacity, "longest_prompt", started)  # the first thing a run does
-    for gib, argv, why in ((64, ["--cp", "64"], "64 ranks on 2 cores: more than 16 per core"),
-                           (8, ["--cp", "2", "--kv-memory", "500GiB"], "2 ranks need about")):
+    for gib, argv, why in ((64, ["--cp", "64"], "--cp 64: more ranks than this machine schedules (16 per core on 2 "
+                                                "cores"),
+                           (8, ["--cp", "2", "--kv-memory", "500GiB"], "--kv-memory 500GiB: the shared longest "
+                                                                       "request's run: 2 ranks need about")):
         monkeypatch.setattr(sizing, "machine_capacity", lambda gib=gib: sizing.MachineCapacity(gib * 2**30, 2))
         with pytest.raises(SystemExit) as e:
             main(["bench", "capacity", *argv])
         assert e.value.code == 2
-        err = capsys.readouterr().err.splitlines()[-1]
-        assert err.startswith("cpkv bench: error: refused before starting: ") and why in err, err
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("cpkv bench: error: ") and why in err[0], err
 
 
 def test_repeats_sets_the_trace_rounds(monkeypatch, capsys):

@@ -1,11 +1,12 @@
 """Bad input is refused in one line, exit 2, before anything is allocated or any process starts: each
 refusal of the list a new user hit (a cache of 100 TiB, 10^10 pages, a page table of 10^8 rows, a
 scale of 1e308, 10^8 ranks, a cache too small for the trace, a port out of range or busy, another
-benchmark's flag, a --cp torchrun disagrees with, a run past --timeout) runs in one interpreter, each
-timed and its peak memory read after it: the refusals together add little to what the interpreter held
-once started (``cpkv`` imported, and transformers' Llama code, which ``cpkv run`` loads to size a page
-from the model's cache families: seconds on a loaded machine, counted as start-up here). Figures are
-printed; the time bound is loose because the machine may be loaded."""
+benchmark's flag, a --cp torchrun disagrees with, a run past --timeout) runs in one interpreter through
+``main``, each timed and its peak memory read after it: the refusals together add little to what the
+interpreter held once started (``cpkv`` imported, and transformers' Llama code, which the refusals made
+after the parse load: seconds on a loaded machine, counted as start-up here). Figures are printed; the
+time bound is loose because the machine may be loaded. The sizes refused before anything heavy is
+imported are timed one by one in a process of their own by ``tests/tools/test_sizes.py``."""
 
 import json
 import socket
@@ -15,15 +16,18 @@ import textwrap
 
 # (argv, the text the one line must hold); {busy} is a port a listening socket holds
 CASES = [
-    (["run", "--kv-memory", "100TiB"], "--kv-memory 102400.0 GiB: the device cache takes"),
-    (["run", "--device-pages", "1e10"], "argument --device-pages: must be an integer >= 1"),
+    (["run", "--kv-memory", "100TiB"], "--kv-memory 100TiB: the device cache takes"),
+    (["run", "--device-pages", "1e10"], "--device-pages 10000000000: the device cache takes"),
     (["run", "--device-pages", "10000000000"], "--device-pages 10000000000: the device cache takes"),
     (["run", "--disagg", "1:1", "--device-pages", "10000000000"], "--device-pages 10000000000: the device cache"),
-    (["run", "--host-pages", "1e11"], "argument --host-pages: must be an integer >= 0"),
-    (["run", "--host-pages", "100000000000"], "--host-pages 100000000000: the host tier takes"),
-    (["run", "--max-running", "100000000"], "--max-running 100000000: the scheduler's page table takes"),
+    (["run", "--host-pages", "1e11"], "--host-pages 100000000000: 4 ranks need about"),
+    (["run", "--host-pages", "100000000000"], "--host-pages 100000000000: 4 ranks need about"),
+    (["run", "--max-running", "100000000"], "--max-running 100000000: 4 ranks need about"),
     (["run", "--scale", "1e308"], "argument --scale: must be a finite number > 0 and <= 1000"),
-    (["run", "--cp", "100000000"], "--cp 100000000: more than 16 ranks per core"),
+    (["run", "--cp", "100000000"], "--cp 100000000: 100000000 ranks, more than this machine schedules"),
+    (["run", "--page", "100000"], "--page 100000: more than the longest request's tokens"),
+    (["simulate", "--max-running", "1e8"], "--max-running do not apply to built-in traces"),
+    (["run", "--disagg", "1000:1000"], "give --disagg 16:16 or smaller"),
     (["run", "--requests", "40", "--scale", "1", "--device-pages", "3"],
      "--device-pages 3: the shared device cache can never hold"),
     (["simulate", "--lane-pages", "1", "--workload", "longdoc"], "--lane-pages 1: longdoc's cache can never hold"),
@@ -41,9 +45,10 @@ CASES = [
 SCRIPT = """
 import contextlib, io, json, os, resource, sys, time
 from cpkv.engine.config import EngineConfig
-from cpkv.tools.cli import main
+from cpkv.tools.cli import build_parser, main
 
 EngineConfig(device_pages=8).page_bytes()  # start-up: transformers' Llama code, which sizes a page
+build_parser()  # and the parser's own imports
 
 def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -148,6 +148,7 @@ def test_the_simulate_command_replays_prints_and_plots(tmp_path, capsys):
     (["--workload", "multiturn", "--block-tokens", "16"], "--block-tokens do not apply to built-in traces"),
     (["--workload", "README.md"], "is neither a built-in workload"),
     (["--workload", "mooncake:/no/such/file"], "no such file"),
+    (["--workload", "multiturn", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
     (["--workload", "longdoc", "--block-tokens", "600"], "at most 512"),
 ])
 def test_the_simulate_command_refuses_bad_flags(capsys, argv, message):

@@ -127,9 +127,12 @@ def test_a_stopped_run_says_what_it_finished(exc, code, last, monkeypatch, capsy
         raise exc
 
     monkeypatch.setattr(cpkv.engine.engine, "run_engine", stopped)
+    assert main(["run", "--cp", "2", "--device-pages", "8", "--no-progress"]) == code
+    said = "cpkv run: stopped at step 41: 3 of 24 requests finished, 57 tokens generated (900 computed)"
+    assert capsys.readouterr().err.splitlines() == [said, last]
+    # with the progress bar a rank leaves mid-line (here not a terminal), the line starts a line of its own
     assert main(["run", "--cp", "2", "--device-pages", "8"]) == code
-    assert capsys.readouterr().err.splitlines() == [
-        "cpkv run: stopped at step 41: 3 of 24 requests finished, 57 tokens generated (900 computed)", last]
+    assert capsys.readouterr().err == f"\n{said}\n{last}\n"
 
 
 def test_a_long_run_says_how_long_it_expects(tmp_path, monkeypatch, capsys):

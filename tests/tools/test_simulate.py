@@ -59,3 +59,29 @@ def test_cli_simulate_json_and_plot(capsys, tmp_path):
     assert [r["policy"] for r in rows] == ["least_full", "lane0", "oblivious"]
     assert all(r["admitted vs oblivious"] >= 0 for r in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_is_written_whole_or_not_at_all(tmp_path):
+    """An interrupt (or any error) while a figure is written leaves no partial file and no temporary one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cpkv.tools.report import save_figure
+
+    out = tmp_path / "occupancy.png"
+    fig, _ = plt.subplots()
+    real = fig.savefig
+
+    def interrupted(path, **kw):
+        real(path, **kw)  # the bytes are there, the rename is not yet
+        raise KeyboardInterrupt
+
+    fig.savefig = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        save_figure(fig, str(out))
+    assert list(tmp_path.iterdir()) == []
+    fig, _ = plt.subplots()
+    save_figure(fig, str(out))
+    assert [p.name for p in tmp_path.iterdir()] == ["occupancy.png"] and out.read_bytes()[:4] == b"\x89PNG"

@@ -16,16 +16,48 @@
 The errors a run raises: :class:`TraceError` (a trace file), :class:`GroupTooLarge`
 (a group this machine cannot hold, before it starts), :class:`RankFailure` (a rank
 failed), :class:`DisaggFailure` and :class:`TransferAborted` (a disaggregated run).
+
+Importing this package imports nothing heavy (no torch): each name below is
+imported from the module that defines it on first use, as ``cpkv`` does, so
+the command's up-front checks read :mod:`~cpkv.engine.config`,
+:mod:`~cpkv.engine.trace` and :mod:`~cpkv.engine.mooncake` before anything
+heavy is imported (:mod:`cpkv.tools.sizes`).
 """
 
-from ..runtime.group import RankFailure
-from ..runtime.sizing import GroupTooLarge
-from .config import DisaggConfig, EngineConfig, RunConfig
-from .disagg import DisaggFailure, TransferAborted, format_disagg, run_disagg
-from .engine import run_engine, run_engine_threads
-from .scheduler import Scheduler, StepPlan
-from .trace import RequestSpec, TraceError, load_jsonl
+from importlib import import_module as _import_module
 
-__all__ = ["DisaggConfig", "DisaggFailure", "EngineConfig", "GroupTooLarge", "RankFailure", "RequestSpec",
-           "RunConfig", "Scheduler", "StepPlan", "TraceError", "TransferAborted", "format_disagg", "load_jsonl",
-           "run_disagg", "run_engine", "run_engine_threads"]
+#: Every public name, by the module (under ``cpkv``) that defines it.
+_PUBLIC = {
+    "RankFailure": "runtime.group",
+    "GroupTooLarge": "runtime.sizing",
+    "DisaggConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "RunConfig": "engine.config",
+    "DisaggFailure": "engine.disagg",
+    "TransferAborted": "engine.disagg",
+    "format_disagg": "engine.disagg",
+    "run_disagg": "engine.disagg",
+    "run_engine": "engine.engine",
+    "run_engine_threads": "engine.engine",
+    "Scheduler": "engine.scheduler",
+    "StepPlan": "engine.scheduler",
+    "RequestSpec": "engine.trace",
+    "TraceError": "engine.trace",
+    "load_jsonl": "engine.trace",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    """A public name, imported from its module on first use (then kept
+    here). Every other name is an ``AttributeError``."""
+    if name in _PUBLIC:
+        value = getattr(_import_module(f"cpkv.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

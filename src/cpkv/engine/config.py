@@ -19,12 +19,22 @@ device unless ``kernels`` is given; the ranks receive the sized copy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..consumers.eviction import EVICTION_POLICIES
-from ..models import ModelConfig, TinyLlama
 from .mooncake import load_mooncake, mooncake_path
 from .trace import WORKLOADS, RequestSpec, load_jsonl
+
+if TYPE_CHECKING:
+    from ..models import ModelConfig, TinyLlama
+
+
+def _tiny_llama() -> "TinyLlama":
+    """The default model (imported here: importing this module imports no torch, so ``cpkv``'s up-front
+    checks read the defaults below before anything heavy, :mod:`cpkv.tools.sizes`)."""
+    from ..models import TinyLlama
+
+    return TinyLlama()
 
 
 @dataclass
@@ -108,7 +118,7 @@ class RunConfig:
     window_ms: int | None = None
     max_output: int | None = None
     step_ms: float = 1000.0
-    model: ModelConfig = field(default_factory=TinyLlama)
+    model: ModelConfig = field(default_factory=_tiny_llama)
     check: bool = False
     check_plans: bool = False
     timeout: float = 300.0
@@ -190,31 +200,19 @@ class RunConfig:
         return self.page_size * sum(f.slot_bytes() for f in adapter.kv_families(self.kv_dtype))
 
     def memory_pages(self, capacity=None) -> int:
-        """Device pages per rank from memory: ``kv_memory`` bytes per rank, or
-        the default budget of this machine (``capacity``, default now) for
-        :attr:`world_size` ranks, through
-        :func:`~cpkv.runtime.sizing.pages_for_memory`. ``ValueError`` when
-        ``kv_memory`` holds no page; the default takes at least 8 pages (a
-        machine that cannot hold them is refused by the capacity check)."""
-        from ..runtime.sizing import default_kv_memory, pages_for_memory
-
-        page = self.page_bytes()
-        if self.kv_memory is not None:
-            return pages_for_memory(self.kv_memory, page)
-        budget = default_kv_memory(self.world_size, other_bytes=self.host_pages * page, capacity=capacity)
-        return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page), page)
+        """Device pages per rank from memory (:func:`device_pages_for`):
+        ``kv_memory`` bytes per rank, or the default budget of this machine
+        (``capacity``, default now) for :attr:`world_size` ranks. ``ValueError``
+        when ``kv_memory`` holds no page."""
+        return device_pages_for(self.kv_memory, self.page_bytes(), world_size=self.world_size,
+                                host_pages=self.host_pages, capacity=capacity)
 
     def trace(self) -> list[RequestSpec]:
         """The requests of this run (``TraceError``/``OSError`` for a bad JSONL or Mooncake file,
         ``ValueError`` for a Mooncake slice with no request)."""
-        vocab = self.model.vocab
-        if self.workload in WORKLOADS:
-            return WORKLOADS[self.workload](self.requests, seed=self.seed, vocab=vocab, scale=self.scale)
-        path = mooncake_path(self.workload)
-        if path is not None:
-            return load_mooncake(path, block=self.block_tokens, requests=self.requests, window_ms=self.window_ms,
-                                 max_output=self.max_output, step_ms=self.step_ms, vocab=vocab).specs
-        return load_jsonl(self.workload, vocab=vocab)
+        return load_trace(self.workload, vocab=self.model.vocab, requests=self.requests, scale=self.scale,
+                          seed=self.seed, block_tokens=self.block_tokens, window_ms=self.window_ms,
+                          max_output=self.max_output, step_ms=self.step_ms)
 
     def run_fields(self) -> dict:
         """This configuration's :class:`RunConfig` fields by name (what another
@@ -228,6 +226,38 @@ class RunConfig:
         return {**asdict(replace(self, decode_costs=None)),
                 "model": {"family": type(self.model).__name__, **asdict(self.model)},
                 "decode_costs": None if costs is None else str(costs)}
+
+
+def device_pages_for(kv_memory: int | None, page_bytes: int, *, world_size: int, host_pages: int,
+                     capacity=None) -> int:
+    """Device pages per rank from memory, the one rule: ``kv_memory`` bytes per
+    rank, or (``None``) the default budget of this machine (``capacity``,
+    default now) for ``world_size`` ranks beside a host tier of ``host_pages``,
+    through :func:`~cpkv.runtime.sizing.pages_for_memory`. ``ValueError``
+    when ``kv_memory`` holds no page of ``page_bytes``; the default takes at
+    least :data:`MIN_DEFAULT_PAGES` (a machine that cannot hold them is
+    refused by the capacity check). Imports nothing heavy."""
+    from ..runtime.sizing import default_kv_memory, pages_for_memory
+
+    if kv_memory is not None:
+        return pages_for_memory(kv_memory, page_bytes)
+    budget = default_kv_memory(world_size, other_bytes=host_pages * page_bytes, capacity=capacity)
+    return pages_for_memory(max(budget, MIN_DEFAULT_PAGES * page_bytes), page_bytes)
+
+
+def load_trace(workload: str, *, vocab: int, requests: int, scale: float, seed: int, block_tokens: int,
+               window_ms: int | None, max_output: int | None, step_ms: float) -> list[RequestSpec]:
+    """The requests ``workload`` names, as :meth:`RunConfig.trace` reads them (its fields by name): a built-in
+    trace (``requests``, ``scale``, ``seed``), a Mooncake trace (its slice and scaling) or a JSONL file; token
+    ids below ``vocab``. ``TraceError``/``OSError`` for a bad file, ``ValueError`` for a Mooncake slice with no
+    request. Imports nothing heavy."""
+    if workload in WORKLOADS:
+        return WORKLOADS[workload](requests, seed=seed, vocab=vocab, scale=scale)
+    path = mooncake_path(workload)
+    if path is not None:
+        return load_mooncake(path, block=block_tokens, requests=requests, window_ms=window_ms,
+                             max_output=max_output, step_ms=step_ms, vocab=vocab).specs
+    return load_jsonl(workload, vocab=vocab)
 
 
 #: Fewest device pages per rank the default budget gives.
@@ -348,31 +378,48 @@ BOOKKEEPING_BYTES_PER_PAGE = 48
 
 def engine_footprint(cfg, specs=None):
     """The :class:`~cpkv.runtime.sizing.GroupFootprint` of the engine with
-    ``cfg`` on the trace ``specs`` (default ``cfg.trace()``): every rank holds
-    the model, the scheduler's page table (``max_running`` rows as long as the
-    longest request), the cache's bookkeeping of every page and (rank 0, with
-    ``check``) the logits it keeps; the group shares the device and host KV
-    segments of every cache family. Arithmetic only: nothing is allocated.
-    ``cfg`` is sized (:meth:`RunConfig.sized`)."""
+    ``cfg`` on the trace ``specs`` (default ``cfg.trace()``):
+    :func:`run_footprint` of ``cfg``'s model as built (its parameters and
+    buffers, its page bytes in ``cfg.kv_dtype``, on the meta device).
+    Arithmetic only: nothing is allocated. ``cfg`` is sized
+    (:meth:`RunConfig.sized`)."""
     cfg.check_sized()
     import torch
 
     from ..models import build_adapter
-    from ..runtime.sizing import group_footprint
-    from .trace import kv_tokens
 
     with torch.device("meta"):
         adapter = build_adapter(cfg.model)
     model = adapter.model
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    page = cfg.page_bytes()  # every cache family, as stored in cfg.kv_dtype
-    copy = page * cfg.device_pages  # one rank's device KV: its lane, or its full copy (replicated)
-    shared = page * (cfg.host_pages + 1) + (0 if cfg.replicated else cfg.cp_size * copy)
-    specs = cfg.trace() if specs is None else specs
+    return run_footprint(cfg.cp_size, page_bytes=cfg.page_bytes(), model_bytes=model_bytes,
+                         vocab=model.config.vocab_size, device_pages=cfg.device_pages, host_pages=cfg.host_pages,
+                         replicated=cfg.replicated, check=cfg.check, max_running=cfg.max_running,
+                         specs=cfg.trace() if specs is None else specs)
+
+
+def run_footprint(cp_size: int, *, page_bytes: int, model_bytes: int, vocab: int, device_pages: int,
+                  host_pages: int, replicated: bool, check: bool, max_running: int,
+                  specs: list[RequestSpec]):
+    """What one engine group takes from the machine
+    (:class:`~cpkv.runtime.sizing.GroupFootprint`): every rank holds the model
+    (``model_bytes``), the scheduler's page table (``max_running`` rows as long
+    as the longest request of ``specs``), the cache's bookkeeping of every page
+    and (rank 0, with ``check``) the logits it keeps, ``vocab`` a token; the
+    group shares the device KV (``device_pages`` of ``page_bytes`` per rank:
+    each rank's lane, or with ``replicated`` each rank's full copy) and the host
+    tier (``host_pages``). The one formula: :func:`engine_footprint` gives it
+    the model as built, ``cpkv``'s up-front check (:mod:`cpkv.tools.sizes`)
+    the built-in models' figures, before anything heavy is imported."""
+    from ..runtime.sizing import group_footprint
+    from .trace import kv_tokens
+
+    copy = page_bytes * device_pages  # one rank's device KV: its lane, or its full copy (replicated)
+    shared = page_bytes * (host_pages + 1) + (0 if replicated else cp_size * copy)
     tokens = sum(len(s.tokens) + s.max_new_tokens for s in specs)
-    private = 4 * tokens * model.config.vocab_size * 3 if cfg.check else 0  # kept, gathered, reference logits
-    private += copy if cfg.replicated else 0
-    private += 8 * min(cfg.max_running, len(specs)) * (max(kv_tokens(specs), default=0) + 1)  # the page table
-    lanes = 1 if cfg.replicated else cfg.cp_size
-    private += BOOKKEEPING_BYTES_PER_PAGE * (lanes * cfg.device_pages + cfg.host_pages)
-    return group_footprint(cfg.cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)
+    private = 4 * tokens * vocab * 3 if check else 0  # kept, gathered, reference logits
+    private += copy if replicated else 0
+    private += 8 * max_running * (max(kv_tokens(specs), default=0) + 1)  # the page table (Scheduler: max_running rows)
+    lanes = 1 if replicated else cp_size
+    private += BOOKKEEPING_BYTES_PER_PAGE * (lanes * device_pages + host_pages)
+    return group_footprint(cp_size, model_bytes=model_bytes, private_bytes=private, shared_bytes=shared)

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .trace import RequestSpec, TraceError, json_object
+from .trace import RequestSpec, TraceError, json_object, trace_lines
 
 __all__ = ["BLOCK_TOKENS", "BlockPrompt", "MOONCAKE_FIELDS", "MOONCAKE_PREFIX", "MooncakeRecord", "MooncakeTrace",
            "block_tokens", "is_mooncake", "load_mooncake", "mooncake_path", "read_mooncake", "scale_lengths",
@@ -112,33 +112,32 @@ def read_mooncake(path: str, limit: int | None = None, before_ms: int | None = N
     out: list[MooncakeRecord] = []
     parent: dict[int, tuple[int, int]] = {}  # id -> (the id before it, -1 at the start; the line that said so)
     last_ts, lines = 0, 0
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            lines += 1
-            try:
-                rec = parse_record(text, n)
-                if rec.timestamp < last_ts:
-                    raise TraceError(f"timestamp {rec.timestamp} is before the previous line's {last_ts}; a trace "
-                                     "is in arrival order")
-                before = -1
-                for h in rec.hash_ids:
-                    got = parent.setdefault(h, (before, n))
-                    if got[0] != before:
-                        where = "starts a request" if got[0] < 0 else f"follows id {got[0]}"
-                        now = "starts it" if before < 0 else f"follows id {before}"
-                        raise TraceError(f"hash id {h} {now} here but {where} on line {got[1]}; equal ids are "
-                                         "the same prefix block")
-                    before = h
-            except TraceError as e:
-                raise TraceError(f"{path}:{n}: {e}") from None
-            last_ts = rec.timestamp
-            if before_ms is not None and rec.timestamp >= before_ms:
-                break
-            out.append(rec)
-            if limit is not None and len(out) >= limit:
-                break
+    for n, text in trace_lines(path):
+        if not text.strip():
+            continue
+        lines += 1
+        try:
+            rec = parse_record(text, n)
+            if rec.timestamp < last_ts:
+                raise TraceError(f"timestamp {rec.timestamp} is before the previous line's {last_ts}; a trace "
+                                 "is in arrival order")
+            before = -1
+            for h in rec.hash_ids:
+                got = parent.setdefault(h, (before, n))
+                if got[0] != before:
+                    where = "starts a request" if got[0] < 0 else f"follows id {got[0]}"
+                    now = "starts it" if before < 0 else f"follows id {before}"
+                    raise TraceError(f"hash id {h} {now} here but {where} on line {got[1]}; equal ids are "
+                                     "the same prefix block")
+                before = h
+        except TraceError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        last_ts = rec.timestamp
+        if before_ms is not None and rec.timestamp >= before_ms:
+            break
+        out.append(rec)
+        if limit is not None and len(out) >= limit:
+            break
     if not lines:
         raise TraceError(f"{path}: no requests")
     return out
@@ -321,12 +320,11 @@ def is_mooncake(path: str) -> bool:
     Mooncake fields (``hash_ids`` among them): the format recognised by its
     fields. False for a file that cannot be read or parsed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            for text in f:
-                if text.strip():
-                    obj = json.loads(text)
-                    return isinstance(obj, dict) and "hash_ids" in obj and "tokens" not in obj
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        for _, text in trace_lines(path):
+            if text.strip():
+                obj = json.loads(text)
+                return isinstance(obj, dict) and "hash_ids" in obj and "tokens" not in obj
+    except (OSError, TraceError, json.JSONDecodeError, RecursionError):
         return False
     return False
 

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract import layout
-
 
 #: The trace format's limits, one sentence (``cpkv run --help`` shows it).
 TRACE_LIMITS = ("one JSON object a line with id (a string used once), arrival (a step >= 0), tokens (ids below "
@@ -131,6 +129,8 @@ def check_fits(specs: list["RequestSpec"], lane_pages, page_size: int) -> int:
     round robin from any lane base, so its fullest lane,
     :func:`~cpkv.contract.layout.chain_lane_pages`, must fit the smallest lane); else return the most KV tokens any request holds. Pure:
     nothing is allocated, so a command refuses a trace before it builds a cache."""
+    from ..contract import layout  # here: importing this module imports no torch (the command's up-front checks)
+
     lanes = [int(x) for x in lane_pages]
     N, smallest = len(lanes), min(lanes)
     kv = kv_tokens(specs)
@@ -207,6 +207,32 @@ def expected_steps(specs: list[RequestSpec], chunk: int, max_running: int) -> in
     return max(max(chain.values(), default=0), work)
 
 
+#: The longest line a trace file may have (a prompt of millions of token ids fits; a binary file without line
+#: breaks does not, and is refused at its first line instead of being read whole).
+MAX_LINE_BYTES = 64 * 2**20
+
+
+def trace_lines(path: str):
+    """The lines of the trace file at ``path``, each ``(number, text)``, number from 1: the one reader of a
+    trace file's lines. Raises ``TraceError`` naming ``path:line`` for a line that is not UTF-8 text (a binary
+    file) or longer than :data:`MAX_LINE_BYTES`; ``OSError`` for a file that cannot be read."""
+    with open(path, "rb") as f:
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            n += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}:{n}: a line longer than {MAX_LINE_BYTES // 2**20} MiB: not a trace")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+                                 "a trace is JSON lines") from None
+            yield n, text
+
+
 def json_object(text: str, keys, required, what: str) -> dict:
     """One JSONL line as a dict of only ``keys``, every one of ``required``
     present; raises ``TraceError`` with the reason (``what`` names the line's
@@ -215,6 +241,8 @@ def json_object(text: str, keys, required, what: str) -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"not JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits, arrays nested past the stack
+        raise TraceError(f"not a trace line ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(obj, dict):
         raise TraceError("a line must be a JSON object")
     unknown = sorted(set(obj) - set(keys))
@@ -249,15 +277,14 @@ def parse_line(text: str) -> RequestSpec:
 def load_jsonl(path: str, vocab: int | None = None) -> list[RequestSpec]:
     """Read and validate a JSONL trace; every error names ``path:line``."""
     specs, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                specs.append(parse_line(text))
-            except TraceError as e:
-                raise TraceError(f"{path}:{n}: {e}") from None
-            lines.append(n)
+    for n, text in trace_lines(path):
+        if not text.strip():
+            continue
+        try:
+            specs.append(parse_line(text))
+        except TraceError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        lines.append(n)
     if not specs:
         raise TraceError(f"{path}: no requests")
     return validate(specs, vocab, lambda i: f"{path}:{lines[i]}")

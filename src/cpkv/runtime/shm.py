@@ -20,8 +20,9 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
+from .sizing import SHM_DIR
+
 SHM_PREFIX = "cpkv_"
-SHM_DIR = "/dev/shm"
 
 
 @contextlib.contextmanager

@@ -62,6 +62,11 @@ STEP_BASE_S = 7.3e-3
 STEP_FENCE_S = 4.8e-3
 
 
+#: Where POSIX shared memory lives (the KV segments, :mod:`cpkv.runtime.shm`): its free space bounds the
+#: device cache a CPU group can make.
+SHM_DIR = "/dev/shm"
+
+
 class GroupTooLarge(ValueError):
     """This machine cannot hold the group(s) asked for; the message says why."""
 
@@ -163,8 +168,6 @@ def machine_capacity() -> MachineCapacity:
     quota = _cgroup_cores()
     if quota is not None:
         cores = min(cores, quota)
-    from .shm import SHM_DIR  # where the KV segments live
-
     try:
         st = os.statvfs(SHM_DIR)
         shm = st.f_bavail * st.f_frsize
@@ -179,20 +182,22 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 2**10, "mb": 10**6, "mib": 2**20, "g
 
 
 def parse_size(text: str) -> int:
-    """A byte count from ``"64MiB"``, ``"2GiB"``, ``"1.5 GiB"``, ``"500MB"`` or
-    a plain integer (bytes): binary units ``KiB MiB GiB TiB``, decimal units
-    ``kB MB GB TB`` (case does not matter). Returns an int >= 1. Raises
-    ``ValueError`` saying what is accepted for anything else (no number, an
-    unknown unit, zero, a negative or a fractional count of bytes)."""
+    """A byte count from ``"64MiB"``, ``"2GiB"``, ``"1.5 GiB"``, ``"500MB"``,
+    ``"1e9"`` or a plain integer (bytes): binary units ``KiB MiB GiB TiB``,
+    decimal units ``kB MB GB TB`` (case does not matter), a number in
+    scientific notation allowed. Returns an int >= 1. Raises ``ValueError``
+    saying what is accepted for anything else (no number, an unknown unit,
+    zero, a negative or a fractional count of bytes)."""
     import re
+    from fractions import Fraction
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m and _UNITS.get(m.group(2).lower())
     if not unit:
         raise ValueError(f"{text!r} is not a size: a number of bytes, or a number with a unit "
                          "(KiB, MiB, GiB, TiB, kB, MB, GB, TB), e.g. 64MiB or 2GiB")
-    value = float(m.group(1)) * unit
-    if value < 1 or (unit == 1 and not value.is_integer()):
+    value = Fraction(m.group(1)) * unit  # exact: 1e12 is 10**12 bytes
+    if value < 1 or (unit == 1 and value.denominator != 1):
         raise ValueError(f"{text!r}: a size must be a whole number of bytes >= 1")
     return int(value)
 

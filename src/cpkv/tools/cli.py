@@ -6,11 +6,16 @@ each subcommand is one ``_add_<name>(sub)`` that declares its flags and sets
 (cross-flag rules, after parsing, before any work; it calls ``parser.error``).
 The flag checkers and the flags of anything that starts a CP group are in
 :mod:`cpkv.tools.flags`; ``cpkv run``'s defaults are
-:class:`~cpkv.engine.config.RunConfig`'s.
+:class:`~cpkv.engine.config.RunConfig`'s. Before this parser is built (it
+imports the command's modules), every size of the command line is checked by
+:mod:`cpkv.tools.sizes`, which imports nothing heavy: a new size flag joins its
+table (:data:`~cpkv.tools.sizes.FLAGS`) with the checker it is declared with
+here.
 
 Exit codes, every subcommand: 0 done; 1 the run's own check failed (``run``:
-a logit beyond ``--tolerance``); 2 bad arguments (argparse's message) or a failed
-rank (one line naming it); 130 interrupted by Ctrl-C (one line).
+a logit beyond ``--tolerance``); 2 bad arguments (one line: the flag, the limit,
+a value that works) or a failed rank (one line naming it); 130 interrupted by
+Ctrl-C (one line).
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ import sys
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
-from .flags import (add_device_flags, add_eviction_flag, add_group_flags, add_kv_dtype_flag, add_kv_events_flags,
-                    add_mooncake_flags, comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative,
-                    output_file, positive, positive_list, simulate_workload_arg, size_arg, size_list, workload_arg)
+from .sizes import refuse_sizes
+from .flags import (OneLineParser, add_device_flags, add_eviction_flag, add_group_flags, add_kv_dtype_flag,
+                    add_kv_events_flags, add_mooncake_flags, comma_choices, disagg_arg, existing_file, finite_float,
+                    mooncake_arg, non_negative, output_file, positive, positive_float, positive_list, scale_arg,
+                    simulate_workload_arg, size_arg, size_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
 
 def _add_simulate(sub) -> None:
-    from .simulate import ADMISSION, POLICIES, WORKLOADS
+    from ..engine.scheduler import ADMISSION
+    from .simulate import POLICIES, WORKLOADS
 
     s = sub.add_parser("simulate", allow_abbrev=False,
                        help="serving traces through the scheduler without a model: seeded traces with placement "
@@ -88,7 +96,7 @@ def _add_replay_flags(s) -> None:
     g.add_argument("--chunk", type=positive, default=None, help="prefill tokens per step (default 8192)")
     g.add_argument("--max-running", type=positive, default=None, help="requests running at once (default 256)")
     g.add_argument("--requests", type=positive, default=None, help="only the trace's first K requests")
-    g.add_argument("--rate", type=finite_float(0, inclusive=False), default=None, metavar="X",
+    g.add_argument("--rate", type=positive_float, default=None, metavar="X",
                    help="arrivals X times as fast as the timestamps say (default 1: the trace's own)")
     g.add_argument("--gpu-results", type=existing_file, default=None, metavar="PATH",
                    help="a results.json whose cost_model object replaces the H200 datasheet figures by measured ones")
@@ -117,9 +125,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--tokens", type=positive, default=None,
                    help="splits: prefill tokens (default 16384 for llama, 4096 for deepseek-v3.2); kv: tokens of "
                         "the batch (default 65536)")
-    b.add_argument("--bs", type=positive, default=4, help="splits: prefill requests (default 4)")
-    b.add_argument("--decode-bs", type=positive, default=64, help="splits: decode requests (default 64)")
-    b.add_argument("--context", type=positive, default=4096, help="splits: decode context per request (default 4096)")
+    b.add_argument("--bs", type=positive, default=None, help="splits: prefill requests (default 4)")
+    b.add_argument("--decode-bs", type=positive, default=None, help="splits: decode requests (default 64)")
+    b.add_argument("--context", type=positive, default=None, help="splits: decode context per request (default 4096)")
     b.add_argument("--page", "--page-size", dest="page", type=positive, default=None, metavar="S",
                    help="splits, capacity: tokens per page (default 16); scheduler: (default 64)")
     b.add_argument("--batches", type=positive_list, default=None, metavar="B,..",
@@ -133,7 +141,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--compile", action="store_true",
                    help="kernels: the sm_90 compile report too on a GPU (without a GPU it is all that runs)")
     add_kv_dtype_flag(b, "all")
-    b.add_argument("--kv-memory", type=size_arg, default=256 * 2**10, metavar="SIZE",
+    b.add_argument("--kv-memory", type=size_arg, default=None, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")
     b.add_argument("--ranks-as", choices=["processes", "threads"], default="processes",
                    help="capacity: start each run's ranks as processes (default, as a deployment runs them) or as "
@@ -142,11 +150,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--workload", type=mooncake_arg, default=None, metavar="PATH",
                    help="capacity: a Mooncake trace (mooncake:PATH, or a file with its fields) instead of the longdoc "
                         "trace, sliced and scaled by the flags below")
-    b.add_argument("--requests", type=positive, default=200,
+    b.add_argument("--requests", type=positive, default=None,
                    help="capacity with a Mooncake --workload: its first K requests (default 200)")
     add_mooncake_flags(b, block=16)
-    # a flag not given stays unset, so validate_bench tells which were given, refuses those the benchmark does
-    # not take (BENCH_FLAGS) and then fills in the defaults recorded here
+    # a flag not given stays unset, so cpkv.tools.sizes tells which were given and refuses those the benchmark
+    # does not take (BENCH_FLAGS); validate_bench then fills in its sizes (BENCH_SIZES) and the defaults here
     b.set_defaults(func=cmd_bench, validate=validate_bench, bench_defaults={
         a.dest: a.default for a in b._actions if a.option_strings and a.dest != "help"})
     for a in b._actions:
@@ -209,7 +217,7 @@ def _add_run(sub) -> None:
     r.add_argument("--requests", type=positive, default=D.requests,
                    help=f"built-in traces: sessions, questions or documents; a Mooncake trace: its first K requests "
                         f"(default {D.requests})")
-    r.add_argument("--scale", type=finite_float(0, inclusive=False, hi=MAX_SCALE), default=D.scale,
+    r.add_argument("--scale", type=scale_arg, default=D.scale,
                    help=f"built-in traces: lengths times this, at most {MAX_SCALE:g} (default {D.scale:g})")
     r.add_argument("--chunk", type=positive, default=D.chunk,
                    help=f"prefill tokens per step, all requests together (default {D.chunk})")
@@ -281,16 +289,6 @@ def _add_run(sub) -> None:
 SUBCOMMANDS = (_add_simulate, _add_run, _add_bench, _add_bytes)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser whose refusal is one line on stderr (the program, the
-    flag and why, then where the usage is) and exit 2, instead of the usage block
-    then the message."""
-
-    def error(self, message: str):
-        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2."""
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpkv`` argument parser, every subcommand registered (parsing runs
     the per-flag checks; the cross-flag ``validate`` runs in :func:`main`)."""
@@ -310,11 +308,12 @@ def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentPa
 
 def parse_command(argv: list[str]) -> argparse.Namespace:
     """``argv`` parsed and validated as the ``cpkv`` command takes it (its
+    sizes first, :func:`~cpkv.tools.sizes.refuse_sizes`, then its parser, its
     cross-flag rules and up-front refusals, nothing run): the namespace its
     subcommand runs on (``args.func(args)``; ``cpkv run`` sets
     ``args.config``). A command line the command refuses raises
-    ``SystemExit(2)`` after argparse's message on stderr, as the command
-    exits."""
+    ``SystemExit(2)`` after the one line on stderr, as the command exits."""
+    refuse_sizes(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "validate", None):
@@ -322,36 +321,41 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _what_it_finished(name: str, e: BaseException) -> None:
-    """A stopped run's line of what it finished, when the run said (``e.progress``)."""
+def _what_it_finished(name: str, e: BaseException, bar: bool) -> None:
+    """A stopped run's line of what it finished, when the run said (``e.progress``), on its own line: after
+    the progress bar a rank left mid-line (``bar``), cleared on a terminal, ended elsewhere."""
     if hasattr(e, "requests"):
         from ..runtime.progress import describe_progress
 
-        print(f"{name}: {describe_progress(e.progress, e.requests)}", file=sys.stderr)
+        lead = ("\r\x1b[K" if sys.stderr.isatty() else "\n") if bar else ""
+        print(f"{lead}{name}: {describe_progress(e.progress, e.requests)}", file=sys.stderr)
+
+
+def _draws_a_bar(args) -> bool:
+    """Whether the command shows a progress bar (which a stopped run may leave mid-line)."""
+    return args is not None and args.cmd in ("run", "simulate") and not (
+        args.json or args.no_progress or getattr(args, "markdown", False))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cpkv`` console command (and ``python -m cpkv``);
-    returns the exit code (see the module docstring). ``cpkv run --kv-events``
-    binds its sockets first, before anything slow
-    (:func:`~cpkv.tools.kv_events_start.bind_at_start`); they close when the
-    command ends."""
+    returns the exit code (see the module docstring). The sizes are checked
+    first, before anything heavy is imported (:mod:`cpkv.tools.sizes`); then
+    ``cpkv run --kv-events`` binds its sockets, still before anything slow
+    (:func:`~cpkv.tools.kv_events_start.bind_at_start`), and they close when
+    the command ends. A Ctrl-C at any moment from then on ends with one line
+    and 130. Called as the program (``argv`` ``None``), a Ctrl-C after the
+    command's work (while the interpreter exits) is ignored, so nothing prints
+    a traceback then."""
     from .kv_events_start import bind_at_start
 
-    publisher = bind_at_start(sys.argv[1:] if argv is None else argv)
+    program = argv is None
+    argv = sys.argv[1:] if argv is None else argv
+    name, args, publisher = f"cpkv {argv[0]}" if argv and not argv[0].startswith("-") else "cpkv", None, None
     try:
-        return _main(argv, publisher)
-    finally:
-        if publisher is not None:
-            publisher.close()
-
-
-def _main(argv: list[str] | None, publisher) -> int:
-    from ..runtime.group import RankFailure
-
-    parser = build_parser()
-    name = "cpkv"
-    try:
+        refuse_sizes(argv)
+        publisher = bind_at_start(argv)
+        parser = build_parser()
         args = parser.parse_args(argv)
         args.kv_publisher = publisher
         name = f"cpkv {args.cmd}"
@@ -359,19 +363,29 @@ def _main(argv: list[str] | None, publisher) -> int:
             args.validate(args, _subparser(parser, args.cmd))
         return args.func(args)
     except KeyboardInterrupt as e:
-        _what_it_finished(name, e)
+        _what_it_finished(name, e, _draws_a_bar(args))
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except RankFailure as e:
-        _what_it_finished(name, e)
-        print(f"{name}: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of ours
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except OSError:
             pass
         return EXIT_OK
+    except Exception as e:
+        group = sys.modules.get("cpkv.runtime.group")  # a failed rank: imported by whatever launched it
+        if group is None or not isinstance(e, group.RankFailure):
+            raise
+        _what_it_finished(name, e, _draws_a_bar(args))
+        print(f"{name}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if publisher is not None:
+            publisher.close()
+        if program:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .flags import (refuse_cuda_unless_available, refuse_other_bench_flags, refuse_unless_fits,
+from .flags import (refuse_cuda_unless_available, refuse_unless_fits,
                     refuse_unless_kv_events_bind, refuse_without)
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -55,12 +55,6 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
-#: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
-BUILTIN_ONLY = ("policies", "lane_pages", "host_pages", "kv_events", "kv_events_replay")
-MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests", "rate",
-                 "gpu_results", "markdown", "window", "max_output")
-
-
 def simulate_publisher(args):
     """``cpkv simulate --kv-events``: the publisher, bound before the first
     step (a context manager; a null one without the flag)."""
@@ -74,28 +68,23 @@ def simulate_publisher(args):
 
 
 def validate_simulate(args, parser) -> None:
-    """``--plot`` needs matplotlib; built-in and Mooncake workloads are not mixed, and each takes only its own
-    flags; sets ``args.mooncake`` and ``args.page`` (16, or 64 for Mooncake traces). Built-in traces: their
-    lanes checked against this machine and their requests against the cache, ``--kv-events`` one trace under one
-    policy and endpoints this machine can bind; Mooncake traces: a request the cache could never hold refused
-    (:func:`~cpkv.tools.refusals.refuse_mooncake_sizes`)."""
+    """``--plot`` needs matplotlib; sets ``args.mooncake`` and ``args.page`` (its default for the kind of trace,
+    :data:`~cpkv.tools.sizes.SIMULATE_PAGE`; the kinds, their own flags and every size were checked first:
+    :func:`~cpkv.tools.sizes.refuse_sizes`). Built-in traces: their requests against the cache, ``--kv-events``
+    one trace under one policy and endpoints this machine can bind; Mooncake traces: a request the cache could
+    never hold refused (:func:`~cpkv.tools.refusals.refuse_mooncake_sizes`)."""
     if args.plot:
         refuse_without(parser, "matplotlib", "--plot")
     from .refusals import refuse_mooncake_sizes, refuse_simulate_sizes
-    from .simulate import POLICIES, SIM_WORKLOADS
+    from .simulate import POLICIES
+    from .sizes import SIMULATE_PAGE, simulate_kind
 
-    builtin = [w for w in args.workload if w in SIM_WORKLOADS or w == "all"]
-    if builtin and len(builtin) != len(args.workload):
+    kind = simulate_kind(args.workload)
+    if kind is None:
         parser.error("--workload: built-in traces and Mooncake traces are simulated apart; give one kind")
-    args.mooncake = not builtin
-    wrong = [f for f in (BUILTIN_ONLY if args.mooncake else MOONCAKE_ONLY) if getattr(args, f) not in (None, False, 0)]
-    if not args.mooncake and args.block_tokens != 512:
-        wrong.append("block_tokens")
-    if wrong:
-        kind = "Mooncake traces" if args.mooncake else "built-in traces"
-        parser.error(f"{', '.join('--' + f.replace('_', '-') for f in wrong)} do not apply to {kind}")
+    args.mooncake = kind == "mooncake"
     if args.page is None:
-        args.page = 64 if args.mooncake else 16
+        args.page = SIMULATE_PAGE[kind]
     if args.mooncake:
         refuse_mooncake_sizes(parser, args)
         return
@@ -110,18 +99,20 @@ def validate_simulate(args, parser) -> None:
 def cmd_bench(args) -> int:
     """``cpkv bench``: one table per benchmark asked for (``all``: alloc, kv and engine)."""
     from .bench import bench_alloc, bench_engine, bench_kv
-    from .bench.alloc import format_alloc
+    from .bench.alloc import format_alloc, format_why
     from .table import format_rows
 
+    from .sizes import BENCH_SIZES
+
     tables = {
-        "alloc": (bench_alloc, 101, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
+        "alloc": (bench_alloc, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
                   "out_cache_loc; arange = writing that out_cache_loc from the same pages; vllm = vLLM v1's "
                   "BlockPool on the same decode batch (one free queue, no lanes); goal = the most cp8/deque may "
                   "be (extend also cp8/arange <= 2, decode cp8/vllm <= 1); met = whether this run met it"),
-        "kv": (bench_kv, 21, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
+        "kv": (bench_kv, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
-        "engine": (bench_engine, 7, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
+        "engine": (bench_engine, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
     }
     if args.what == "splits":
         return cmd_bench_splits(args)
@@ -138,19 +129,19 @@ def cmd_bench(args) -> int:
     if args.what == "plan":
         from .bench import bench_plan
 
-        n = args.repeats or 7
+        n = args.repeats
         rows = bench_plan(repeats=n)
         print(json.dumps(rows, indent=2) if args.json else format_rows(
             rows, f"plan: a Llama of 4 layers on one rank, torch path, CPU; prefill 4 x 256 tokens, decode 32 at "
                   f"512; median of {n} interleaved rounds; syncs = host synchronisations counted in each layer"))
         return EXIT_OK
     out = {}
-    for what, (bench, repeats, title) in tables.items():
+    for what, (bench, title) in tables.items():
         if args.what in (what, "all"):
-            n = args.repeats or repeats
+            n = args.repeats or BENCH_SIZES[what]["repeats"]
             if what == "kv":
-                kw = dict(device=args.device, kernels=args.kernels, **({"tokens": args.tokens} if args.tokens else {}))
-                title = title.replace("64K tokens", f"{kw.get('tokens', 65536)} tokens") + \
+                kw = dict(device=args.device, kernels=args.kernels, tokens=args.tokens or BENCH_SIZES["kv"]["tokens"])
+                title = title.replace("64K tokens", f"{kw['tokens']} tokens") + \
                     f"; device {args.device}, kernels {args.kernels}"
                 rows = bench(repeats=n, **kw)
             else:
@@ -158,6 +149,8 @@ def cmd_bench(args) -> int:
             out[what] = rows
             if not args.json:
                 print((format_alloc if what == "alloc" else format_rows)(rows, title.format(n=n)))
+                if what == "alloc" and (why := format_why(rows)):
+                    print(why, file=sys.stderr)
                 print()
     if args.json:
         print(json.dumps(out if args.what == "all" else out[args.what], indent=2))
@@ -185,7 +178,7 @@ def cmd_bench_capacity(args) -> int:
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats or 5)
+        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -204,17 +197,17 @@ def cmd_bench_capacity(args) -> int:
 
 
 def validate_bench(args, parser) -> None:
-    """``cpkv bench``: a flag the benchmark does not take is refused, naming the benchmarks that take it
-    (:data:`~cpkv.tools.flags.BENCH_FLAGS`), then the defaults of the others are set; ``--device cuda`` needs CUDA;
-    ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
-    given, and ``--cp``/``--page`` to 4/16 for every bench but scheduler (whose defaults are 8/64)."""
-    refuse_other_bench_flags(parser, args)
+    """``cpkv bench``: the flags not given take the benchmark's sizes and the parser's defaults (a flag the
+    benchmark does not take and every size were refused first, :mod:`cpkv.tools.sizes`); ``--device cuda`` needs
+    CUDA; ``--device``/``--kernels`` apply to kv, splits and plan; sets ``args.kernels`` to its default when not
+    given."""
+    from .sizes import fill_bench_defaults
+
+    fill_bench_defaults(args)
     if args.what in ("engine", "splits", "kvdtype", "capacity", "plan", "all"):
         refuse_without(parser, "transformers", f"bench {args.what} (its models are transformers' own)")
     if args.kernels == "triton":
         refuse_without(parser, "triton", "--kernels triton")
-    if args.what != "scheduler":
-        args.cp, args.page = args.cp or 4, args.page or 16
     refuse_cuda_unless_available(parser, args.device, args.cp if args.what == "splits" else 1)
     if args.kernels is None:
         from ..runtime.batch import default_kernels
@@ -270,8 +263,8 @@ def cmd_bench_splits(args) -> int:
     from .table import format_rows
 
     models = list(SPLIT_MODELS) if args.model == "all" else [args.model]
-    sizes = dict(cp=args.cp or 4, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
-                 page=args.page or 16, repeats=args.repeats or 5)
+    sizes = dict(cp=args.cp, tokens=args.tokens, bs=args.bs, decode_bs=args.decode_bs, context=args.context,
+                 page=args.page, repeats=args.repeats)
     try:
         report = bench_splits(models, **sizes, device=args.device, kernels=args.kernels)
     except ValueError as e:
@@ -289,11 +282,11 @@ def cmd_bench_splits(args) -> int:
 
 def cmd_bench_scheduler(args) -> int:
     """``cpkv bench scheduler``: the scheduler alone, one row per batch and context."""
-    from .bench.scheduler_step import BATCHES, CONTEXTS, bench_scheduler, scheduler_title
+    from .bench.scheduler_step import bench_scheduler, scheduler_title
     from .table import format_rows
 
-    sizes = dict(batches=args.batches or BATCHES, contexts=args.contexts or CONTEXTS, steps=args.steps or 64,
-                 cp_size=args.cp or 8, page_size=args.page or 64, rounds=args.repeats or 3)
+    sizes = dict(batches=args.batches, contexts=args.contexts, steps=args.steps, cp_size=args.cp,
+                 page_size=args.page, rounds=args.repeats)
     try:
         rows = bench_scheduler(**sizes)
     except (ValueError, RuntimeError) as e:  # e.g. a context too short for the whole batch to decode together
@@ -378,10 +371,7 @@ def validate_disagg(args, parser, cfg) -> None:
         d = DisaggConfig.from_engine(cfg, M, N, decode_page=args.decode_page).sized()
     except ValueError as e:  # a --kv-memory that holds no page
         parser.error(f"--kv-memory: {e}")
-    from .refusals import refuse_sizes
-
     prefill = dataclasses.replace(cfg, cp_size=M, device_pages=d.device_pages, kernels=d.kernels)
-    refuse_sizes(parser, prefill, d.trace(), trace=False)  # before DisaggControl allocates
     try:
         DisaggControl(d, d.trace())  # a trace either group cannot run is refused before any process starts
     except CacheTooSmall as e:
@@ -390,19 +380,17 @@ def validate_disagg(args, parser, cfg) -> None:
         parser.error(f"--workload: {e}")
     decode = dataclasses.replace(prefill, cp_size=N, page_size=d.d_page, device_pages=d.d_pages, host_pages=0)
     refuse_unless_fits(parser, engine_footprint(prefill), engine_footprint(decode), timeout=args.timeout)
-    from .refusals import refuse_if_past_timeout
-
-    refuse_if_past_timeout(parser, d, d.trace(), d.world_size)
+    say_how_long(d, d.trace(), d.world_size)
     args.config = d
 
 
 def validate_run(args, parser) -> None:
-    """``cpkv run``: cross-flag rules, then every size checked against this machine and the trace against
-    the cache, before anything is allocated or any process starts (:mod:`cpkv.tools.refusals`); sets
-    ``args.config`` (an engine or a disaggregated configuration)."""
+    """``cpkv run``: cross-flag rules (every size was checked against this machine and the work first,
+    :mod:`cpkv.tools.sizes`), then the trace against the cache, before anything is allocated or any process
+    starts (:mod:`cpkv.tools.refusals`); sets ``args.config`` (an engine or a disaggregated configuration)."""
     from ..engine.config import engine_footprint
     from ..engine.trace import TraceError
-    from .refusals import refuse_group_size, refuse_if_past_timeout, refuse_sizes, refuse_torchrun_mismatch
+    from .refusals import refuse_torchrun_mismatch, refuse_unless_trace_fits
 
     refuse_without(parser, "transformers", "cpkv run (its models are transformers' own)")
     if args.plot:
@@ -413,18 +401,12 @@ def validate_run(args, parser) -> None:
         parser.error(f"--disagg M:N sets both group sizes (here {args.disagg[0]} prefill and {args.disagg[1]} "
                      f"decode ranks); it does not take --cp {args.cp}")
     refuse_torchrun_mismatch(parser, args.cp)
-    if args.disagg:
-        refuse_group_size(parser, sum(args.disagg), "--disagg")
-    elif args.cp is not None:
-        refuse_group_size(parser, args.cp)
     refuse_cuda_unless_available(parser, args.device, sum(args.disagg) if args.disagg
                                  else args.cp or default_cp_size())
     if args.device == "cuda" and args.disagg:
         from ..engine.joined import DISAGG_ON_GPU
 
         parser.error(DISAGG_ON_GPU)
-    if args.decode_page is not None and args.disagg is None:
-        parser.error("--decode-page sets the decode group's page size; it needs --disagg")
     if args.kv_events is not None and args.disagg is not None:
         parser.error("--kv-events publishes one CP group's prefix cache; it does not take --disagg")
     from .kv_events_start import refuse_unless_bound
@@ -447,10 +429,30 @@ def validate_run(args, parser) -> None:
         specs = cfg.trace()
     except (TraceError, OSError) as e:
         parser.error(f"--workload: {e}")
-    refuse_sizes(parser, cfg, specs)
+    refuse_unless_trace_fits(parser, cfg, specs)
     refuse_unless_fits(parser, engine_footprint(cfg, specs), timeout=args.timeout)
-    refuse_if_past_timeout(parser, cfg, specs, cfg.cp_size)
+    say_how_long(cfg, specs, cfg.cp_size)
     args.config = cfg
+
+
+#: Expected seconds above which ``cpkv run`` says, before it starts, how long it expects to take.
+SAY_HOW_LONG_S = 60.0
+
+
+def say_how_long(cfg, specs, world_size: int, capacity=None) -> float:
+    """A run expected to take over :data:`SAY_HOW_LONG_S` says so on stderr (steps from
+    :func:`~cpkv.engine.trace.expected_steps`, seconds from :func:`~cpkv.runtime.sizing.expected_run_seconds`;
+    one past its ``--timeout`` was refused first, :mod:`cpkv.tools.sizes`). Returns the estimate."""
+    from ..engine.trace import expected_steps
+    from ..runtime.sizing import expected_run_seconds, machine_capacity
+
+    steps = expected_steps(specs, cfg.chunk, cfg.max_running)
+    cores = (capacity or machine_capacity()).cores
+    secs = expected_run_seconds(world_size, steps, cores)
+    if secs > SAY_HOW_LONG_S:
+        print(f"cpkv run: expect about {secs / 60:.0f} min: about {steps} steps on {world_size} ranks and {cores} "
+              "cores", file=sys.stderr)
+    return secs
 
 
 def cmd_run(args) -> int:

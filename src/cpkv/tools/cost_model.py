@@ -115,7 +115,7 @@ class Hardware:
         try:
             with open(path, encoding="utf-8") as f:
                 got = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read GPU results: {e}") from None
         section = got.get("cost_model") if isinstance(got, dict) else None
         if not isinstance(section, dict) or not section:
@@ -318,12 +318,17 @@ class DenseModel:
 
 
 def kv_memory_per_rank(hw: Hardware = H200, model: DsaModel | None = None, cp_size: int = 8) -> int:
-    """Bytes of KV an H200 keeps beside its DeepSeek-V3.2 shard: ``hbm_bytes
-    x mem_fraction - checkpoint / cp_size`` (the weights spread over the group)."""
+    """Bytes of KV an H200 keeps beside its DeepSeek-V3.2 shard (:func:`kv_memory_beside` its checkpoint)."""
     model = model or DsaModel.deepseek_v32()
     always, routed = model.weight_bytes()
     p = model.params()
-    return int(hw.hbm_bytes * hw.mem_fraction - (always + routed + 2 * p["embedding"]) / cp_size)
+    return kv_memory_beside(hw, always + routed + 2 * p["embedding"], cp_size)
+
+
+def kv_memory_beside(hw: Hardware, checkpoint_bytes: float, cp_size: int) -> int:
+    """Bytes of KV a GPU keeps beside its shard of a checkpoint spread over the group: ``hbm_bytes x
+    mem_fraction - checkpoint_bytes / cp_size`` (negative: the shard alone does not fit)."""
+    return int(hw.hbm_bytes * hw.mem_fraction - checkpoint_bytes / cp_size)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """The ``cpkv`` command's flag checkers and shared flags.
 
 * value checkers (:func:`int_at_least`, :func:`finite_float`, :func:`comma_choices`,
-  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`) are ``type=``
-  callables: a bad value is refused while parsing, by argparse itself, naming the flag;
+  :func:`output_file`, :func:`workload_arg`, :func:`disagg_arg`, :func:`size_arg`, :func:`zmq_endpoint`,
+  :func:`scale_arg`, :data:`timeout_arg`, :func:`block_tokens_arg`) are ``type=`` callables: a bad value is
+  refused while parsing, by argparse itself, naming the flag (the same checkers read the sizes before the parser
+  is built, :mod:`cpkv.tools.sizes`); a count is an integer (``1e12`` reads as 10**12) of at most
+  :data:`MOST_INT`; :class:`OneLineParser` refuses in one line;
 * :func:`add_kv_dtype_flag` adds ``--kv-dtype``; :func:`add_kv_events_flags` the KV event flags, and
   :func:`refuse_unless_kv_events_bind` refuses, before anything starts, an endpoint that cannot be bound;
 * :func:`add_group_flags` adds the flags of anything that starts a CP group
@@ -18,16 +21,52 @@ import math
 from pathlib import Path
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line on stderr (the program, the
+    flag and why, then where the usage is) and exit 2, instead of the usage block
+    then the message."""
+
+    def error(self, message: str):
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def whole_number(text: str) -> int | None:
+    """``text`` as an integer: digits (``1000000``), or a number in scientific
+    notation whose value is whole (``1e6``, ``2.5e3``; exactly: ``1e400`` is
+    10**400); ``None`` for anything else (``1.5``, ``abc``, ``inf``)."""
+    from decimal import Decimal, InvalidOperation
+
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not v.is_finite() or v != v.to_integral_value() or abs(v.adjusted()) > 4000:
+        return None
+    return int(v)
+
+
+#: The largest count or size a flag takes: a 64-bit integer (the arrays that hold them are int64).
+MOST_INT = 2**63 - 1
+
+
 def int_at_least(lo: int):
-    """A ``type=`` for integers ``>= lo``."""
+    """A ``type=`` for integers ``>= lo`` and at most :data:`MOST_INT` (digits, or a whole number in
+    scientific notation: ``1e6``)."""
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        v = whole_number(text)
+        if v is None:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        if v > MOST_INT:
+            raise argparse.ArgumentTypeError(f"must be at most {MOST_INT} (a 64-bit integer), got {text}")
         return v
 
     parse.__name__ = f"integer >= {lo}"
@@ -72,10 +111,9 @@ def comma_choices(choices):
 
 def positive_list(text: str) -> list[int]:
     """A ``type=`` for a comma list of integers ``>= 1`` (``64,256``)."""
-    parse = int_at_least(1)
     items = [t.strip() for t in text.split(",")]
     try:
-        return [parse(t) for t in items]
+        return [positive(t) for t in items]
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"a comma list of integers >= 1: {e}") from None
 
@@ -104,14 +142,30 @@ positive = int_at_least(1)
 non_negative = int_at_least(0)
 
 
+def scale_arg(text: str) -> float:
+    """A ``type=`` for ``--scale``: a finite number > 0 and at most :data:`~cpkv.engine.trace.MAX_SCALE`."""
+    from ..engine.trace import MAX_SCALE
+
+    return finite_float(0, inclusive=False, hi=MAX_SCALE)(text)
+
+
+scale_arg.__name__ = "scale"
+
+
+#: Longest ``--timeout`` (a week): a group waits on its ranks up to it; past it a run on this engine is a mistake.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: A ``type=`` for ``--timeout``: seconds > 0, at most :data:`MAX_TIMEOUT_S`.
+timeout_arg = finite_float(0, inclusive=False, hi=MAX_TIMEOUT_S)
+
+
 def add_group_flags(p: argparse.ArgumentParser, *, cp: int = 4, timeout: float = 300.0) -> None:
     """Flags of a subcommand that starts a CP group: ``--cp``/``--ranks`` and
     ``--timeout``. ``--cp`` parses to ``None`` when not given (so a rule can
     tell it was not asked for); the command takes ``cp`` then."""
     p.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help=f"ranks in the CP group, one process each (default {cp})")
-    p.add_argument("--timeout", type=finite_float(0, inclusive=False), default=timeout, metavar="SECONDS",
-                   help=f"seconds before the group is stopped (default {timeout:g})")
+    p.add_argument("--timeout", type=timeout_arg, default=timeout, metavar="SECONDS",
+                   help=f"seconds before the group is stopped, at most {MAX_TIMEOUT_S:g} (default {timeout:g})")
 
 
 def refuse_unless_fits(parser: argparse.ArgumentParser, *footprints, timeout: float, capacity=None) -> None:
@@ -139,28 +193,34 @@ def workload_arg(text: str) -> str:
                                      "nor a file")
 
 
+def block_tokens_arg(text: str) -> int:
+    """A ``type=`` for ``--block-tokens``: an integer in 1..512 (the Mooncake traces' block)."""
+    v = positive(text)
+    if v > 512:
+        raise argparse.ArgumentTypeError(f"must be at most 512 (the traces' block), got {v}")
+    return v
+
+
+block_tokens_arg.__name__ = "integer in 1..512"
+#: A ``type=`` for a finite number > 0 (``--step-ms``, ``--rate``).
+positive_float = finite_float(0, inclusive=False)
+
+
 def add_mooncake_flags(p: argparse.ArgumentParser, *, block: int, step_ms: bool = True) -> None:
     """The flags of a Mooncake trace (:mod:`cpkv.engine.mooncake`), in one
     group: ``--block-tokens`` (default ``block``), ``--window``,
     ``--max-output`` and, with ``step_ms``, ``--step-ms`` (a model run's
     arrival steps)."""
-    def block_tokens(text: str) -> int:
-        v = int_at_least(1)(text)
-        if v > 512:
-            raise argparse.ArgumentTypeError(f"must be at most 512 (the traces' block), got {v}")
-        return v
-
-    block_tokens.__name__ = "integer in 1..512"
     g = p.add_argument_group("Mooncake traces (--workload mooncake:PATH, or a file with their fields)")
-    g.add_argument("--block-tokens", type=block_tokens, default=block, metavar="B",
+    g.add_argument("--block-tokens", type=block_tokens_arg, default=block, metavar="B",
                    help=f"tokens a hash id becomes, at most 512 (the traces' block); lengths scale with it "
                         f"(default {block})")
-    g.add_argument("--window", type=int_at_least(1), default=None, metavar="MS",
+    g.add_argument("--window", type=positive, default=None, metavar="MS",
                    help="only the requests arriving in the trace's first MS milliseconds")
-    g.add_argument("--max-output", type=int_at_least(1), default=None, metavar="N",
+    g.add_argument("--max-output", type=positive, default=None, metavar="N",
                    help="cap every request's output at N tokens (after scaling)")
     if step_ms:
-        g.add_argument("--step-ms", type=finite_float(0, inclusive=False), default=1000.0, metavar="MS",
+        g.add_argument("--step-ms", type=positive_float, default=1000.0, metavar="MS",
                        help="a request arrives at engine step timestamp // MS (default 1000)")
 
 
@@ -170,9 +230,12 @@ def size_arg(text: str) -> int:
     from ..runtime.sizing import parse_size
 
     try:
-        return parse_size(text)
+        v = parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if v > MOST_INT:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MOST_INT} bytes (a 64-bit integer)")
+    return v
 
 
 size_arg.__name__ = "size"
@@ -396,19 +459,3 @@ BENCH_FLAGS = {
     "kernels": {"json", "compile", "device"},
 }
 BENCH_FLAGS["all"] = BENCH_FLAGS["alloc"] | BENCH_FLAGS["kv"] | BENCH_FLAGS["engine"]
-
-
-def refuse_other_bench_flags(parser: argparse.ArgumentParser, args) -> None:
-    """``cpkv bench``: ``parser.error`` for a flag given that the benchmark does
-    not take, naming the benchmarks it sets (:data:`BENCH_FLAGS`); then every
-    flag not given takes its default (``args.bench_defaults``: the parser leaves
-    a flag not given unset, so that one given is told apart)."""
-    defaults = args.bench_defaults
-    for dest in defaults:
-        if hasattr(args, dest) and dest not in BENCH_FLAGS[args.what]:
-            takes = [w for w, f in BENCH_FLAGS.items() if dest in f and w != "all"]
-            flag = "--" + dest.replace("_", "-")
-            parser.error(f"{flag} is not a flag of bench {args.what}; it sets bench {', '.join(takes)}")
-    for dest, value in defaults.items():
-        if not hasattr(args, dest):
-            setattr(args, dest, value)

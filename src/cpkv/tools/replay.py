@@ -30,14 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..consumers.eviction import EVICTION_POLICIES
-from ..consumers.hicache import HostTier
 from ..engine.mooncake import MooncakeTrace
-from ..engine.rank import build_cache
-from ..engine.scheduler import Scheduler
 from ..engine.trace import CacheTooSmall
-from ..runtime.progress import progress_bar
 from .cost_model import H200, CostModel, Hardware, kv_memory_per_rank
-from .simulate import null_execute
 
 __all__ = ["KV_MODES", "ReplayConfig", "ReplayResult", "build_replay_scheduler", "replay"]
 
@@ -116,6 +111,10 @@ def build_replay_scheduler(cfg: ReplayConfig, kv: str, specs: list, token_bytes:
     """The scheduler of mode ``kv`` for ``specs``, as the engine builds it
     (:func:`cpkv.engine.engine.build_scheduler`: one lane for a replicated
     copy, ``cp_size`` lanes shared; the same pages per rank; the host tier)."""
+    from ..consumers.hicache import HostTier  # here: ReplayConfig is read before torch is imported (cpkv.tools.sizes)
+    from ..engine.rank import build_cache
+    from ..engine.scheduler import Scheduler
+
     device, host = cfg.pages(token_bytes)
     lanes = 1 if kv == "replicated" else cfg.cp_size
     return Scheduler(specs, build_cache(lanes, cfg.page_size, device, cfg.eviction), chunk=cfg.chunk,
@@ -195,6 +194,9 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
     the cost model's steps) or ``"steps"`` (the engine's loop)."""
     if clock not in CLOCKS:
         raise ValueError(f"unknown clock {clock!r}; choose from {CLOCKS}")
+    from ..runtime.progress import progress_bar
+    from .simulate import null_execute
+
     model = cfg.cost_model(kv)
     t0, c0 = time.perf_counter(), time.process_time()
     arrival = np.asarray(trace.arrival_ms, dtype=np.float64) / cfg.rate

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .replay import ReplayConfig, ReplayResult, replay
+from .report import save_figure
 
 __all__ = ["cmd_replay", "equal_batch_rows", "goal_rows", "markdown_table", "plot_replays", "replay_rows",
            "run_replays"]
@@ -180,8 +181,7 @@ def plot_replays(results: list[ReplayResult], path: str) -> list[str]:
         ax.legend(fontsize=6)
         fig.tight_layout()
         f = str(p.with_name(f"{p.stem}-{name}{p.suffix}"))
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
+        save_figure(fig, f)
         out.append(f)
     return out
 

@@ -5,6 +5,28 @@ from __future__ import annotations
 from .table import format_rows
 
 
+def save_figure(fig, path: str) -> None:
+    """Write ``fig`` to ``path`` whole or not at all: into a hidden file beside it, then renamed over it, so a
+    run stopped while it writes (Ctrl-C, a full disk) leaves no partial file; the figure is closed either way."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix, dir=p.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format=p.suffix.lstrip(".").lower())
+        os.replace(tmp, p)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
+
+
 def format_outputs(outputs: list[dict]) -> str:
     """``--print-tokens``: one line a request, its id, prompt length and generated token ids."""
     lines = ["", "generated tokens (id, prompt tokens: ids):"]
@@ -107,5 +129,4 @@ def plot_engine(r: dict, path: str) -> None:
         ax.set_title(f"host pages used (hit rate {r['host_hit_rate']:.2f})", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -19,16 +19,14 @@ the same trace:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..consumers.hicache import HostTier
-from ..consumers.prefix_cache import PrefixCache
-from ..contract.allocator import OwnerLaneAllocator
-from ..engine.latency import LatencyClock, latency_report
-from ..engine.scheduler import ADMISSION, Scheduler, StepPlan
 from ..engine.trace import WORKLOADS, RequestSpec
-from ..runtime.progress import progress_bar
+
+if TYPE_CHECKING:
+    from ..engine.scheduler import StepPlan
 
 POLICIES = ("least_full", "lane0", "oblivious")
 
@@ -141,6 +139,14 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     :data:`~cpkv.consumers.eviction.EVICTION_POLICIES`).
     TTFT and TPOT come in steps (``RunResult.latency``).
     """
+    # imported here: the workloads above are read before torch is imported (cpkv.tools.sizes)
+    from ..consumers.hicache import HostTier
+    from ..consumers.prefix_cache import PrefixCache
+    from ..contract.allocator import OwnerLaneAllocator
+    from ..engine.latency import LatencyClock, latency_report
+    from ..engine.scheduler import ADMISSION, Scheduler
+    from ..runtime.progress import progress_bar
+
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
     if admission not in ADMISSION:
@@ -207,8 +213,9 @@ def plot(results: list[RunResult], path: str) -> None:
         ax.set_ylabel("pages used per lane", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from .report import save_figure
+
+    save_figure(fig, path)
 
 
 __all__ = ["POLICIES", "RequestSpec", "RunResult", "SIM_WORKLOADS", "Workload", "compare", "longdoc", "multiturn",

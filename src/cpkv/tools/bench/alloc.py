@@ -215,15 +215,20 @@ def _where(path: str, fn: str) -> str:
 
 
 def format_alloc(rows: list[dict], title: str) -> str:
-    """The table (:func:`~cpkv.tools.table.format_rows`), then one line per row
-    that missed its goal: its time, what the goal allows, its floor (writing
-    ``out_cache_loc``, extend rows) and where the time goes (its ``profile``)."""
+    """The table (:func:`~cpkv.tools.table.format_rows`), without the rows' profiles."""
     from ..table import format_rows
 
-    lines = [format_rows([{k: v for k, v in r.items() if k != "profile"} for r in rows], title)]
+    return format_rows([{k: v for k, v in r.items() if k != "profile"} for r in rows], title)
+
+
+def format_why(rows: list[dict]) -> str:
+    """One line per row that missed its goal (empty when none did): its time,
+    what the goal allows, its floor (writing ``out_cache_loc``, extend rows),
+    cold against warm, and where the time goes (its ``profile``). The command
+    prints it on standard error: it changes from run to run, the table's
+    counts do not."""
     missed = [r for r in rows if "profile" in r]
-    if missed:
-        lines.append("why, where a goal is missed (cProfile shares of the allocator's call, this run):")
+    lines = ["why, where a goal is missed (cProfile shares of the allocator's call, this run):"] if missed else []
     for r in missed:
         p, cp_ms = r["profile"], next(v for k, v in r.items() if k.endswith(" ms"))
         floor = f", floor (writing out_cache_loc) {p['floor ms']:.3f} ms" if p["floor ms"] else ""

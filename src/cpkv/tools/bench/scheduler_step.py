@@ -28,8 +28,10 @@ from ...contract.allocator import OwnerLaneAllocator
 from ...engine.scheduler import Scheduler
 from ...engine.trace import RequestSpec
 
-BATCHES = (64, 256, 1024)
-CONTEXTS = (4096, 32768, 131072)
+from ..sizes import BENCH_SIZES
+
+#: The cases ``cpkv bench scheduler`` runs when not given (:data:`cpkv.tools.sizes.BENCH_SIZES`).
+BATCHES, CONTEXTS = tuple(BENCH_SIZES["scheduler"]["batches"]), tuple(BENCH_SIZES["scheduler"]["contexts"])
 
 
 def _token(r) -> int:

@@ -268,8 +268,10 @@ def _ratio(values: list[int]) -> float:
 def default_split_tokens(model: str) -> int:
     """Prefill tokens of the split benchmark: 16384 for Llama; 4096 for DSA,
     whose indexer copies each query's whole context (``[T, L, index_dim]``),
-    more than 4 ranks of this benchmark hold at 16K."""
-    return 16384 if model == "llama" else 4096
+    more than 4 ranks of this benchmark hold at 16K (:data:`cpkv.tools.sizes.SPLIT_FIGURES`)."""
+    from ..sizes import SPLIT_FIGURES
+
+    return SPLIT_FIGURES[model][2]
 
 
 def bench_splits(models=SPLIT_MODELS, cp: int = 4, tokens: int | None = None, bs: int = 4, decode_bs: int = 64,
