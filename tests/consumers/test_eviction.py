@@ -130,9 +130,11 @@ def test_the_policy_reaches_the_cache_from_every_entry_point(monkeypatch):
     for make in (lambda: EngineConfig(eviction="fifo"), lambda: ReplayConfig(eviction="fifo")):
         with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
             make()
+    import cpkv.consumers.prefix_cache as pc
+
     seen = []
-    real = sim.PrefixCache
-    monkeypatch.setattr(sim, "PrefixCache", lambda alloc, **kw: seen.append(kw["eviction"]) or real(alloc, **kw))
+    real = pc.PrefixCache
+    monkeypatch.setattr(pc, "PrefixCache", lambda alloc, **kw: seen.append(kw["eviction"]) or real(alloc, **kw))
     assert build_parser().parse_args(["simulate", "--eviction", "lfu"]).eviction == "lfu"
     sim.run(sim.longdoc(n=2), eviction="lfu", progress=False)
     assert seen == ["lfu"]
