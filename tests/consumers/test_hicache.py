@@ -11,6 +11,8 @@ from cpkv.consumers.hicache import HostPool, HostTier
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers, kv_families
 from cpkv.consumers.prefix_cache import PrefixCache
 
+from support.pool_io import read, write
+
 S = 4
 
 
@@ -90,7 +92,7 @@ def test_only_the_io_rank_backs_up_and_every_owner_loads_its_own_pages():
     for p in pools:
         mine = lay.owned_slot_mask(slots, owner_rank=p.rank)
         for layer in range(2):
-            p.write(layer, slots[mine], k=val[mine] + layer, v=-val[mine])
+            write(p, layer, slots[mine], k=val[mine] + layer, v=-val[mine])
     host_slots = torch.arange(S, S + 12)
     assert hosts[1].backup(pools[1], slots, host_slots) == 0  # not the IO rank: copies nothing
     assert hbufs["k"].abs().sum() == 0
@@ -100,7 +102,7 @@ def test_only_the_io_rank_backs_up_and_every_owner_loads_its_own_pages():
     loaded = [h.load(p, host_slots, new) for h, p in zip(hosts, pools)]
     assert sum(loaded) == 12 and all(0 < x < 12 for x in loaded)  # each owner its own share
     for p in pools:
-        k, v = p.gather(1, p.read_index(new))
+        k, v = read(p, 1, new)
         assert torch.equal(k, val + 1) and torch.equal(v, -val)
 
 

@@ -7,6 +7,8 @@ from cpkv import ContractViolation, OwnerLaneAllocator, SharedKVLayout
 from cpkv.consumers.kv_pool import Family, SharedKVPool, allocate_buffers, kv_families
 from cpkv.kernels.reference import gathered_attention as paged_attention
 
+from support.pool_io import read, write
+
 
 def _pools(N=2, S=4, ppr=6, H=2, D=3):
     lay = SharedKVLayout(N, S, ppr)
@@ -26,7 +28,9 @@ def test_write_to_unowned_slot_raises_and_writes_nothing():
     slots = torch.tensor([8, 4])  # page 2 (rank 0), page 1 (rank 1)
     kv = torch.ones(2, 2, 3)
     with pytest.raises(ContractViolation, match="rank 0 asked to write slot 4, which rank 1 owns"):
-        p0.write(0, slots, k=kv, v=kv)
+        p0.write_index(slots)  # the forward's one check, before any layer stores
+    with pytest.raises(ContractViolation, match="rank 0 asked to write slot 4, which rank 1 owns"):
+        write(p0, 0, slots, k=kv, v=kv)
     assert _both(bufs).abs().sum() == 0 and p0.bytes_held() == 0
 
 
@@ -40,15 +44,13 @@ def test_owners_write_their_segments_and_everyone_reads_the_whole():
     for pool in pools:
         before = _both(bufs)
         idx = r.rank_token_indices(pool.rank)
-        pool.write(0, r.out_cache_loc[idx], k=k[idx] + 1, v=-k[idx] - 1)
+        write(pool, 0, r.out_cache_loc[idx], k=k[idx] + 1, v=-k[idx] - 1)
         changed = (_both(bufs) != before).flatten(3).any(-1).any(0).any(0)  # per rank-major slot
         seg = torch.zeros(changed.numel(), dtype=torch.bool)
         seg[pool.rank * lay.slots_per_rank : (pool.rank + 1) * lay.slots_per_rank] = True
         assert changed.any() and not (changed & ~seg).any(), "a rank wrote outside its own segment"
     for pool in pools:
-        read = pool.read_index(r.out_cache_loc)
-        assert read.dtype == torch.int32
-        kk, vv = pool.gather(0, read)
+        kk, vv = read(pool, 0, r.out_cache_loc)
         assert torch.equal(kk, k + 1) and torch.equal(vv, -k - 1)
     assert sum(p.bytes_held() for p in pools) == 4 * pools[0].page_bytes  # 2 + 2 pages
 
@@ -63,14 +65,16 @@ def test_families_with_their_own_layers_and_shapes():
     assert bufs["latent"].shape == (3, 32, 5) and bufs["index_k"].shape == (2, 32, 3)
     p0 = SharedKVPool(lay, 0, fams, bufs)
     slots = torch.tensor([8, 9])  # page 2: rank 0
-    p0.write(2, slots, latent=torch.ones(2, 5), index_k=torch.full((2, 3), 2.0))
-    (got,) = p0.gather(2, p0.read_index(slots), "index_k")
+    write(p0, 2, slots, latent=torch.ones(2, 5), index_k=torch.full((2, 3), 2.0))
+    (got,) = read(p0, 2, slots, "index_k")
     assert torch.equal(got, torch.full((2, 3), 2.0))
     before = {n: b.clone() for n, b in bufs.items()}
     with pytest.raises(KeyError, match="layer 1 keeps no 'index_k' cache"):
-        p0.write(1, slots, latent=torch.ones(2, 5), index_k=torch.ones(2, 3))
-    with pytest.raises(ValueError, match="index_k: values of shape"):
-        p0.write(0, slots, latent=torch.ones(2, 5), index_k=torch.ones(2, 4))
+        p0.segment("index_k", 1)
+    with pytest.raises(KeyError, match="layer 1 keeps no 'index_k' cache"):
+        p0.view("index_k", 1)
+    with pytest.raises(ValueError, match="must be uint8 rows|values of shape"):
+        write(p0, 0, slots, latent=torch.ones(2, 5), index_k=torch.ones(2, 4))
     assert all(torch.equal(before[n], bufs[n]) for n in bufs)
     assert p0.page_bytes == 4 * (3 * 5 + 2 * 3) * 4
 
@@ -81,12 +85,12 @@ def test_copy_writes_only_the_destination_owners_segment():
     nothing. [[RFC-0001:C-DIRECT-WRITE]] [[RFC-0001:C-READ-PATH]]"""
     lay, bufs, (p0, p1) = _pools()
     src = torch.tensor([4, 5, 6])  # page 1: rank 1
-    p1.write(0, src, k=torch.ones(3, 2, 3), v=torch.full((3, 2, 3), 2.0))
+    write(p1, 0, src, k=torch.ones(3, 2, 3), v=torch.full((3, 2, 3), 2.0))
     dst = torch.tensor([8, 9, 10])  # page 2: rank 0
     before = _both(bufs)
     assert p1.copy_slots(src, dst) == 0 and torch.equal(_both(bufs), before)
     assert p0.copy_slots(src, dst) == 3
-    k, v = p0.gather(0, p0.read_index(dst))
+    k, v = read(p0, 0, dst)
     assert torch.equal(k, torch.ones(3, 2, 3)) and torch.equal(v, torch.full((3, 2, 3), 2.0))
 
 
@@ -104,13 +108,13 @@ def test_pool_refuses_buffers_that_do_not_match():
         Family("k v", (1,), (0,))
 
 
-def test_pool_rejects_an_allocation_for_another_layout():
+def test_an_allocation_for_another_layout_is_refused_against_the_pools():
     """[[RFC-0001:C-DOWNSTREAM-CONTRACT]]"""
     lay, _, (p0, _) = _pools()
     other = OwnerLaneAllocator(64, 8, 2)
     r = other.allocate_extend([0], [3], torch.tensor([-1]))
     with pytest.raises(ValueError, match="layout-mismatch"):
-        p0.check(r)
+        r.validate(p0.layout)
 
 
 def test_paged_attention_matches_dense_causal_attention():
@@ -127,3 +131,15 @@ def test_paged_attention_matches_dense_causal_attention():
         vv = v[r, : p + 1].repeat_interleave(H // Hkv, 1)
         w = torch.softmax(torch.einsum("hd,thd->ht", q[i], kk) * D**-0.5, -1)
         assert torch.allclose(out[i], torch.einsum("ht,thd->hd", w, vv), atol=1e-6)
+
+
+#: The pool's verbs, by job (see its class doc): a forward's writes and views, copies and tier moves, what a rank
+#: holds. A one-call write or read of a layer is no job of the pool's (tests/support/pool_io.py has them).
+POOL_VERBS = {"write_index", "segment", "view", "fence", "copy_slots", "write_all_layers", "read_all_layers",
+              "read_owned_all_layers", "tier_fence", "release", "bytes_held", "written_pages"}
+
+
+def test_the_pool_answers_its_jobs_and_nothing_more():
+    names = {n for n in dir(SharedKVPool) if not n.startswith("_")}
+    verbs = {n for n in names if callable(getattr(SharedKVPool, n))}
+    assert verbs == POOL_VERBS and names - verbs == {"page_bytes", "device"}

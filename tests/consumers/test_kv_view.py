@@ -11,6 +11,8 @@ from cpkv import ContractViolation, SharedKVLayout
 from cpkv.consumers.kv_pool import SharedKVPool, allocate_buffers, kv_families
 from cpkv.consumers.kv_view import OFFSET_ALIGN_BYTES, KVView, SegmentTable
 
+from support.pool_io import read
+
 
 def _split(whole: torch.Tensor, N: int) -> list[torch.Tensor]:
     """The rank-major buffer's segments as separate allocations."""
@@ -82,12 +84,12 @@ def test_a_pool_over_separate_segments_writes_only_its_own_and_reads_everyones()
             pools[r].write_all_layers(mine, vals)
         assert all(torch.equal(a, b) for q, (a, b) in enumerate(zip(before, segs["k"].segments)) if q != r)
         with pytest.raises(ContractViolation, match="which rank"):
-            sep[r].write(0, slots[~lay.owned_slot_mask(slots, owner_rank=r)][:1], k=torch.zeros(1, 2, 3))
+            sep[r].write_index(slots[~lay.owned_slot_mask(slots, owner_rank=r)][:1])
     for r in range(3):
         a, b = one[r].read_all_layers(slots), sep[r].read_all_layers(slots)
         assert all(torch.equal(a[n], b[n]) for n in a)
-        idx = one[r].read_index(slots.view(4, -1))
-        assert all(torch.equal(x, y) for x, y in zip(one[r].gather(1, idx), sep[r].gather(1, idx)))
+        table = slots.view(4, -1)  # any shape
+        assert all(torch.equal(x, y) for x, y in zip(read(one[r], 1, table), read(sep[r], 1, table)))
     src, dst = slots[:6], slots[-6:]
     for r in range(3):
         assert one[r].copy_slots(src, dst) == sep[r].copy_slots(src, dst)

@@ -15,6 +15,8 @@ from cpkv.consumers.kv_view import KVView
 from cpkv.consumers.transfer import plan_transfer, receive_transfer, send_transfer
 from cpkv.runtime.p2p import thread_p2p
 
+from support.pool_io import read, write
+
 S = 4
 
 
@@ -69,12 +71,9 @@ def test_every_pool_path_places_its_index_on_the_buffer_it_indexes(placed, segme
     own1 = torch.as_tensor(lay.rank_pages(1))[0:2] * S
     slots0, slots1 = torch.cat([own0, own0 + 1]), torch.cat([own1, own1 + 1])
     vals = torch.randn(slots0.numel(), 1, 3)
-    p0.write(0, slots0, k=vals, v=vals)
-    assert any(_is_buffer(w, p0) for w in _seen(placed, "write"))
-    local, _ = p0.write_index(slots0)
-    assert _seen(placed, "write_index")
-    p0.write_at(1, local, k=vals, v=vals)
-    assert any(_is_buffer(w, p0) for w in _seen(placed, "write_at"))
+    local, rows = p0.write_index(slots0)
+    assert _seen(placed, "write_index") and local.device == rows.device == p0.device
+    write(p0, 0, slots0, k=vals, v=vals)  # the forward's store into the segment, after write_index
     p1.write_all_layers(slots1, {f.name: torch.randn(2, slots1.numel(), 1, 3) for f in fams})
     assert any(_is_buffer(w, p1) for w in _seen(placed, "write_all_layers"))
     assert p1.copy_slots(slots0, slots1) == slots1.numel()  # reads rank 0's pages through the view
@@ -85,8 +84,8 @@ def test_every_pool_path_places_its_index_on_the_buffer_it_indexes(placed, segme
     assert torch.equal(got["k"][:, slots0.numel():], got["k"][:, : slots0.numel()])  # the copy landed
     p0.read_owned_all_layers(slots0)
     assert any(_is_buffer(w, p0) for w in _seen(placed, "read_owned_all_layers"))
-    (k,) = p0.gather(0, p0.read_index(slots0), "k")
-    assert torch.equal(k, vals) and _seen(placed, "gather")
+    (k,) = read(p0, 0, slots0, "k")
+    assert torch.equal(k, vals) and _seen(placed, "read_all_layers")
     assert p0.written_pages(own0 // S) == 2 and _seen(placed, "written_pages")
     p0.release(slots0)
     assert _seen(placed, "release") and p0.written_pages(own0 // S) == 0

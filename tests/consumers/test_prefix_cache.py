@@ -1,5 +1,5 @@
-"""The prefix cache: radix behaviour, reference counts, LRU and lane-aware
-eviction, page ownership against the allocator, lookup without side effects,
+"""The prefix cache: radix behaviour, reference counts, lane-aware eviction
+under each eviction policy (LRU, LFU), page ownership against the allocator, lookup without side effects,
 and misuse refused with nothing changed.
 [[RFC-0001:C-PREFIX-CACHE]]"""
 
@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cpkv import OwnerLaneAllocator, UnsupportedPagePlan
 from cpkv.consumers.prefix_cache import PrefixCache, PrefixCacheMisuse
 
-from support.cache_engine import Engine, admit, cached_sets, end
+from support.cache_engine import Engine, admit, cached_sets, end, reference_victim
 
 
 def tree_nodes(cache):
@@ -41,9 +41,10 @@ LIVE_MISUSE = ["foreign", "length", "tokens-off", "slots-off", "chain", "free-pa
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(S=st.sampled_from([1, 2, 4]), N=st.sampled_from([1, 2, 3, 4]), lane_pages=st.integers(3, 16))
-    def setup(self, S, N, lane_pages):
-        self.e = Engine(lane_pages, S, N)
+    @initialize(S=st.sampled_from([1, 2, 4]), N=st.sampled_from([1, 2, 3, 4]), lane_pages=st.integers(3, 16),
+                eviction=st.sampled_from(["lru", "lfu"]))
+    def setup(self, S, N, lane_pages, eviction):
+        self.e = Engine(lane_pages, S, N, eviction=eviction)
         self.other = PrefixCache(OwnerLaneAllocator(lane_pages * N * S, S, N))  # for foreign matches
         self.ended = []  # (tokens, slots, match) already finished
         self.finished = []  # tokens of cached requests, stems of follow-ups
@@ -114,8 +115,11 @@ class CacheMachine(RuleBasedStateMachine):
         deficit = np.zeros(self.e.N, dtype=np.int64)
         deficit[lane % self.e.N] = n
         held = {id(m.node) for _, _, m in self.e.live.values()}
+        first = reference_victim(self.e.cache, {lane % self.e.N})  # the policy's first leaf that helps the lane
+        first = None if first is None else self.e.cache.tree.prefix_tokens(first)
         got = self.e.cache.evict(deficit)
         assert got == self.e.cache.last_evicted
+        assert (first is None) == (not got) and (first is None or np.array_equal(got[0].tokens, first))
         remaining = {id(n) for n, _ in tree_nodes(self.e.cache)}
         assert held <= remaining | {id(None)}, "a node in use was evicted"
 

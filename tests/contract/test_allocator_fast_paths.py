@@ -94,16 +94,18 @@ def test_one_request_takes_the_same_pages_as_the_general_path(case):
 
 @st.composite
 def page_frees(draw):
-    """Pages to free: one chain's, in order (they cycle through the lanes),
-    that chain and more, or held pages in any order."""
+    """Pages to free: one chain's, in order (they cycle through the lanes) or
+    backwards, that chain and more, or held pages in any order."""
     a, _ = draw(churned())
     S, N = a.page_size, a.cp_size
     r = _outcome(lambda: a.allocate_extend([0], [draw(st.integers(1, 4 * N * S))], [-1]))
     chain = r.to_host("new_pages").tolist() if hasattr(r, "out_cache_loc") else []
     held = np.nonzero(a.is_allocated(np.arange(a.num_pages + 1)))[0].tolist()
-    how = draw(st.sampled_from(["one chain", "chain then more", "any pages"]))
+    how = draw(st.sampled_from(["one chain", "chain backwards", "chain then more", "any pages"]))
     if how == "any pages" or not chain:
         return a, draw(st.lists(st.sampled_from(held), unique=True)) if held else []
+    if how == "chain backwards":
+        return a, chain[::-1]
     if how == "chain then more":
         chain += draw(st.lists(st.sampled_from(held), unique=True).map(lambda x: [p for p in x if p not in chain]))
     return a, chain
@@ -114,7 +116,7 @@ def test_freed_pages_go_back_in_the_order_given(case):
     """Each lane's free list grows by its freed pages, the first one given on
     top (handed out first, SGLang's order; or, with ``need_sort``, sorted
     again): what the general rank (a sort of the lanes) and the one-chain rank
-    (``i // N``) both give."""
+    (``i // N``, for a chain given in order or backwards) both give."""
     a, pages = case
     if not pages:
         return

@@ -14,14 +14,21 @@ Rules read off the source (no import of cpkv needed):
 * no attribute set on a cpkv class from outside its body (``setattr(C, ...)``,
   ``C.x = ...``): a class's calls live in that class (an adapter's in the
   adapter), not attached to another by the module that imports it;
-* no module-level ``__getattr__`` but ``cpkv``'s own lazy import, which
-  resolves the public names and subpackages and nothing else: no shim answering
-  a former name;
+* no module-level ``__getattr__`` but a package's lazy import (``cpkv``'s,
+  ``cpkv.engine``'s, ``cpkv.runtime``'s: an ``__init__`` that imports nothing
+  heavy), which resolves the names of its public tables and nothing else: no
+  shim answering a former name;
 * no alias of a cpkv class or function (``Old = New`` at module level, a
   method named twice in its class), and none of the names the history layer
   kept (checked on the imported package);
 * no ``DeprecationWarning`` in cpkv while no release is published
-  (``CHANGELOG.md``): deprecation is owed only for what a release shipped.
+  (``CHANGELOG.md``): deprecation is owed only for what a release shipped;
+* one registry per extension point (models, eviction policies, kernel
+  backends: :class:`cpkv.contract.registry.Registry`), every entry reachable
+  by its name through the call that takes it, no hand-written list of a
+  registry's names anywhere in cpkv, and every ``cpkv`` flag that chooses
+  among a registry's names takes them from it, ``--help`` showing each one's
+  summary.
 """
 
 import ast
@@ -213,9 +220,8 @@ def class_patches(tree: ast.AST, classes: frozenset) -> list[str]:
     return out
 
 
-#: The packages whose ``__getattr__`` is allowed (a lazy import: ``import cpkv`` and the size check before a
-#: command's heavy imports read them without torch), and the tables their lookups may read.
-LAZY_IMPORTS, LAZY_TABLES = {"cpkv", "cpkv.engine", "cpkv.runtime"}, {"_PUBLIC", "_SUBPACKAGES"}
+#: The tables a package's lazy import (its ``__init__``'s ``__getattr__``) may read: nothing else answers.
+LAZY_TABLES = {"_PUBLIC", "_SUBPACKAGES"}
 
 
 def module_shims(tree: ast.AST, lazy: bool) -> list[str]:
@@ -271,7 +277,7 @@ def test_no_attribute_is_set_on_a_cpkv_class_from_outside_it():
 
 
 def test_no_module_getattr_shim():
-    found = {m: bad for m, t in TREES.items() if (bad := module_shims(t, lazy=m in LAZY_IMPORTS))}
+    found = {m: bad for m, t in TREES.items() if (bad := module_shims(t, lazy=MODULES[m].name == "__init__.py"))}
     assert not found, f"module __getattr__ shims: {found}"
 
 
@@ -300,6 +306,7 @@ FORMER_NAMES = {
                          "lane_pages", "lane_free_pages", "is_allocated"),
     "cpkv.Allocation": ("rank_split",),
     "cpkv.PageTable": ("rows",),
+    "cpkv.SharedKVPool": ("write", "write_at", "read_index", "gather", "check", "row", "num_layers"),
     "cpkv.runtime.runner.CPRunner": ("allocate", "extend", "finish", "record", "release", "last_loc", "lens", "table",
                                      "req_to_token"),
 }
@@ -336,6 +343,116 @@ def test_no_deprecation_before_a_release():
     assert not warned, f"deprecations before any release (delete the old form instead): {warned}"
 
 
+#: The extension points: registry (module, name) -> how a name reaches its entry through the call that takes it.
+EXTENSION_POINTS = {
+    ("cpkv.models.base", "MODELS"): "cpkv.models.model_config",
+    ("cpkv.consumers.eviction", "EVICTION_POLICIES"): "cpkv.consumers.eviction.eviction_policy",
+    ("cpkv.kernels", "BACKENDS"): "cpkv.kernels.get",
+}
+
+
+def registries_in(tree: ast.AST) -> list[str]:
+    """Module-level names bound to a ``Registry(...)`` in ``tree``."""
+    out = []
+    for n in tree.body:
+        value = n.value if isinstance(n, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Registry":
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            out += [t.id for t in targets if isinstance(t, ast.Name)]
+    return out
+
+
+def name_lists(tree: ast.AST, names: set) -> list[str]:
+    """Tuple, list and set literals in ``tree`` holding two or more of ``names`` as strings: a registry's names
+    written out by hand."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)):
+            got = [e.value for e in n.elts if isinstance(e, ast.Constant) and e.value in names]
+            if len(got) >= 2:
+                out.append(f"line {n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def _registry(where: tuple[str, str]):
+    import importlib
+
+    return getattr(importlib.import_module(where[0]), where[1])
+
+
+def _call(path: str):
+    import importlib
+
+    mod, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(mod), name)
+
+
+def test_each_extension_point_has_one_registry():
+    found = {(m, name) for m, t in TREES.items() for name in registries_in(t)}
+    assert found == set(EXTENSION_POINTS), f"registries in cpkv: {sorted(found)}; expected {sorted(EXTENSION_POINTS)}"
+
+
+def test_every_registry_entry_is_reachable_by_its_name():
+    from cpkv.contract.registry import Registry
+    from cpkv.kernels.backend import Backend
+
+    for where, call in EXTENSION_POINTS.items():
+        reg = _registry(where)
+        assert isinstance(reg, Registry) and len(reg) >= 2, f"{where}: {reg!r}"
+        for name in reg:
+            if where[1] == "BACKENDS":
+                try:
+                    got = _call(call)(name)
+                except RuntimeError as e:  # an optional extra not installed here: the name still reaches it
+                    assert "needs the" in str(e), e
+                    continue
+                assert isinstance(got, Backend) and got.name == name
+            elif where[1] == "MODELS":
+                got = _call(call)(name, seed=3)
+                assert got.seed == 3 and callable(got.adapter) and callable(got.build)
+                assert type(got.with_released_cache()) is type(got)
+            else:
+                got = _call(call)(name)
+                assert got is reg.get(name) and got.name == name
+            assert reg.summary(name)
+
+
+def test_no_registry_names_written_out_by_hand():
+    for where in EXTENSION_POINTS:
+        names = set(_registry(where))
+        found = {m: bad for m, t in TREES.items() if (bad := name_lists(t, names))}
+        assert not found, f"{where[1]}'s names written by hand (ask the registry): {found}"
+
+
+def test_every_flag_choosing_a_registered_name_asks_the_registry_and_help_lists_each():
+    import argparse
+
+    from cpkv.tools.cli import build_parser
+
+    def actions(parser):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    yield from actions(sub)
+            else:
+                yield parser.prog, a
+
+    regs = [_registry(w) for w in EXTENSION_POINTS]
+    seen = set()
+    for prog, a in actions(build_parser()):
+        for reg in regs:
+            names = set(reg)
+            if a.choices is None or len(names & set(a.choices)) < 2:
+                continue
+            assert set(a.choices) - {"all"} <= names, f"{prog} {a.option_strings}: {a.choices} beyond {reg!r}"
+            if set(a.choices) == names:
+                seen.add(reg.what)
+                help_text = " ".join(a.help.split())
+                missing = [n for n in reg if " ".join(f"{n}: {reg.summary(n)}".split()) not in help_text]
+                assert not missing, f"{prog} {a.option_strings} --help does not describe {missing}"
+    assert seen == {r.what for r in regs}, f"no flag of cpkv lists every name of {set(r.what for r in regs) - seen}"
+
+
 # -- the checks themselves, on made-up graphs and classes --------------------------------
 def test_the_cycle_finder_sees_a_circle_and_nothing_else():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
@@ -358,3 +475,12 @@ def test_the_history_checks_see_a_patch_a_shim_and_an_alias_and_nothing_else():
     aliased = ast.parse("Old = Core\nold_helper = mod.helper\nclass C:\n    def f(self): pass\n    g = f\n")
     assert len(aliases(aliased, defs)) == 3
     assert aliases(ast.parse("X = 3\nT = torch.Tensor\nclass C:\n    Inner = Core\n"), defs) == []
+
+
+def test_the_registry_checks_see_a_registry_and_a_written_list_and_nothing_else():
+    tree = ast.parse("A = Registry('a')\nB: Registry[int] = Registry('b')\nC = dict()\n"
+                     "class K:\n    D = Registry('d')\n")
+    assert registries_in(tree) == ["A", "B"]
+    listed = ast.parse("X = ('torch', 'triton')\nY = ['torch', 'all']\nZ = {'torch': 1, 'triton': 2}\n"
+                       "W = {'torch', 'triton', 'x'}\n")
+    assert len(name_lists(listed, {"torch", "triton"})) == 2

@@ -22,6 +22,7 @@ from cpkv.models.round_trip import RunRecord, run_reference
 from cpkv.runtime.parts import build_parts
 
 from support.groups import run_group as support_run_group
+from support.pool_io import read, write
 
 # (cached prefix, prompt): mid-page at 16 and 5, page-aligned at 16 (16) and at 5 (10), fresh; 9 < index_topk
 REQUESTS = [(21, 45), (16, 40), (10, 27), (0, 9)]
@@ -231,15 +232,15 @@ def test_owner_only_writes_for_both_families(adapters, kind):
     slots = torch.tensor([8, 4])  # page 2 (rank 0), page 1 (rank 1)
     for values in ({"latent": lat}, {"index_k": idx}, {"latent": lat, "index_k": idx}):
         with pytest.raises(ContractViolation, match="rank 0 asked to write slot 4, which rank 1 owns"):
-            p0.write(0, slots, **values)
+            write(p0, 0, slots, **values)
     assert all(b.abs().sum() == 0 for b in bufs.values()) and p0.bytes_held() == 0
-    p1.write(0, slots[1:], latent=lat[1:], index_k=idx[1:])  # the owner may
+    write(p1, 0, slots[1:], latent=lat[1:], index_k=idx[1:])  # the owner may
     own = slice(layout.slots_per_rank, 2 * layout.slots_per_rank)
     assert bufs["latent"][0, own].sum() == 40 and bufs["index_k"][0, own].sum() == 32
     assert bufs["latent"].sum() == 40 and bufs["index_k"].sum() == 32
     if kind == "glm-5":
         with pytest.raises(KeyError, match="layer 1 keeps no 'index_k' cache"):
-            p1.write(1, slots[1:], latent=lat[1:], index_k=idx[1:])
+            write(p1, 1, slots[1:], latent=lat[1:], index_k=idx[1:])
         assert bufs["latent"][1].sum() == 0
 
 
@@ -253,14 +254,13 @@ def test_the_cached_latent_is_transformers_cache(adapters):
         alloc, _, _ = own.extend([0], [ids])
         with torch.no_grad():
             cache = ad.model(ids[None], use_cache=True).cache
-        read = pool.read_index(alloc.out_cache_loc)
         for layer in range(ad.num_layers):
-            (ours,) = pool.gather(layer, read, "latent")
+            (ours,) = read(pool, layer, alloc.out_cache_loc, "latent")
             L = cache.layers[layer]
             theirs = torch.cat([L.keys[0, 0], L.values[0, 0]], -1)
             assert (ours - theirs).abs().max() < 1e-5, (kind, layer)
             if layer in ad.index_layers:
-                (k,) = pool.gather(layer, read, "index_k")
+                (k,) = read(pool, layer, alloc.out_cache_loc, "index_k")
                 assert (k - L.indexer_keys[0]).abs().max() < 1e-5
             else:
                 assert L.indexer_keys is None

@@ -163,6 +163,20 @@ def test_a_non_finite_value_in_a_formatted_cache_raises_once_per_batch(llama, mo
         fb.finish()
 
 
+def test_one_object_holds_the_forward_plan(llama):
+    """The batch's plan is built once and held by the plan alone: no attribute
+    of the forward batch is one of the plan's tensors or its backend, and what
+    the model asks of the cache (positions, token count) reads the plan."""
+    own = build_parts(llama, SharedKVLayout(1, 4, 16), max_requests=1, max_len=32)
+    alloc = own.rows.allocate([0], [5])
+    fb = ForwardBatch(own.pool, LocalComm(), alloc, own.rows.table.req_to_token, "page", rows=torch.tensor([0]))
+    p = fb.plan
+    fields = [*vars(p).values(), p.write.slots, p.write.local, p.write.rows]
+    held = {id(v) for v in fields if isinstance(v, torch.Tensor) or hasattr(v, "__dict__")}  # no ints, no None
+    assert not [k for k, v in vars(fb).items() if k != "plan" and id(v) in held]
+    assert fb.positions is p.positions and fb.num_tokens == p.num_tokens == 5 and fb.kernels == p.backend.name
+
+
 def test_the_torch_mask_is_planned_for_the_torch_backend_only():
     """A prefill planned for the Triton backend builds no causal mask or query
     grouping (the torch path's, 16 GiB at a 128K-token prefill); the torch
@@ -200,7 +214,7 @@ def test_a_format_the_kernels_cannot_read_runs_the_torch_backend_named():
     table[0, :3] = a.out_cache_loc
     fb = ForwardBatch(pool, LocalComm(), a, table, "lse", kernels="triton")
     assert fb.kernels == "torch" and fb.fallback == why
-    with pytest.raises(ValueError, match="kernels must be one of"):
+    with pytest.raises(ValueError, match="unknown kernel backend"):
         choose_backend("cuda", pool)
 
 
@@ -223,7 +237,7 @@ def test_non_owned_write_refused_once_before_any_layer():
         ForwardPlan.build(pool, 1, a, table, "page")  # rank 1's tokens, through rank 0's pool
     assert pool.bytes_held() == 0
     plan = ForwardPlan.build(pool, 0, a, table, "page")
-    assert plan.write_slots.numel() == plan.num_tokens > 0 and pool.bytes_held() > 0
+    assert plan.write.slots.numel() == plan.num_tokens > 0 and pool.bytes_held() > 0
 
 
 def test_plan_lists_each_split_writes():
@@ -233,22 +247,22 @@ def test_plan_lists_each_split_writes():
     pool, a, table = _pool_and_alloc()
     owned = pool.layout.owned_slot_mask(a.out_cache_loc, owner_rank=0)
     p = ForwardPlan.build(pool, 0, a, table, "interleave")
-    assert torch.equal(p.write_slots, torch.where(owned, a.out_cache_loc, -1))
-    assert torch.equal(p.write_rows, torch.nonzero(owned).flatten())
-    assert torch.equal(p.write_local, pool.layout.translate_write_slots(a.out_cache_loc[owned]))
+    assert torch.equal(p.write.slots, torch.where(owned, a.out_cache_loc, -1))
+    assert torch.equal(p.write.rows, torch.nonzero(owned).flatten())
+    assert torch.equal(p.write.local, pool.layout.translate_write_slots(a.out_cache_loc[owned]))
     for mode in ("page", "lse"):
         p = ForwardPlan.build(pool, 0, a, table, mode)
-        assert torch.equal(p.write_slots, a.out_cache_loc[owned]) and torch.equal(p.token_indices,
+        assert torch.equal(p.write.slots, a.out_cache_loc[owned]) and torch.equal(p.token_indices,
                                                                                  torch.nonzero(owned).flatten())
 
 
 def test_misuse_refused():
     pool, a, table = _pool_and_alloc()
-    with pytest.raises(ValueError, match="kernels must be one of"):
+    with pytest.raises(ValueError, match="unknown kernel backend"):
         ForwardBatch(pool, LocalComm(), a, table, "page", kernels="cuda")
     with pytest.raises(ValueError, match="unknown split"):
         ForwardPlan.build(pool, 0, a, table, "ring")
-    with pytest.raises(ValueError, match="kernels must be one of"):
+    with pytest.raises(ValueError, match="unknown kernel backend"):
         CPRunner(None, SharedKVPool(SharedKVLayout(1, 4, 4), 0, pool.families.values(),
                                     allocate_buffers(SharedKVLayout(1, 4, 4), pool.families.values())),
                  kernels="cuda")

@@ -22,6 +22,33 @@ def end(cache, m, tokens, slots, keep=True):
     cache.finish([m], None if tokens is None else tokens[s:], slots[s:], [len(slots) - s], cache=keep)
 
 
+#: The orders as the module doc states them, written here apart from the policies' own keys.
+SPEC = {"lru": lambda n: (n.last_access, n.serial), "lfu": lambda n: (n.hits, n.last_access, n.serial)}
+
+
+def lanes_of(node, S, N) -> set:
+    """The lanes of the pages of a tree node."""
+    return set((np.unique(node.slots // S) % N).tolist())
+
+
+def reference_victim(cache, short: set):
+    """The first unreferenced leaf, in the policy's order (:data:`SPEC`), with a
+    page in a ``short`` lane; else the first whose removal (its unreferenced
+    single-child ancestors going after it, one by one) reaches a node with one."""
+    S, N, tree = cache.S, cache.N, cache.tree
+    order = sorted((leaf for leaf in tree.leaves if leaf.ref == 0), key=SPEC[tree.policy.name])
+    for leaf in order:
+        if lanes_of(leaf, S, N) & short:
+            return leaf
+    for leaf in order:
+        up = leaf.parent
+        while up.parent is not None and up.ref == 0 and len(up.children) == 1:
+            if lanes_of(up, S, N) & short:
+                return leaf
+            up = up.parent
+    return None
+
+
 class Engine:
     """A toy engine over the cache: 'KV' of a slot is (token, position)."""
 

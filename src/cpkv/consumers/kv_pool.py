@@ -10,11 +10,17 @@ view after a fence that separates a layer's writes from its reads
 ([[RFC-0001:C-READ-PATH]]). Slot arithmetic is :class:`SharedKVLayout`'s.
 
 A family with a :class:`~cpkv.consumers.kv_format.KVFormat` (FP8, or a plain
-dtype as raw bytes) stores ``uint8`` rows of ``format.bytes_per_slot``: a write
-encodes, :meth:`SharedKVPool.gather` decodes to float32, and every copy
-(:meth:`~SharedKVPool.copy_slots`, the ``*_all_layers`` calls a host tier and
-a transfer move data through) moves the stored rows as they are
+dtype as raw bytes) stores ``uint8`` rows of ``format.bytes_per_slot``: the
+data plane's store encodes and its reads decode (:mod:`cpkv.kernels`), and
+every copy (:meth:`~SharedKVPool.copy_slots`, the ``*_all_layers`` calls a
+host tier and a transfer move data through) moves the stored rows as they are
 ([[RFC-0001:C-KV-FORMAT]]).
+
+One write path per job: a forward's new entries (:meth:`SharedKVPool.write_index`
+once per batch, ownership checked, then the data plane's store into
+:meth:`~SharedKVPool.segment` every layer); a mid-page copy
+(:meth:`~SharedKVPool.copy_slots`); a host-tier load or a transfer's receipt
+(:meth:`~SharedKVPool.write_all_layers`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..contract.layout import SharedKVLayout
 from . import placement
@@ -116,6 +121,15 @@ class SharedKVPool:
     between a layer's writes and its reads (a barrier on the CP group; a
     no-op for a single rank). Every index into a buffer goes through
     :func:`cpkv.consumers.placement.place` first.
+
+    The verbs, by job: a forward plans its writes (:meth:`write_index`) and
+    its layers store into :meth:`segment` and read :meth:`view`, with a
+    :meth:`fence` between; copies move whole slots (:meth:`copy_slots`, a
+    :meth:`tier_fence` around them and around tier moves),
+    tiers and transfers move every layer at once (:meth:`write_all_layers`,
+    :meth:`read_all_layers`, :meth:`read_owned_all_layers`); the pages a rank
+    wrote are forgotten with :meth:`release` and counted by :meth:`bytes_held`
+    and :meth:`written_pages` (``page_bytes``, ``device``: its questions).
     """
 
     def __init__(self, layout: SharedKVLayout, rank: int, families: Sequence[Family],
@@ -143,11 +157,6 @@ class SharedKVPool:
         self._written = torch.zeros(layout.pages_per_rank, dtype=torch.bool)
 
     @property
-    def num_layers(self) -> int:
-        """Model layers that keep at least one family."""
-        return len({x for f in self.families.values() for x in f.layers})
-
-    @property
     def page_bytes(self) -> int:
         """Bytes of one page over every family and layer, measured from the buffers."""
         return self.layout.slots_per_page * sum(s.element_size() * s[:, 0].numel() for s in self._own.values())
@@ -168,7 +177,7 @@ class SharedKVPool:
         local_page = self.layout.translate_write_slots(mine) // self.layout.slots_per_page
         self._written[placement.place(local_page, self._written)] = False
 
-    def row(self, name: str, layer: int) -> int:
+    def _row_of(self, name: str, layer: int) -> int:
         """Row of model ``layer`` in family ``name``'s buffer; raises if the layer keeps none."""
         try:
             return self._row[name][layer]
@@ -194,34 +203,6 @@ class SharedKVPool:
             )
         return loc[valid], local_page[valid], valid
 
-    def _stored(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Values ``[..., *shape]`` as family ``name`` stores them: cast to its
-        dtype, or encoded by its format (raises ``ValueError`` on bad values)."""
-        f = self.families[name]
-        return x.to(f.dtype) if f.format is None else f.format.encode(x)
-
-    def write(self, layer: int, slots: torch.Tensor, **values: torch.Tensor) -> None:
-        """Write ``values[name] [T, *shape]`` of logical ``slots [T]`` into this
-        rank's own segment of each named family, at model ``layer``; a
-        formatted family stores ``format.encode(values)``.
-
-        Padding slots are skipped. A slot this rank does not own raises
-        :class:`ContractViolation`, values a format refuses raise
-        ``ValueError``, and nothing is written. [[RFC-0001:C-DIRECT-WRITE]]
-        [[RFC-0001:C-KV-FORMAT]]
-        """
-        rows = {n: self.row(n, layer) for n in values}
-        for n, x in values.items():
-            f = self.families[n]
-            if tuple(x.shape) != (slots.numel(), *f.shape):
-                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {slots.numel()} slots of {f.shape}")
-        loc, local_page, keep = self._owned_local(slots)
-        stored = {n: self._stored(n, x if keep is None else x[keep]) for n, x in values.items()}
-        for n, x in stored.items():
-            seg = self._own[n][rows[n]]
-            seg.index_copy_(0, placement.place(loc, seg), placement.place(x, seg))
-        self._mark_written(local_page)
-
     def write_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Plan this rank's writes of one batch, once before its first layer:
         for logical ``slots [W]`` (``-1``: an entry this rank does not write),
@@ -238,24 +219,10 @@ class SharedKVPool:
         self._mark_written(local_page)
         return placement.place(loc.to(torch.int64), self.device), placement.place(rows, self.device)
 
-    def write_at(self, layer: int, local: torch.Tensor, **values: torch.Tensor) -> None:
-        """Write ``values[name] [W', *shape]`` at the local slots ``local [W']``
-        that :meth:`write_index` returned, at model ``layer``: the per-layer
-        half of a planned write, one ``index_copy_`` per family, no ownership
-        check and no host synchronisation (a formatted family's encoding may
-        check its values). Raises ``ValueError`` for values of another shape.
-        [[RFC-0001:C-DIRECT-WRITE]]"""
-        for n, x in values.items():
-            f = self.families[n]
-            if tuple(x.shape) != (local.numel(), *f.shape):
-                raise ValueError(f"{n}: values of shape {tuple(x.shape)} for {local.numel()} slots of {f.shape}")
-            seg = self._own[n][self.row(n, layer)]
-            seg.index_copy_(0, placement.place(local, seg), self._stored(n, x))
-
     def segment(self, name: str, layer: int) -> torch.Tensor:
         """This rank's own segment of family ``name`` at model ``layer``:
         ``[slots_per_rank, *row_shape]``, a view (what the store kernel writes)."""
-        return self._own[name][self.row(name, layer)]
+        return self._own[name][self._row_of(name, layer)]
 
     def view(self, name: str, layer: int) -> torch.Tensor | SegmentTable:
         """The whole group's buffer of family ``name`` at model ``layer``,
@@ -263,7 +230,7 @@ class SharedKVPool:
         attention kernels read): a tensor view over one buffer, a
         :class:`~cpkv.consumers.kv_view.SegmentTable` (a table of the ranks'
         segment bases) over per-rank segments. [[RFC-0001:C-READ-PATH]]"""
-        return self.views[name].layer(self.row(name, layer))
+        return self.views[name].layer(self._row_of(name, layer))
 
     @property
     def device(self) -> torch.device:
@@ -337,31 +304,6 @@ class SharedKVPool:
 
     def tier_fence(self) -> None:
         """Separate moves between tiers and copies (backups, loads, mid-page
-        copies) from what reads them, on every rank: :meth:`fence` here."""
+        copies) from what reads them, on every rank: :meth:`fence` here (a
+        replicated copy's differs: :class:`~cpkv.consumers.replicated.ReplicatedKVPool`)."""
         self._fence()
-
-    # -- read -----------------------------------------------------------------------
-    def read_index(self, slots: torch.Tensor) -> torch.Tensor:
-        """Translate a page table or slot list to rank-major read indices, once
-        per batch: int32 when every value fits, else int64. Padding stays.
-        [[RFC-0001:C-READ-PATH]]"""
-        total = self.layout.cp_size * self.layout.slots_per_rank
-        dtype = torch.int32 if total <= 2**31 - 1 else torch.int64
-        return self.layout.translate_read_slots(slots, output_dtype=dtype)
-
-    def gather(self, layer: int, index: torch.Tensor, *names: str) -> tuple[torch.Tensor, ...]:
-        """Values at rank-major ``index`` (no padding) of each named family
-        (default: every family the layer keeps, in pool order), each shaped
-        ``[*index.shape, *family.shape]``; a formatted family's rows decoded
-        to float32. [[RFC-0001:C-READ-PATH]] [[RFC-0001:C-KV-FORMAT]]"""
-        names = names or tuple(n for n in self.families if layer in self._row[n])
-        flat = placement.place(index.reshape(-1), self.device)
-        out = []
-        for n in names:
-            f, rows = self.families[n], self.views[n].read(flat, self.row(n, layer))
-            out.append((rows if f.format is None else f.format.decode(rows)).view(*index.shape, *f.shape))
-        return tuple(out)
-
-    def check(self, alloc: Allocation) -> None:
-        """Validate an allocation result against this pool's layout before use."""
-        alloc.validate(self.layout)

@@ -58,8 +58,9 @@ nothing). Every call that changes pages takes a batch, so a step costs one
 call per verb, vectorised, whatever its size.
 
 Memory runs out per lane, so eviction knows lanes: when an allocation is
-refused, the least recently used unreferenced leaves that free pages in the
-short lanes go first, until the request fits or nothing evictable helps (the
+refused, the unreferenced leaves that free pages in the short lanes go first,
+in the order of the cache's eviction policy (least recently used by default;
+:mod:`cpkv.consumers.eviction`), until the request fits or nothing evictable helps (the
 per-lane deficit is then kept in ``last_deficit``). What a call evicted is
 returned as values (:attr:`PrefixCache.last_evicted`, :class:`Evicted`), for
 the caller to back up; ``on_evict`` hears each chain before its pages are
@@ -81,6 +82,7 @@ from ..contract.allocator import OwnerLaneAllocator
 from ..contract.errors import UnsupportedPagePlan
 from ..contract.inputs import int_vector
 from ..contract.layout import lane_base_of_last_loc, owner_of, page_of, ranges
+from .eviction import EvictionPolicy
 from .prefix_match import Admission, CacheSizes, Evicted, PrefixHit, PrefixMatch
 from .prefix_rules import PrefixCacheMisuse, _as_end, _as_key, _as_limit, _as_tokens, _int_vector
 from .radix_tree import RadixTree, _Node, page_key
@@ -145,16 +147,23 @@ class PrefixCache:
     the namespace ``key``). It must not call the cache; if it raises, that
     node stays cached and the error propagates (nodes evicted before it in the
     same call stay evicted; ``last_evicted`` is not updated); a hook that
-    cannot take three arguments is a ``TypeError``. [[RFC-0001:C-PREFIX-CACHE]]
+    cannot take three arguments is a ``TypeError``.
+
+    ``eviction`` is the eviction policy, a name of
+    :data:`~cpkv.consumers.eviction.EVICTION_POLICIES` (``"lru"``, the
+    default; ``"lfu"``) or an :class:`~cpkv.consumers.eviction.EvictionPolicy`
+    (``ValueError`` for an unknown name): the order in which the leaves that
+    help a short lane go. [[RFC-0001:C-PREFIX-CACHE]]
     """
 
-    def __init__(self, allocator: OwnerLaneAllocator | CallerSlots, on_evict: EvictHook | None = None):
+    def __init__(self, allocator: OwnerLaneAllocator | CallerSlots, on_evict: EvictHook | None = None,
+                 eviction: str | EvictionPolicy = "lru"):
         if not isinstance(allocator, (OwnerLaneAllocator, CallerSlots)):
             raise TypeError(f"PrefixCache runs over an OwnerLaneAllocator or CallerSlots, got {type(allocator).__name__}")
         self.alloc = allocator
         self.owns_pages = isinstance(allocator, OwnerLaneAllocator)
         self.S, self.N = allocator.page_size, allocator.cp_size
-        self.tree = RadixTree(self.S, self.N, allocator.num_pages)
+        self.tree = RadixTree(self.S, self.N, allocator.num_pages, eviction)
         self._set_hook(on_evict)
         self.last_deficit: np.ndarray | None = None
         self.last_evicted: list[Evicted] = []
@@ -199,7 +208,7 @@ class PrefixCache:
         """How much of ``tokens`` is cached now in namespace ``key``: a
         :class:`PrefixHit` of at most ``len(tokens) - 1`` tokens (so at least
         one is computed), or ``max_length``. The one pure question of the
-        prefix: no reference, LRU time, page or counter changes
+        prefix: no reference, access time, hit, page or counter changes
         ([[RFC-0001:C-PREFIX-CACHE]]). Raises :class:`PrefixCacheMisuse` for
         tokens that are not ints >= 0 (``bad-tokens``), a key that is not
         None, str, int or bytes (``bad-key``) or a ``max_length`` that is not
@@ -259,7 +268,7 @@ class PrefixCache:
 
     def snapshot(self) -> tuple:
         """A copy of the whole cache state (tree shape, keys, slots, reference
-        counts, LRU clocks, counters, ``last_deficit``, ``last_evicted``), for
+        counts, access clocks and hits, counters, ``last_deficit``, ``last_evicted``), for
         tests and debugging. Compare snapshots (equal snapshots mean equal
         states); their shape is not an interface."""
         deficit = None if self.last_deficit is None else tuple(self.last_deficit.tolist())
@@ -316,7 +325,7 @@ class PrefixCache:
                 lower, held = held, self.tree.split(held, m)
                 if w.src is lower:
                     w.src_off -= m * S
-        self.tree.pin(held, +1)
+        self.tree.pin(held, +1, hit=True)
         self.last_evicted = []
         copy_src = copy_dst = _NO_COPY
         if w.src is not None and self.owns_pages:  # over caller slots nothing is copied: the match ends at whole pages
@@ -346,9 +355,9 @@ class PrefixCache:
     def allocate_extend(self, prefix_lens, seq_lens, last_loc) -> Allocation | None:
         """The allocator's ``allocate_extend`` (SGLang's extend shape: lengths
         ``[bs]``, ``last_loc`` the slot of each request's last token with KV,
-        -1 for none), evicting lane-aware on a refusal: the least recently used
-        unreferenced leaves that free pages in the short lanes go first, until
-        the batch fits. Returns the :class:`Allocation` (its owner lanes as the
+        -1 for none), evicting lane-aware on a refusal: the unreferenced leaves
+        that free pages in the short lanes go first, in the eviction policy's
+        order, until the batch fits. Returns the :class:`Allocation` (its owner lanes as the
         contract says, [[RFC-0001:C-OWNER-LANE]]), or ``None``, nothing
         allocated and ``last_deficit`` [N] set, when even eviction does not
         help ("not now": the scheduler preempts or shrinks the batch);
@@ -670,8 +679,8 @@ class PrefixCache:
 
     # -- eviction ------------------------------------------------------------------------------
     def evict(self, deficit) -> list[Evicted]:
-        """Evict least recently used unreferenced leaves that free pages in
-        lanes with a deficit (``deficit`` [N] ints >= 0, pages per lane), until
+        """Evict unreferenced leaves that free pages in lanes with a deficit,
+        in the eviction policy's order (``deficit`` [N] ints >= 0, pages per lane), until
         it is covered or nothing evictable helps (see :meth:`RadixTree.victim`);
         a node a live request holds, or any node on its path, is never
         evicted. Returns the evicted chains in order (empty: nothing evictable
@@ -709,13 +718,13 @@ class PrefixCache:
         self.alloc.free(leaf.slots)
 
     def clear(self, notify: bool = True) -> None:
-        """Evict every unreferenced node, least recently used leaves first
-        (``last_evicted`` lists them); ``notify=False`` drops them without
+        """Evict every unreferenced node, leaves first, each round in the
+        eviction policy's order (``last_evicted`` lists them); ``notify=False`` drops them without
         calling ``on_evict`` and lists none (nothing is backed up: the end of
         a run). Nodes a live request holds stay."""
         evicted = []
         while True:
-            leaves = sorted((x for x in self.tree.leaves if x.ref == 0), key=lambda x: (x.last_access, x.serial))
+            leaves = self.tree.ordered_leaves()
             if not leaves:
                 break
             evicted += [self._evict(leaf, notify) for leaf in leaves]

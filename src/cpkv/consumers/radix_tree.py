@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..contract.inputs import int_vector
+from .eviction import EvictionPolicy, eviction_policy
 from ..contract.layout import lane_base_of_last_loc, lane_of_position, owner_of, page_of, ranges
 
 
@@ -35,13 +36,14 @@ class _Node:
     parent: "_Node | None"
     lanes: np.ndarray  # pages of this node per lane
     pages: np.ndarray  # the node's logical pages, in chain order
-    serial: int  # tie-break in LRU order: older first
+    serial: int  # the last tie-break of every eviction order: older first
     children: dict = field(default_factory=dict)  # page_key(first page, or partial key) -> node
     ref: int = 0  # live requests whose prefix runs through this node
-    last_access: int = 0
+    last_access: int = 0  # the tree's clock when last used
     ns: bytes = b""  # the namespace (request key) of the chain: one root per namespace
     partials: int = 0  # children that are partial leaves (shorter than a page)
     mask: int = 0  # bit i set when the node has a page in lane i (kept with ``lanes``: what eviction asks)
+    hits: int = 0  # admitted requests that matched a prefix through this node (what LFU reads)
 
 
 def lane_mask(lanes: np.ndarray) -> np.ndarray | int:
@@ -67,6 +69,9 @@ class RadixTree:
     Holds no allocator: it answers questions (:meth:`walk`,
     :meth:`victim`, :meth:`snapshot`, the counts) and changes only its own
     shape (:meth:`attach`, :meth:`split`, :meth:`detach`, :meth:`pin`).
+    ``policy`` (a name of :data:`~cpkv.consumers.eviction.EVICTION_POLICIES`
+    or an :class:`~cpkv.consumers.eviction.EvictionPolicy`; default ``lru``)
+    orders the leaves :meth:`victim` chooses from.
     Chains are partitioned by namespace (a request key as bytes, see
     :func:`~cpkv.consumers.kv_events.key_bytes`): one root per namespace
     (``roots``; ``root`` is the default namespace ``b""``), so no walk crosses
@@ -81,10 +86,11 @@ class RadixTree:
     a caller manages, not pages of an allocator, and nothing tracks them).
     """
 
-    def __init__(self, page_size: int, cp_size: int, num_pages: int | None):
+    def __init__(self, page_size: int, cp_size: int, num_pages: int | None, policy: str | EvictionPolicy = "lru"):
         self.S, self.N = page_size, cp_size
+        self.policy = eviction_policy(policy)
         self._serial = 0
-        self.now = 0  # LRU clock: advanced by every pin and every new node
+        self.now = 0  # the clock of last_access: advanced by every pin and every new node
         self.roots: dict[bytes, _Node] = {}
         self.root = self.root_of(b"", create=True)
         self.events, self.medium = None, "GPU"
@@ -108,7 +114,7 @@ class RadixTree:
         """The root of namespace ``ns`` (made when ``create``; else ``None`` if absent)."""
         root = self.roots.get(ns)
         if root is None and create:
-            # a root takes no serial and no LRU time (it is never evicted): a tree is the same whatever
+            # a root takes no serial and no access time (it is never evicted): a tree is the same whatever
             # order its namespaces were opened in
             root = self.roots[ns] = _Node(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), None,
                                           np.zeros(self.N, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
@@ -120,7 +126,7 @@ class RadixTree:
         return int(owner_of(page_of(int(slot), self.S), self.N))
 
     def tick(self) -> int:
-        """Advance the LRU clock; return the new time."""
+        """Advance the clock of ``last_access``; return the new time."""
         self.now += 1
         return self.now
 
@@ -166,32 +172,33 @@ class RadixTree:
 
     def victim(self, short: np.ndarray) -> _Node | None:
         """The unreferenced leaf to evict next for the lanes ``short`` [N] bool:
-        the least recently used one that frees a page in a short lane, else the
-        least recently used one whose removal exposes an unreferenced ancestor
-        that does; ``None`` when nothing evictable helps. One pass over the
-        leaves comparing each node's lane mask (a cache evicting under a long
-        trace holds thousands of leaves); the walk up only when no leaf helps."""
-        want = lane_mask(short)
-        best = None
-        for leaf in self.leaves:
-            if leaf.ref or not leaf.mask & want:
-                continue
-            if best is None or (leaf.last_access, leaf.serial) < (best.last_access, best.serial):
-                best = leaf
+        the first in the policy's order (:attr:`policy`) that frees a page in a
+        short lane, else the first whose removal exposes an unreferenced
+        ancestor that does; ``None`` when nothing evictable helps. One pass over
+        the leaves comparing each node's lane mask (a cache evicting under a long
+        trace holds thousands of leaves); the walk up only when no leaf helps.
+        [[RFC-0001:C-PREFIX-CACHE]]"""
+        want, key = lane_mask(short), self.policy.key
+        best = min((leaf for leaf in self.leaves if not leaf.ref and leaf.mask & want), key=key, default=None)
         if best is not None:
             return best
-        best_key = None
-        for leaf in self.leaves:  # rank 1: a leaf whose removal exposes an ancestor that helps
-            if leaf.ref:
-                continue
-            up, helped = leaf.parent, False
-            while up.parent is not None and up.ref == 0 and len(up.children) == 1 and not helped:
-                helped = bool(up.mask & want)
-                up = up.parent
-            key = (leaf.last_access, leaf.serial)
-            if helped and (best_key is None or key < best_key):
-                best, best_key = leaf, key
-        return best
+        return min((leaf for leaf in self.leaves if not leaf.ref and self._exposes(leaf, want)), key=key, default=None)
+
+    @staticmethod
+    def _exposes(leaf: _Node, want: int) -> bool:
+        """Whether removing ``leaf`` (and then its parents, each left an
+        unreferenced leaf in turn) reaches an ancestor with a page in the lanes
+        of ``want``."""
+        up = leaf.parent
+        while up.parent is not None and up.ref == 0 and len(up.children) == 1:
+            if up.mask & want:
+                return True
+            up = up.parent
+        return False
+
+    def ordered_leaves(self) -> list:
+        """The unreferenced leaves in the policy's order, the first evicted first."""
+        return sorted((leaf for leaf in self.leaves if not leaf.ref), key=self.policy.key)
 
     @staticmethod
     def prefix_tokens(node: _Node) -> np.ndarray:
@@ -265,12 +272,13 @@ class RadixTree:
         return ok
 
     def snapshot(self) -> tuple:
-        """The whole tree as nested tuples: per node key, slots, ref, LRU time,
-        serial and children in order; then the clock and the derived counts."""
+        """The whole tree as nested tuples: per node key, slots, ref, access
+        time, hits, serial and children in order; then the clock and the
+        derived counts."""
 
         def one(n: _Node) -> tuple:
             kids = tuple((k, one(c)) for k, c in n.children.items())
-            return tuple(n.key.tolist()), tuple(n.slots.tolist()), n.ref, n.last_access, n.serial, kids
+            return tuple(n.key.tolist()), tuple(n.slots.tolist()), n.ref, n.last_access, n.hits, n.serial, kids
 
         cached = None if self.page_cached is None else self.page_cached.tobytes()
         return (tuple((ns, one(r)) for ns, r in self.roots.items()), self.now, self._serial, tuple(self.cached_lanes.tolist()),
@@ -348,7 +356,7 @@ class RadixTree:
         part, the returned new node the upper. Counts are unchanged."""
         n = pages * self.S
         upper = self._node(node.key[:n], node.slots[:n], node.parent)
-        upper.ref, upper.last_access, upper.ns = node.ref, node.last_access, node.ns
+        upper.ref, upper.last_access, upper.hits, upper.ns = node.ref, node.last_access, node.hits, node.ns
         node.parent.children[page_key(upper.key, self.S)] = upper  # same dict key: keeps the children's order
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         node.pages = node.pages[pages:]  # in chain order
@@ -402,10 +410,11 @@ class RadixTree:
         if freed:
             self.evictable_lanes += np.sum(freed, axis=0)
 
-    def pin(self, node: _Node | None, delta: int) -> None:
+    def pin(self, node: _Node | None, delta: int, hit: bool = False) -> None:
         """Add ``delta`` to the reference count of ``node`` and every ancestor
-        and mark them used now (``delta=0`` only marks them). Splits copy
-        counts, so walking parents is exact."""
+        and mark them used now (``delta=0`` only marks them); with ``hit``
+        (a request admitted on a prefix ending at ``node``) count a hit on
+        each. Splits copy counts, so walking parents is exact."""
         t = self.tick()
         while node is not None and node.parent is not None:
             before = node.ref
@@ -416,4 +425,5 @@ class RadixTree:
             elif before > 0 and node.ref == 0:
                 self.evictable_lanes += node.lanes
             node.last_access = t
+            node.hits += hit
             node = node.parent

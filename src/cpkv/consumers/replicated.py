@@ -56,7 +56,7 @@ class ReplicatedKVPool(SharedKVPool):
     ``layout`` is the one-rank layout of the copy (:func:`replicated_layout`);
     ``buffers`` are private to this rank (:func:`replicated_buffers`). The
     pool owns every slot of its copy (``rank`` is 0 of the copy's layout), so
-    :meth:`write` takes every slot of a batch; :meth:`fence` is a no-op (a
+    :meth:`write_index` takes every slot of a batch; :meth:`fence` is a no-op (a
     rank reads only what it wrote itself), while :meth:`tier_fence`, around
     moves through the group's shared host tier, is the group's ``barrier``.
     Raises ``ValueError`` for a layout of more than one rank or a

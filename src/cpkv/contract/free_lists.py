@@ -219,10 +219,14 @@ class LaneFreeLists:
         if n == 0:
             return
         lanes = floor_mod(pages, N)
-        first = int(lanes[0])
-        lane_mod, lane_div = self._cycle(first + n)
-        if not np.count_nonzero(lanes != lane_mod[first:]):  # one chain's pages in order: the i-th is its lane's i // N-th
+        first, last = int(lanes[0]), int(lanes[-1])
+        lane_mod, lane_div = self._cycle(max(first, last) + n)
+        # one chain's pages, in order or backwards (a chain freed in order is put back reversed, so that its
+        # first page is handed out first): either way the i-th is its lane's i // N-th
+        if not np.count_nonzero(lanes != lane_mod[first : first + n]):
             counts, rank = layout.chain_lane_pages(first, 0, n, N), lane_div[:n]
+        elif not np.count_nonzero(lanes[::-1] != lane_mod[last : last + n]):
+            counts, rank = layout.chain_lane_pages(last, 0, n, N), lane_div[:n]
         else:
             counts = np.bincount(lanes, minlength=N)
             rank = _rank_by_sort(lanes, counts, np.arange(n))

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from ..consumers.eviction import EVICTION_POLICIES
 from .mooncake import load_mooncake, mooncake_path
 from .trace import WORKLOADS, RequestSpec, load_jsonl
 
 if TYPE_CHECKING:
-    from ..models import TinyDsa, TinyLlama
+    from ..models import ModelConfig, TinyLlama
 
 
 def _tiny_llama() -> "TinyLlama":
@@ -58,6 +59,9 @@ class RunConfig:
     ``window_ms`` (None: all), at ``block_tokens`` tokens a hash id (its lengths scaled with them), outputs
     capped at ``max_output`` (None: none), each arriving at step ``timestamp // step_ms``;
     ``check`` compares with ``transformers``;
+    ``model`` the configuration of a model family (:func:`cpkv.models.model_config`, one of
+    :data:`~cpkv.models.MODELS`); ``eviction`` the prefix cache's eviction policy (a name of
+    :data:`~cpkv.consumers.eviction.EVICTION_POLICIES`: ``"lru"``, ``"lfu"``; eviction stays lane-aware);
     ``wait_for_prefix`` the scheduler's in-batch prefix rule (a request waits
     for the pages of a prefix another running request is computing, then hits
     them: :class:`~cpkv.engine.scheduler.Scheduler`; ``False`` computes them
@@ -114,7 +118,7 @@ class RunConfig:
     window_ms: int | None = None
     max_output: int | None = None
     step_ms: float = 1000.0
-    model: TinyLlama | TinyDsa = field(default_factory=_tiny_llama)
+    model: ModelConfig = field(default_factory=_tiny_llama)
     check: bool = False
     check_plans: bool = False
     timeout: float = 300.0
@@ -127,6 +131,7 @@ class RunConfig:
     device: str = "cpu"
     kernels: str | None = None
     wait_for_prefix: bool = True
+    eviction: str = "lru"
     decode_costs: Any = None
 
     @property
@@ -148,6 +153,7 @@ class RunConfig:
     def __post_init__(self):
         if self.kv not in KV_MODES:
             raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
+        EVICTION_POLICIES.get(self.eviction)  # ValueError naming the choices
         if not isinstance(self.wait_for_prefix, bool):
             raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
         if self.kv_memory is not None and (isinstance(self.kv_memory, bool) or not isinstance(self.kv_memory, int)

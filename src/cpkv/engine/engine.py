@@ -131,7 +131,7 @@ def build_scheduler(cfg: EngineConfig, specs: list[RequestSpec]) -> Scheduler:
     cfg.check_sized()
     host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
     lanes = 1 if cfg.replicated else cfg.cp_size  # a replicated copy: a plain paged allocator, no owner lanes
-    return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages), chunk=cfg.chunk,
+    return Scheduler(specs, build_cache(lanes, cfg.page_size, cfg.device_pages, cfg.eviction), chunk=cfg.chunk,
                      max_running=cfg.max_running, admission=cfg.admission, host=host,
                      wait_for_prefix=cfg.wait_for_prefix)
 

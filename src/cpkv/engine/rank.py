@@ -26,12 +26,13 @@ from ..runtime.runner import CPRunner
 from .config import RunConfig
 
 
-def build_cache(cp_size: int, page_size: int, pages_per_rank: int) -> PrefixCache:
+def build_cache(cp_size: int, page_size: int, pages_per_rank: int, eviction: str = "lru") -> PrefixCache:
     """The prefix cache over a fresh :class:`OwnerLaneAllocator` of a group of
     ``cp_size`` ranks with ``pages_per_rank`` pages of ``page_size`` tokens each
-    (page 0 reserved); every rank of the group builds the same one."""
+    (page 0 reserved), evicting by the policy named ``eviction``; every rank
+    of the group builds the same one."""
     layout = SharedKVLayout(cp_size, page_size, pages_per_rank)
-    return PrefixCache(OwnerLaneAllocator.for_layout(layout))
+    return PrefixCache(OwnerLaneAllocator.for_layout(layout), eviction=eviction)
 
 
 def cache_lane_pages(cp_size: int, pages_per_rank: int) -> list[int]:

@@ -16,6 +16,10 @@ two backends that must agree (:mod:`cpkv.kernels.backend` is the interface).
   the kernels ([[RFC-0001:C-KV-FORMAT]]);
 * ``"auto"`` (default): ``triton`` for CUDA tensors when triton imports, else ``torch``.
 
+The backends are named once, in :data:`BACKENDS` (``cpkv run --kernels`` and
+the runtime ask it); a new backend is a
+:class:`~cpkv.kernels.backend.Backend` and one ``BACKENDS.add``.
+
 A forward takes a backend once (:func:`get`: one instance per name, bound
 once) and calls its ``plan`` once per batch, its run methods per layer. The
 functions below are the same kernels for one call each, with every argument
@@ -53,6 +57,7 @@ int64. A cache in a byte format is a ``uint8`` view with its ``fmt``.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -66,39 +71,44 @@ from .backend import Backend, CacheView, WriteIndex  # noqa: E402
 from .checks import (check_dim, check_float, check_index, check_layout, check_rank, check_same_device,  # noqa: E402
                      check_slots, check_view)
 from .reference import TorchBackend  # noqa: E402
+from ..contract.registry import Registry  # noqa: E402
 
-BACKENDS = ("torch", "triton", "auto")
-_BOUND: dict[str, Backend] = {"torch": TorchBackend()}
 
 
 def _triton() -> Backend:
-    """The Triton backend, imported and bound on first use."""
-    if "triton" not in _BOUND:
-        try:
-            from .triton_backend import TritonBackend
-        except ImportError as e:
-            raise RuntimeError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
-                               "use backend='torch'") from e
-        _BOUND["triton"] = TritonBackend()
-    return _BOUND["triton"]
+    """The Triton backend (imported on first use: triton is an extra)."""
+    try:
+        from .triton_backend import TritonBackend
+    except ImportError as e:
+        raise RuntimeError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
+                           "use backend='torch'") from e
+    return TritonBackend()
+
+
+#: The kernel backends by name, each entry the maker of its one instance (:func:`get` binds it on first use).
+BACKENDS: Registry[Callable[[], Backend]] = Registry("kernel backend")
+BACKENDS.add("torch", TorchBackend, "the reference, vectorised torch on any device")
+BACKENDS.add("triton", _triton, "Triton kernels that translate logical slots themselves (on the CPU in Triton's "
+             "interpreter, slow)")
+_BOUND: dict[str, Backend] = {}
 
 
 def get(backend: str, device: torch.device | str | None = None) -> Backend:
-    """The :class:`~cpkv.kernels.backend.Backend` named ``backend``
-    (``"torch"``, ``"triton"``, or ``"auto"``: triton on a CUDA ``device``
-    when it imports, else torch), one instance per name. Raises
-    ``ValueError`` for an unknown name, ``RuntimeError`` for triton without
-    triton."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    """The :class:`~cpkv.kernels.backend.Backend` named ``backend`` (one of
+    :data:`BACKENDS`), or for ``"auto"`` triton on a CUDA ``device`` when it
+    imports, else torch; one instance per name. Raises ``ValueError`` for an
+    unknown name, ``RuntimeError`` for triton without triton."""
     if backend == "auto":
         if device is None or torch.device(device).type != "cuda":
-            return _BOUND["torch"]
+            return get("torch")
         try:
-            return _triton()
+            return get("triton")
         except RuntimeError:
-            return _BOUND["torch"]
-    return _BOUND["torch"] if backend == "torch" else _triton()
+            return get("torch")
+    bound = _BOUND.get(backend) if isinstance(backend, str) else None
+    if bound is None:
+        bound = _BOUND[backend] = BACKENDS.get(backend)()
+    return bound
 
 
 def _cache(name: str, view: torch.Tensor | SegmentTable, fmt: KVFormat | None, layout, axes: int) -> CacheView:

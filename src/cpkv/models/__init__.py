@@ -14,31 +14,28 @@ Triton's interpreter.
 
 from .. import kernels as _kernels  # noqa: F401 - first: TRITON_INTERPRET before transformers imports triton
 from .attention import absorb_query, absorbed_output, index_scores, topk_positions
-from .base import KV_DTYPES, CacheAccess, ModelAdapter
+from .base import KV_DTYPES, MODELS, CacheAccess, ModelAdapter, ModelConfig
+from .llama import LlamaAdapter, TinyLlama  # first: MODELS lists llama first, the default
 from .dsa import DsaAdapter, DsaCacheShape, TinyDsa, glm_indexer_types, real_shape
-from .llama import LlamaAdapter, TinyLlama
-
-MODELS = ("llama", "deepseek-v3.2", "glm-5")
 
 
-def model_config(name: str, **overrides) -> TinyLlama | TinyDsa:
-    """The small seeded configuration of a model family by name (see :data:`MODELS`)."""
-    if name == "llama":
-        return TinyLlama(**overrides)
-    if name in ("deepseek-v3.2", "glm-5"):
-        return TinyDsa(kind=name, **overrides)
-    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+def model_config(name: str, **overrides) -> ModelConfig:
+    """The small seeded configuration of the model family ``name`` (one of
+    :data:`MODELS`), its fields overridden by ``overrides``; ``ValueError``
+    for an unknown name."""
+    return MODELS.get(name)(**overrides)
 
 
-def build_adapter(config: TinyLlama | TinyDsa) -> ModelAdapter:
-    """The adapter over the ``transformers`` model a configuration builds."""
-    if isinstance(config, TinyDsa):
-        return DsaAdapter(config.build())
-    if isinstance(config, TinyLlama):
-        return LlamaAdapter(config.build())
-    raise TypeError(f"no adapter for a {type(config).__name__}; a model is a TinyLlama or a TinyDsa")
+def build_adapter(config: ModelConfig) -> ModelAdapter:
+    """The adapter over the ``transformers`` model a configuration builds
+    (its own :meth:`~cpkv.models.base.ModelConfig.adapter`); ``TypeError`` for
+    anything that is not a model configuration."""
+    if not callable(getattr(config, "adapter", None)):
+        raise TypeError(f"no adapter for a {type(config).__name__}; a model is a configuration of one of "
+                        f"{', '.join(MODELS)} (cpkv.models.model_config)")
+    return config.adapter()
 
 
 __all__ = ["KV_DTYPES", "MODELS", "build_adapter", "model_config", "CacheAccess", "DsaAdapter", "DsaCacheShape",
-           "LlamaAdapter", "ModelAdapter", "TinyDsa", "TinyLlama", "absorb_query", "absorbed_output",
+           "LlamaAdapter", "ModelAdapter", "ModelConfig", "TinyDsa", "TinyLlama", "absorb_query", "absorbed_output",
            "glm_indexer_types", "index_scores", "real_shape", "topk_positions"]

@@ -5,6 +5,12 @@ it for every way of dividing a batch among ranks (the page split, token splits
 with an all-gather, the log-sum-exp decode split). The model never sees ranks,
 slots or lanes: it stores the per-token entries of its cache families and asks
 for attention over what is cached.
+
+A model family is named once, in :data:`MODELS` (name -> a factory of its
+:class:`ModelConfig`), by the module that defines it; ``cpkv run --model``,
+:func:`cpkv.models.model_config` and the benchmarks ask the registry, and
+:func:`cpkv.models.build_adapter` asks the configuration for its adapter, so a
+new family is one module and one ``MODELS.add``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from ..consumers.kv_format import TorchFormat
 from ..consumers.kv_pool import Family
+from ..contract.registry import Registry
 
 #: The KV dtypes a run stores its caches in (``--kv-dtype``): plain float32,
 #: bfloat16 bytes, or the model's FP8 formats. [[RFC-0001:C-KV-FORMAT]]
@@ -150,3 +157,30 @@ class ModelAdapter(ABC):
         collective: :meth:`CacheAccess.selection`). ``--check`` gives it to
         the reference (:mod:`cpkv.engine.check`)."""
         return None
+
+
+class ModelConfig(Protocol):
+    """A small seeded configuration of a model family (random weights, fp32),
+    a frozen dataclass: what a run's configuration holds as its ``model``.
+
+    ``vocab`` tokens, positions up to ``max_positions``, weights from
+    ``seed`` (the same in every process)."""
+
+    vocab: int
+    max_positions: int
+    seed: int
+
+    def build(self) -> torch.nn.Module:
+        """The ``transformers`` model of this configuration."""
+
+    def adapter(self) -> ModelAdapter:
+        """The adapter over the model :meth:`build` makes."""
+
+    def with_released_cache(self) -> "ModelConfig":
+        """This configuration with the released model's per-token cache shape
+        (its stored bytes per token and layer), the hidden sizes kept small:
+        what the kv dtype benchmark compares."""
+
+
+#: The model families by name: each entry makes a :class:`ModelConfig` from keyword overrides of its fields.
+MODELS: Registry[Callable[..., ModelConfig]] = Registry("model")

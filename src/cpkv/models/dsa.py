@@ -32,16 +32,21 @@ under that split a rank moves ``v_head_dim`` values a head, not
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from ..consumers.kv_format import indexer_key_fp8, mla_latent_fp8
 from ..consumers.kv_pool import Family
 from .attention import IndexerScore, absorb_query, absorbed_output
-from .base import ModelAdapter
+from .base import MODELS, ModelAdapter
 
-KINDS = ("deepseek-v3.2", "glm-5")
+#: The DSA models by name (``TinyDsa.kind``), each registered in :data:`~cpkv.models.base.MODELS` below.
+KINDS = {
+    "deepseek-v3.2": "DeepSeek-V3.2 (DSA): MLA latent and an indexer key on every layer, yarn rotary",
+    "glm-5": "GLM-5 (DSA): MLA latent; indexer keys on its 'full' layers, 'shared' layers reuse their top-k",
+}
 _MODEL_TYPES = {"deepseek_v32": "deepseek-v3.2", "glm_moe_dsa": "glm-5"}
 
 
@@ -124,7 +129,7 @@ def real_shape(kind: str, index_topk_freq: int = 1, index_skip_topk_offset: int 
             raise ValueError(f"layer 0 must compute its own top-k; freq {index_topk_freq}, offset "
                              f"{index_skip_topk_offset} make it shared")
         return DsaCacheShape(78, 512, 64, 128, tuple(i for i, t in enumerate(types) if t == "full"))
-    raise ValueError(f"unknown DSA model {kind!r}; choose from {KINDS}")
+    raise ValueError(f"unknown DSA model {kind!r}; choose from {', '.join(KINDS)}")
 
 
 class DsaAdapter(ModelAdapter):
@@ -335,7 +340,7 @@ class TinyDsa:
     def config(self):
         """The ``transformers`` config; raises ``ValueError`` on an impossible shape."""
         if self.kind not in KINDS:
-            raise ValueError(f"unknown DSA model {self.kind!r}; choose from {KINDS}")
+            raise ValueError(f"unknown DSA model {self.kind!r}; choose from {', '.join(KINDS)}")
         if self.experts % self.expert_groups or self.experts // self.expert_groups < 2:
             raise ValueError(f"{self.experts} experts in {self.expert_groups} groups: need at least 2 per group")
         if self.experts_per_token > self.topk_groups * (self.experts // self.expert_groups):
@@ -385,3 +390,16 @@ class TinyDsa:
         else:
             from transformers import GlmMoeDsaForCausalLM as cls
         return cls(cfg).to(torch.float32).eval()
+
+    def adapter(self) -> DsaAdapter:
+        """The :class:`DsaAdapter` over :meth:`build`'s model."""
+        return DsaAdapter(self.build())
+
+    def with_released_cache(self) -> TinyDsa:
+        """The released per-token cache: latent 512 + rope 64, indexer key 128."""
+        return replace(self, kv_lora_rank=512, rope_dim=64, index_dim=128)
+
+
+for _kind, _summary in KINDS.items():
+    MODELS.add(_kind, partial(TinyDsa, kind=_kind), _summary)
+del _kind, _summary

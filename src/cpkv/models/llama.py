@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..consumers.kv_format import gqa_fp8
 from ..consumers.kv_pool import kv_families
-from .base import ModelAdapter
+from .base import MODELS, ModelAdapter
 
 
 class LlamaAdapter(ModelAdapter):
@@ -105,3 +105,14 @@ class TinyLlama:
         cfg = self.config()
         torch.manual_seed(self.seed)
         return LlamaForCausalLM(cfg).to(torch.float32).eval()
+
+    def adapter(self) -> LlamaAdapter:
+        """The :class:`LlamaAdapter` over :meth:`build`'s model."""
+        return LlamaAdapter(self.build())
+
+    def with_released_cache(self) -> TinyLlama:
+        """Llama's per-token cache: K and V of head dim 128 (2 KV heads: hidden 256 over 2 heads)."""
+        return replace(self, hidden=256, heads=2, kv_heads=2, intermediate=256)
+
+
+MODELS.add("llama", TinyLlama, "GQA, causal (transformers' LlamaForCausalLM): K and V families")

@@ -23,7 +23,6 @@ from importlib import import_module as _import_module
 #: Every public name, by the module (under ``cpkv``) that defines it.
 _PUBLIC = {
     "DECODE_SPLITS": "runtime.batch",
-    "KERNELS": "runtime.batch",
     "PREFILL_SPLITS": "runtime.batch",
     "ForwardBatch": "runtime.batch",
     "ForwardPlan": "runtime.forward_plan",

@@ -53,6 +53,7 @@ import torch
 from ..consumers.kv_format import all_finite
 from ..consumers.kv_pool import SharedKVPool
 from ..contract.allocation import Allocation
+from ..kernels import BACKENDS
 from ..kernels import get as get_backend
 from ..kernels import raise_refused
 from ..kernels.backend import Backend, CacheView, QueryPlan, pack_left
@@ -61,9 +62,7 @@ from .comm import Comm
 from .forward_plan import DECODE_SPLITS, PREFILL_SPLITS, ForwardPlan, split_ranks
 from .lse import Traffic, global_topk, pack_rows, unpack_rows
 
-KERNELS = ("torch", "triton")
-
-__all__ = ["DECODE_SPLITS", "KERNELS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
+__all__ = ["DECODE_SPLITS", "PREFILL_SPLITS", "ForwardBatch", "choose_backend", "default_kernels",
            "split_ranks"]
 
 
@@ -77,9 +76,7 @@ def choose_backend(kernels: str, pool: SharedKVPool) -> tuple[Backend, str | Non
     ``"triton"``; ``ValueError`` otherwise), and the fallback taken, or
     ``None``: the torch backend when a family's format is one the Triton
     kernels cannot read in place (the reason named)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    backend = get_backend(kernels)
+    backend = get_backend(BACKENDS.check(kernels))
     for f in pool.families.values():
         why = backend.unreadable(f.format)
         if why:
@@ -94,8 +91,12 @@ class ForwardBatch:
     ``rows[i]`` request ``i``'s (every row in order when ``rows`` is
     ``None``) at positions ``0 .. seq_len - 1`` (padding after), the new
     slots included; the plan reads ``[rows, :L]`` of it only.
-    The batch is planned here (:meth:`ForwardPlan.build`: a slot this rank
-    would write but does not own raises ``ContractViolation`` now, once).
+    The batch is planned here, once (:meth:`ForwardPlan.build`: a slot this
+    rank would write but does not own raises ``ContractViolation`` now), and
+    :attr:`plan` is the one object that holds the plan: the runner reads its
+    tokens, the backend its query plan and write index, every layer's store
+    the write index the pool checked; this class keeps no copy of it
+    (``positions``, ``num_tokens`` and ``kernels`` read it).
     ``kernels``: ``"torch"`` or ``"triton"`` (``ValueError`` otherwise), the
     backend chosen once (:func:`choose_backend`; ``kernels`` then names the
     one that runs, ``fallback`` why it is not the one asked for, else
@@ -104,21 +105,16 @@ class ForwardBatch:
 
     def __init__(self, pool: SharedKVPool, comm: Comm, alloc: Allocation, table: torch.Tensor, mode: str,
                  kernels: str = "torch", rows: torch.Tensor | None = None):
-        self.backend, self.fallback = choose_backend(kernels, pool)
-        self.kernels = self.backend.name
-        self.pool, self.comm, self.alloc, self.mode = pool, comm, alloc, mode
-        self.layout = pool.layout
+        backend, self.fallback = choose_backend(kernels, pool)
+        self.pool, self.comm, self.layout = pool, comm, pool.layout
         self.plan = ForwardPlan.build(pool, comm.rank, alloc, table, mode, group_size=comm.size, rows=rows,
-                                      backend=self.backend)
+                                      backend=backend)
         p = self.plan
-        self.token_indices, self.req, self.positions, self.slots = p.token_indices, p.req, p.positions, p.slots
-        self.num_tokens = p.num_tokens
-        self.table = p.table
         self.scratch: dict = {}
         self._dirty = False
         dev = pool.device
         self._report = torch.zeros(2, dtype=torch.int32, device=dev)  # every store's refusals, read at finish
-        self._report[1] = p.write_slots.numel()
+        self._report[1] = p.write.slots.numel()
         self._stores = 0
         self._finite = torch.ones((), dtype=torch.bool, device=dev)  # formatted values cached, read at finish
         self._counted: list[tuple[int, tuple[str, ...], torch.Tensor | int, torch.Tensor | int, str]] = []
@@ -126,6 +122,21 @@ class ForwardBatch:
         self.kv_read = 0
         self.reads: dict[str, int] = {}
         self.traffic = Traffic()
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[T]``: the positions of this rank's tokens (the plan's; :class:`cpkv.models.CacheAccess`)."""
+        return self.plan.positions
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens this rank computes (the plan's)."""
+        return self.plan.num_tokens
+
+    @property
+    def kernels(self) -> str:
+        """The backend the batch runs on (the plan's; ``fallback`` says why when it is not the one asked for)."""
+        return self.plan.backend.name
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -171,7 +182,7 @@ class ForwardBatch:
             if f.format is not None:
                 self._finite &= all_finite(x)
             segment = CacheView(self.pool.segment(n, layer), f.format, f.shape)
-            self.backend.store(segment, x, p.write, self.layout, self.pool.rank, self._report)
+            p.backend.store(segment, x, p.write, self.layout, self.pool.rank, self._report)
             self._stores += 1
         self._dirty = True
 
@@ -211,7 +222,7 @@ class ForwardBatch:
             count, first, finite = torch.cat([self._report, self._finite.view(1).to(torch.int32)]).tolist()
             if count:
                 report = torch.tensor([count // self._stores, first], dtype=torch.int32)
-                raise_refused(report, self.plan.write_slots.cpu(), self.layout, self.pool.rank)
+                raise_refused(report, self.plan.write.slots.cpu(), self.layout, self.pool.rank)
             if not finite:
                 raise ValueError("a layer cached a NaN or infinite value in a formatted family (its FP8 scale or "
                                  "bfloat16 bytes are garbage now): the model's values must be finite")
@@ -230,7 +241,7 @@ class ForwardBatch:
         itself, or under ``lse`` every token's of the batch, in batch order
         (one all-gather of every tensor packed side by side, each in its own
         dtype)."""
-        if self.mode != "lse":
+        if self.plan.mode != "lse":
             return x
         p = self.plan
         return self._gather_rows(layer, "query_allgather", p.gathered_order, p.rank_sizes, *x)
@@ -243,7 +254,7 @@ class ForwardBatch:
         self._fence_if_dirty()
         plan = self.plan.attn
         self._count(layer, (family,), plan.context.count, self.plan.remote_reads)
-        return self.backend.context(plan, self._view(family, layer))
+        return self.plan.backend.context(plan, self._view(family, layer))
 
     def select(self, layer: int, family: str, k: int, score: Callable[..., torch.Tensor],
                *queries: torch.Tensor) -> torch.Tensor:
@@ -261,7 +272,7 @@ class ForwardBatch:
         :class:`~cpkv.models.attention.IndexerScore` is computed by the
         backend's ``index_scores`` over the view; another score gets the
         gathered context."""
-        if self.mode != "lse":
+        if self.plan.mode != "lse":
             self._fence_if_dirty()
             plan = self.plan.attn
             self._count(layer, (family,), plan.context.count, self.plan.remote_reads)
@@ -281,9 +292,9 @@ class ForwardBatch:
         if isinstance(score, IndexerScore):
             q, w = queries
             L = plan.context.read.shape[1]  # the gathered path's context width: the same top-k width
-            s = self.backend.index_scores(plan, q, w, view, score.scale)[:, :L]
+            s = self.plan.backend.index_scores(plan, q, w, view, score.scale)[:, :L]
             return s, s > float("-inf")
-        keys, visible = self.backend.context(plan, view)
+        keys, visible = self.plan.backend.context(plan, view)
         valid = plan.context.valid if plan.context.identity else plan.context.valid[plan.context.inv]
         return score(*queries, keys), visible & valid
 
@@ -296,11 +307,11 @@ class ForwardBatch:
         Under ``lse``, over the context slots this rank owns only (its own
         segment: no fence), ``project`` applied to each rank's partial and the
         partials merged at each token's home rank."""
-        a, lse_split = self.plan.attn, self.mode == "lse"
+        a, lse_split = self.plan.attn, self.plan.mode == "lse"
         if not lse_split:
             self._fence_if_dirty()
         self._count(layer, (key, value), a.own_count if lse_split else a.context.count, self.plan.remote_reads)
-        out, lse = self.backend.dense(a, q, self._view(key, layer), self._view(value, layer), scaling, value_dims)
+        out, lse = self.plan.backend.dense(a, q, self._view(key, layer), self._view(value, layer), scaling, value_dims)
         out = out.to(q.dtype)
         if project is not None:
             out = project(out)
@@ -321,8 +332,8 @@ class ForwardBatch:
         if key != value:
             raise ValueError(f"attend_selected reads keys and values from one family (MLA's latent), got "
                              f"{key!r} and {value!r}")
-        a, lse_split = self.plan.attn, self.mode == "lse"
-        slots = torch.where(positions >= 0, self.table[a.q_req[:, None], positions.clamp(min=0)], -1)
+        a, lse_split = self.plan.attn, self.plan.mode == "lse"
+        slots = torch.where(positions >= 0, self.plan.table[a.q_req[:, None], positions.clamp(min=0)], -1)
         if lse_split:
             seen = self.layout.owned_slot_mask(slots, owner_rank=a.own_rank, check=False)
             remote = 0
@@ -333,7 +344,7 @@ class ForwardBatch:
         self._count(layer, (key,), seen.sum(), remote, "kv_remote_selected")
         view = self._view(key, layer)
         dims = value_dims if value_dims is not None else view.shape[-1]
-        out, lse = self.backend.selected(a, q, view, slots, scaling, dims)
+        out, lse = self.plan.backend.selected(a, q, view, slots, scaling, dims)
         out = out.to(q.dtype)
         if project is not None:
             out = project(out)
@@ -345,7 +356,7 @@ class ForwardBatch:
         ``lse`` every rank's share of each token, met at its home rank (one
         all-to-all, counted as ``selection_record``; collective). The order
         inside a row is not the selection's."""
-        if self.mode != "lse":
+        if self.plan.mode != "lse":
             return positions.to(torch.int32)
         p, N = self.plan, self.comm.size
         mine = positions.to(torch.int32)[p.gathered_order]
@@ -366,4 +377,4 @@ class ForwardBatch:
         outs, lses = unpack_rows(torch.stack(got).flatten(0, 1), [(out.dtype, tuple(out.shape[1:])),
                                                                   (torch.float32, tuple(lse.shape[1:]))])
         T = self.num_tokens
-        return self.backend.merge(outs.view(N, T, *out.shape[1:]), lses.view(N, T, *lse.shape[1:]))[0]
+        return self.plan.backend.merge(outs.view(N, T, *out.shape[1:]), lses.view(N, T, *lse.shape[1:]))[0]

@@ -21,10 +21,10 @@ new page, :mod:`cpkv.contract.plan`), the scheduler's :class:`StepPlan`, the
 transfer plan. A :class:`ForwardPlan` is none of these: it is derived from an
 allocation and plans no ownership; it is the per-batch index work of one rank.
 
-Writes are described entry by entry (``write_slots``: the logical slot each
+Writes are described entry by entry (``write.slots``: the logical slot each
 computed or gathered entry goes to, ``-1`` where this rank does not write it),
 so a mode in which a rank writes every slot of the batch (a replicated cache)
-is a different ``write_slots``, nothing else.
+is a different ``write.slots``, nothing else.
 """
 
 from __future__ import annotations
@@ -143,11 +143,12 @@ class ForwardPlan:
       ``gathered_order [E]``: where every rank's tokens, gathered in rank
       order, go in the batch (token splits and ``lse``); ``token_split``:
       whether the new entries are all-gathered (a token split);
-    * ``write_slots [W]``: logical slot of each entry this rank stores, -1
-      where it writes none (``W`` = T, or E under a token split);
-      ``write_rows [W']``/``write_local [W']``: the entries it writes and
-      their slots in its own segment (int64), ownership checked; ``write``
-      the three as one :class:`~cpkv.kernels.backend.WriteIndex`;
+    * ``write``, a :class:`~cpkv.kernels.backend.WriteIndex`: ``slots
+      [W]`` the logical slot of each entry this rank stores, -1 where it
+      writes none (``W`` = T, or E under a token split), ``rows [W']`` /
+      ``local [W']`` the entries it writes and their slots in its own segment
+      (int64), ownership checked by the pool (:meth:`SharedKVPool.write_index`)
+      once: what every layer's store takes;
     * ``table [B, Lmax]``: the batch's page-table rows up to the longest
       sequence; ``backend``: the data plane the batch runs on; ``attn``: its
       plan of this rank's tokens (under ``lse`` over the slots this rank owns
@@ -165,9 +166,7 @@ class ForwardPlan:
     rank_sizes: list[int] | None
     gathered_order: torch.Tensor | None
     remote_reads: int
-    write_slots: torch.Tensor
-    write_rows: torch.Tensor
-    write_local: torch.Tensor
+    write: WriteIndex
     table: torch.Tensor
     backend: Backend
     attn: QueryPlan
@@ -182,11 +181,6 @@ class ForwardPlan:
     def token_split(self) -> bool:
         """Whether the batch runs a token split (its new entries all-gathered, each owner writing its own)."""
         return self.mode in TOKEN_SPLITS
-
-    @property
-    def write(self) -> WriteIndex:
-        """``write_slots``, ``write_local``, ``write_rows`` as the backend's :class:`WriteIndex`."""
-        return WriteIndex(self.write_slots, self.write_local, self.write_rows)
 
     @classmethod
     def build(cls, pool: SharedKVPool, rank: int, alloc: Allocation, table: torch.Tensor, mode: str, *,
@@ -240,7 +234,7 @@ class ForwardPlan:
             attn = backend.plan(tab, to(req), to(positions), layout, with_lse=False)
             lse, remote = None, _remote_reads(layout, pool.rank, tab, to(req), to(positions))
         return cls(mode, rank, dev, to(idx), to(req), to(positions), to(slots), sizes, to(gathered), remote,
-                   to(write_slots), to(write_rows), to(write_local), tab, backend, attn, lse)
+                   WriteIndex(to(write_slots), to(write_local), to(write_rows)), tab, backend, attn, lse)
 
 
 def _remote_reads(layout, rank: int, tab: torch.Tensor, req: torch.Tensor, positions: torch.Tensor) -> int:

@@ -25,8 +25,9 @@ from ..consumers.replicated import REPLICATED_DECODE_SPLITS, REPLICATED_PREFILL_
 from ..contract.allocation import Allocation
 from ..contract.errors import ContractViolation
 from ..models import ModelAdapter
+from ..kernels import BACKENDS
 from .forward_plan import CHOSEN_DECODE_SPLITS
-from .batch import DECODE_SPLITS, KERNELS, PREFILL_SPLITS, ForwardBatch, default_kernels
+from .batch import DECODE_SPLITS, PREFILL_SPLITS, ForwardBatch, default_kernels
 from .comm import Comm, LocalComm
 
 
@@ -43,8 +44,8 @@ class CPRunner:
     gives the same logits. Over a
     :class:`~cpkv.consumers.replicated.ReplicatedKVPool` (every rank a full
     copy) only token splits: ``zigzag`` prefill, ``balanced`` decode.
-    ``kernels`` the data plane, ``"torch"`` or ``"triton"`` (default: triton
-    when the pool is on a GPU, else torch). ``decode_split="auto"`` asks
+    ``kernels`` the data plane, a name of :data:`cpkv.kernels.BACKENDS`
+    (default: triton when the pool is on a GPU, else torch). ``decode_split="auto"`` asks
     ``choose_split(alloc)`` for each forward of decodes (``"owner"`` or
     ``"lse"``; every rank must get the same answer from the same
     allocation: a cost model's, :meth:`cpkv.tools.cost_model.CostModel.decode_split`),
@@ -78,8 +79,7 @@ class CPRunner:
         self.choose_split, self.record_selection = choose_split, record_selection
         self.decode_choices: dict[str, int] = {}  # forwards of decodes per split run (auto: as chosen)
         self.kernels = default_kernels(pool.device) if kernels is None else kernels
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        BACKENDS.check(self.kernels)  # ValueError naming the choices
         self.tokens_computed = 0
         self.kv_read = 0
         self.reads: dict[str, int] = {}  # context entries read, per cache family
@@ -134,13 +134,13 @@ class CPRunner:
         fb = ForwardBatch(self.pool, self.comm, alloc, table.req_to_token, mode, self.kernels, rows=rows)
         ad = self.adapter
         with torch.no_grad():
-            h = ad.embed(ids.to(fb.plan.device)[fb.token_indices])
+            h = ad.embed(ids.to(fb.plan.device)[fb.plan.token_indices])
             for layer in range(ad.num_layers):
                 h = ad.layer(layer, h, fb)
             logits = ad.logits(h)
             self.selected = ad.selection(fb) if self.record_selection else None
         fb.finish()
-        self.tokens_computed += fb.num_tokens
+        self.tokens_computed += fb.plan.num_tokens
         self.kv_read += fb.kv_read
         for n, c in fb.reads.items():
             self.reads[n] = self.reads.get(n, 0) + c
@@ -148,8 +148,8 @@ class CPRunner:
             self.traffic[t] = self.traffic.get(t, 0) + c
         self.last_traffic = fb.traffic
         if logits.device.type != "cpu":  # once per batch: the host samples and collects
-            return fb.token_indices.cpu(), logits.cpu()
-        return fb.token_indices, logits
+            return fb.plan.token_indices.cpu(), logits.cpu()
+        return fb.plan.token_indices, logits
 
     def collect(self, n: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Every rank's ``values`` of a batch of ``n`` tokens, in flattened order,

@@ -27,9 +27,10 @@ import sys
 from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, cmd_bench, cmd_bytes, cmd_run,
                        cmd_simulate, validate_bench, validate_run, validate_simulate)
 from .sizes import refuse_sizes
-from .flags import (OneLineParser, add_device_flags, add_group_flags, add_kv_dtype_flag, add_kv_events_flags, add_mooncake_flags,
-                    comma_choices, disagg_arg, existing_file, finite_float, mooncake_arg, non_negative, output_file,
-                    positive, positive_float, positive_list, scale_arg, simulate_workload_arg, size_arg, size_list, workload_arg)
+from .flags import (OneLineParser, add_device_flags, add_eviction_flag, add_group_flags, add_kv_dtype_flag,
+                    add_kv_events_flags, add_mooncake_flags, comma_choices, disagg_arg, existing_file, finite_float,
+                    mooncake_arg, non_negative, output_file, positive, positive_float, positive_list, scale_arg,
+                    simulate_workload_arg, size_arg, size_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
@@ -66,6 +67,7 @@ def _add_simulate(sub) -> None:
     s.add_argument("--no-prefix-wait", action="store_true",
                    help="admit a request that shares a prefix another running request is still computing at once "
                         "(it computes the prefix again); by default it waits until those pages are cached")
+    add_eviction_flag(s)
     add_kv_events_flags(s, "the simulated caches' (one --workload, one of --policies)")
     s.add_argument("--json", action="store_true", help="print the table as JSON")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,7 +117,9 @@ def _add_bench(sub) -> None:
                    help="timed rounds; the median is reported (default alloc 101, kv 21, engine 7; splits: R "
                         "prefill and 4R decode rounds, R 5; scheduler: rounds of every case, 3; capacity: trace "
                         "rounds of each mode, 5)")
-    b.add_argument("--model", choices=["llama", "deepseek-v3.2", "all"], default="all", help="splits: which model")
+    from .bench.splits import SPLIT_MODELS
+
+    b.add_argument("--model", choices=[*SPLIT_MODELS, "all"], default="all", help="splits: which model")
     b.add_argument("--cp", "--ranks", dest="cp", type=positive, default=None, metavar="N",
                    help="splits, kvdtype, capacity: ranks in the group (default 4); scheduler: lanes (default 8)")
     b.add_argument("--tokens", type=positive, default=None,
@@ -164,7 +168,9 @@ def _add_bytes(sub) -> None:
                        description="Per-token KV bytes of the real DSA shapes (MLA latent on every layer, indexer "
                        "keys on indexer layers), from the pool's families, in bf16 and DeepSeek's FP8 format: "
                        "replicated on every rank, latent shared with the indexer replicated, or both shared.")
-    k.add_argument("--model", choices=["deepseek-v3.2", "glm-5"], default="deepseek-v3.2", help="which model")
+    from ..models.dsa import KINDS
+
+    k.add_argument("--model", choices=list(KINDS), default="deepseek-v3.2", help="which model")
     k.add_argument("--cp", type=positive, default=8, help="ranks in the CP group (default 8)")
     k.add_argument("--index-topk-freq", type=positive, default=1,
                    help="GLM-5: every how many layers an indexer runs (default 1: all, transformers' default)")
@@ -202,8 +208,8 @@ def _add_run(sub) -> None:
     add_group_flags(r, cp=D.cp_size, timeout=D.timeout)
     r.add_argument("--page", "--page-size", dest="page", type=positive, default=D.page_size, metavar="S",
                    help=f"tokens per page (default {D.page_size})")
-    r.add_argument("--model", choices=MODELS, default="llama",
-                   help="model family, small random weights (default llama; deepseek-v3.2 and glm-5 are the DSA models)")
+    r.add_argument("--model", choices=MODELS.names(), default=MODELS.names()[0],
+                   help=f"model family, small random weights: {MODELS.describe()} (default {MODELS.names()[0]})")
     r.add_argument("--workload", type=workload_arg, default=D.workload,
                    help=f"a built-in trace ({', '.join(WORKLOADS)}), a JSONL file, one request a line (its format "
                         "is in the description above), or a Mooncake trace (mooncake:PATH, or a file recognised by "
@@ -239,6 +245,7 @@ def _add_run(sub) -> None:
                    help="admit a request that shares a prefix another running request is still computing at once "
                         "(it computes the prefix again, the same tokens); by default it waits until those pages are "
                         "cached and hits them")
+    add_eviction_flag(r)
     r.add_argument("--admission", choices=ADMISSION, default=D.admission,
                    help="lanes: admit while every lane holds what the running requests still need (default); "
                         "none: admit up to --max-running and preempt when a lane runs dry")

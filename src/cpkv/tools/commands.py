@@ -32,7 +32,7 @@ def cmd_simulate(args) -> int:
             runs = compare(w, policies=args.policies or list(POLICIES), cp_size=args.cp, page_size=args.page,
                            lane_pages=args.lane_pages, admission=args.admission, host_pages=args.host_pages,
                            progress=not args.no_progress and not args.json, events=pub,
-                           wait_for_prefix=not args.no_prefix_wait)
+                           wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction)
             results += runs
             rows = [r.summary() for r in runs]
             tables.append((name, w, rows))
@@ -99,6 +99,7 @@ def validate_simulate(args, parser) -> None:
 def cmd_bench(args) -> int:
     """``cpkv bench``: one table per benchmark asked for (``all``: alloc, kv and engine)."""
     from .bench import bench_alloc, bench_engine, bench_kv
+    from .bench.alloc import format_alloc, format_why
     from .table import format_rows
 
     from .sizes import BENCH_SIZES
@@ -106,8 +107,9 @@ def cmd_bench(args) -> int:
     tables = {
         "alloc": (bench_alloc, "alloc: a pool of 32768 pages of 64 tokens, cp 8; median of {n} interleaved "
                   "rounds; deque = a bare free list per lane in plain Python, one pop per page, the same "
-                  "out_cache_loc; arange = writing that out_cache_loc from the same pages; goal = the most "
-                  "cp8/deque may be (extend also cp8/arange <= 2); met = whether this run met it"),
+                  "out_cache_loc; arange = writing that out_cache_loc from the same pages; vllm = vLLM v1's "
+                  "BlockPool on the same decode batch (one free queue, no lanes); goal = the most cp8/deque may "
+                  "be (extend also cp8/arange <= 2, decode cp8/vllm <= 1); met = whether this run met it"),
         "kv": (bench_kv, "kv: one layer, 64K tokens, page 64, N 4, 2 KV heads x 128, bf16; median of {n} "
                "interleaved rounds; plain = index_copy_/index_select on an unshared buffer of the same size"),
         "engine": (bench_engine, "engine: N 1, one thread, one process; medians of {n} interleaved rounds"),
@@ -146,7 +148,9 @@ def cmd_bench(args) -> int:
                 rows = bench(repeats=n)
             out[what] = rows
             if not args.json:
-                print(format_rows(rows, title.format(n=n)))
+                print((format_alloc if what == "alloc" else format_rows)(rows, title.format(n=n)))
+                if what == "alloc" and (why := format_why(rows)):
+                    print(why, file=sys.stderr)
                 print()
     if args.json:
         print(json.dumps(out if args.what == "all" else out[args.what], indent=2))
@@ -345,7 +349,7 @@ def run_config(args):
         kv_events_relay=getattr(getattr(args, "kv_publisher", None), "relay_endpoint", None), device=args.device,
         kernels=args.kernels, block_tokens=args.block_tokens,
         window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
-        wait_for_prefix=not args.no_prefix_wait,
+        wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction,
     )
     if cfg.decode_split == "auto" and not cfg.replicated:
         cfg = dataclasses.replace(cfg, decode_costs=CostModel.for_run(cfg))

@@ -351,13 +351,24 @@ def add_kv_dtype_flag(p: argparse.ArgumentParser, default: str) -> None:
                         f"Llama: fp8 with a float32 scale per token and head) (default {default})")
 
 
+def add_eviction_flag(p: argparse.ArgumentParser) -> None:
+    """``--eviction``: the prefix cache's eviction policy, one of
+    :data:`~cpkv.consumers.eviction.EVICTION_POLICIES` (default its first, ``lru``)."""
+    from ..consumers.eviction import EVICTION_POLICIES as P
+
+    p.add_argument("--eviction", choices=P.names(), default=P.names()[0],
+                   help=f"the prefix cache's eviction order, lane-aware whatever the policy (only chains that free a "
+                        f"page in a short lane go): {P.describe()} (default {P.names()[0]})")
+
+
 def add_device_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
-    """``--kernels torch|triton`` (default: triton on a GPU, torch on the CPU)
-    and, with ``device``, ``--device cpu|cuda`` (default cpu)."""
-    p.add_argument("--kernels", choices=["torch", "triton"], default=None,
-                   help="the data plane: torch (the reference) or triton (cpkv.kernels: store and attention "
-                        "translate logical slots in the kernel; on the CPU in Triton's interpreter, slow); "
-                        "default triton on a GPU, torch on the CPU")
+    """``--kernels`` (one of :data:`cpkv.kernels.BACKENDS`; default: triton
+    on a GPU, torch on the CPU) and, with ``device``, ``--device cpu|cuda``
+    (default cpu)."""
+    from ..kernels import BACKENDS
+
+    p.add_argument("--kernels", choices=BACKENDS.names(), default=None,
+                   help=f"the data plane: {BACKENDS.describe()}; default triton on a GPU, torch on the CPU")
     if device:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the model and the KV cache live (default cpu); cuda: each rank's KV segment on "

@@ -26,12 +26,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..consumers.eviction import EVICTION_POLICIES
 from ..engine.mooncake import MooncakeTrace
 from ..engine.trace import CacheTooSmall
 from .cost_model import H200, CostModel, Hardware, kv_memory_per_rank
+
+if TYPE_CHECKING:  # the engine's scheduler is imported when a replay builds one
+    from ..engine.scheduler import Scheduler
 
 __all__ = ["KV_MODES", "ReplayConfig", "ReplayResult", "build_replay_scheduler", "replay"]
 
@@ -52,7 +57,9 @@ class ReplayConfig:
     arrivals come ``rate`` times as fast as the trace's timestamps say (1:
     the trace's own; more loads the group until it falls behind);
     ``wait_for_prefix`` the scheduler's in-batch prefix rule
-    (:class:`~cpkv.engine.scheduler.Scheduler`)."""
+    (:class:`~cpkv.engine.scheduler.Scheduler`); ``eviction`` the prefix
+    cache's eviction policy (a name of
+    :data:`~cpkv.consumers.eviction.EVICTION_POLICIES`)."""
 
     cp_size: int = 8
     page_size: int = 64
@@ -66,6 +73,7 @@ class ReplayConfig:
     hw: Hardware = H200
     rate: float = 1.0
     wait_for_prefix: bool = True
+    eviction: str = "lru"
 
     def __post_init__(self):
         if self.kv_memory is None:
@@ -80,6 +88,7 @@ class ReplayConfig:
             raise ValueError(f"rate must be a number > 0, got {self.rate!r}")
         if not isinstance(self.wait_for_prefix, bool):
             raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
+        EVICTION_POLICIES.get(self.eviction)  # ValueError naming the choices
         if self.decode_split not in ("owner", "lse"):
             raise ValueError(f"decode_split must be 'owner' or 'lse', got {self.decode_split!r}")
 
@@ -112,7 +121,7 @@ def build_replay_scheduler(cfg: ReplayConfig, kv: str, specs: list, token_bytes:
 
     device, host = cfg.pages(token_bytes)
     lanes = 1 if kv == "replicated" else cfg.cp_size
-    return Scheduler(specs, build_cache(lanes, cfg.page_size, device), chunk=cfg.chunk,
+    return Scheduler(specs, build_cache(lanes, cfg.page_size, device, cfg.eviction), chunk=cfg.chunk,
                      max_running=cfg.max_running, admission=cfg.admission,
                      host=HostTier(host, cfg.page_size) if host else None, wait_for_prefix=cfg.wait_for_prefix)
 

@@ -194,7 +194,7 @@ def replay_base(args):
     hw = H200.with_results(args.gpu_results) if args.gpu_results else H200
     return hw, ReplayConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, hw=hw,
                             chunk=args.chunk or 8192, max_running=args.max_running or 256, admission=args.admission,
-                            rate=args.rate or 1.0, wait_for_prefix=not args.no_prefix_wait)
+                            rate=args.rate or 1.0, wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction)
 
 
 def load_traces(args) -> list:

@@ -122,7 +122,7 @@ class RunResult:
 
 def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_size: int = 16,
         lane_pages: int | None = None, admission: str = "lanes", headroom: float = 0.02, host_pages: int = 0,
-        progress: bool = True, events=None, wait_for_prefix: bool = True) -> RunResult:
+        progress: bool = True, events=None, wait_for_prefix: bool = True, eviction: str = "lru") -> RunResult:
     """Run ``workload`` under one placement ``policy`` through the engine's scheduler.
 
     ``admission="lanes"`` admits a request only while every lane can hold what
@@ -135,6 +135,8 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     them (:func:`cpkv.engine.engine.connect_kv_events`). ``wait_for_prefix``:
     the scheduler's in-batch prefix rule (a request waits for the pages of a
     prefix another is computing; :class:`~cpkv.engine.scheduler.Scheduler`).
+    ``eviction``: the prefix cache's eviction policy (a name of
+    :data:`~cpkv.consumers.eviction.EVICTION_POLICIES`).
     TTFT and TPOT come in steps (``RunResult.latency``).
     """
     # imported here: the workloads above are read before torch is imported (cpkv.tools.sizes)
@@ -155,7 +157,7 @@ def run(workload: Workload, policy: str = "least_full", cp_size: int = 8, page_s
     alloc = (OwnerLaneAllocator(size, S, 1) if policy == "oblivious"
              else OwnerLaneAllocator(size, S, N, base_policy=policy))
     host = HostTier(host_pages, S) if host_pages else None
-    sched = Scheduler(list(workload.requests), PrefixCache(alloc), chunk=workload.chunk,
+    sched = Scheduler(list(workload.requests), PrefixCache(alloc, eviction=eviction), chunk=workload.chunk,
                       max_running=workload.max_running, admission=admission, headroom=headroom, host=host,
                       report_lanes=N, wait_for_prefix=wait_for_prefix)
     clock = LatencyClock(0.0)

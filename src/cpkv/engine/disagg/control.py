@@ -45,9 +45,11 @@ class DisaggControl:
         common = dict(chunk=cfg.chunk, max_running=cfg.max_running, admission=cfg.admission,
                       wait_for_prefix=cfg.wait_for_prefix)
         host = HostTier(cfg.host_pages, cfg.page_size) if cfg.host_pages else None
-        self.decode = Scheduler(specs, build_cache(N, cfg.d_page, cfg.d_pages), remote_prefill=True, **common)
-        Scheduler(specs, build_cache(M, cfg.page_size, cfg.device_pages), **common)  # every request fits the prefill side
-        self.prefill = Scheduler([], build_cache(M, cfg.page_size, cfg.device_pages), host=host, hold_finished=True, **common)
+        prefill_cache = lambda: build_cache(M, cfg.page_size, cfg.device_pages, cfg.eviction)  # noqa: E731
+        self.decode = Scheduler(specs, build_cache(N, cfg.d_page, cfg.d_pages, cfg.eviction), remote_prefill=True,
+                                **common)
+        Scheduler(specs, prefill_cache(), **common)  # every request fits the prefill side
+        self.prefill = Scheduler([], prefill_cache(), host=host, hold_finished=True, **common)
         self.max_len = self.decode.max_len
         self.inflight: dict[int, int] = {}  # decode request -> prefill request computing or holding its KV
         self.origin: dict[int, int] = {}  # prefill request -> decode request

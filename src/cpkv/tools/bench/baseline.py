@@ -90,3 +90,109 @@ class DequeBaseline:
         order (a bare list checks nothing): one strided read of the page
         heads, then one push per page."""
         self.free_pages((slots[:: self.S] // self.S).tolist())
+
+
+class _Block:
+    """vLLM v1's ``KVCacheBlock`` as its free queue uses it: an id, a
+    reference count and the two links of the queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int):
+        self.block_id, self.ref_cnt = block_id, 0
+        self.prev_free_block = self.next_free_block = None
+
+
+class _FreeBlockQueue:
+    """vLLM v1's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``):
+    the free blocks as a doubly linked list through the blocks' own links,
+    between a fake head and a fake tail, the block freed longest ago first;
+    ``popleft_n`` unlinks the first n, ``append_n`` links freed blocks at
+    the tail."""
+
+    def __init__(self, blocks: list[_Block]):
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head, self.fake_free_list_tail = _Block(-1), _Block(-1)
+        prev = self.fake_free_list_head
+        for block in blocks:  # set-up only
+            prev.next_free_block, block.prev_free_block = block, prev
+            prev = block
+        prev.next_free_block, self.fake_free_list_tail.prev_free_block = self.fake_free_list_tail, prev
+
+    def popleft_n(self, n: int) -> list[_Block]:
+        """The first ``n`` free blocks, unlinked."""
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n
+        self.num_free_blocks -= n
+        curr_block = self.fake_free_list_head.next_free_block
+        ret = []
+        for _ in range(n):
+            ret.append(curr_block)
+            last_block = curr_block
+            curr_block = curr_block.next_free_block
+            last_block.prev_free_block = None
+            last_block.next_free_block = None
+        self.fake_free_list_head.next_free_block = curr_block
+        curr_block.prev_free_block = self.fake_free_list_head
+        return ret
+
+
+class BlockPoolBaseline:
+    """vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``) as a decode
+    step runs it, restated without vLLM (which cpkv does not depend on): one
+    free queue for the whole pool (:class:`_FreeBlockQueue`; no owner lanes),
+    block 0 the null block taken at start, and ``get_new_blocks(n)``: pop n
+    blocks and take a reference on each. Prefix caching is off (with it on,
+    each popped block is also looked up for eviction), so this is the pool's
+    cheapest form. A decode step, as vLLM's managers and model runner do it:
+    each request whose new token starts a block calls ``get_new_blocks(1)``
+    (``SingleTypeKVCacheManager.allocate_new_blocks``, one call per request),
+    keeps the block in its list and writes its id into its row of the numpy
+    block table (``BlockTable.append_row``); then the slot mapping is computed
+    for the batch in numpy from the table (``BlockTable.compute_slot_mapping``:
+    block id times block size plus offset). Which requests need a block is
+    found in numpy (vLLM asks per request), also in the pool's favour."""
+
+    def __init__(self, num_pages: int, page_size: int, max_requests: int, max_pages: int):
+        self.num_pages, self.S = num_pages, page_size
+        self.table = np.zeros((max_requests, max_pages), dtype=np.int32)
+        self.clear()
+
+    def clear(self) -> None:
+        """Every block free (block 0 the null block), no request holding any."""
+        self.blocks = [_Block(i) for i in range(self.num_pages + 1)]
+        self.free_block_queue = _FreeBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft_n(1)[0]
+        self.req_blocks: list[list[_Block]] = [[] for _ in range(self.table.shape[0])]
+        self.table[...] = 0
+
+    def get_new_blocks(self, num_blocks: int) -> list[_Block]:
+        """``num_blocks`` free blocks, each with one reference (``ValueError`` when too few are free)."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+        return ret
+
+    def alloc_extend(self, seq_lens: list[int]) -> None:
+        """Fresh requests ``0 .. bs - 1`` of ``seq_lens`` tokens: their blocks and table rows."""
+        for r, n in enumerate(seq_lens):
+            blocks = self.get_new_blocks(-(-n // self.S))
+            self.req_blocks[r].extend(blocks)
+            self.table[r, : len(blocks)] = [b.block_id for b in blocks]
+
+    def alloc_decode(self, seq_lens: np.ndarray) -> torch.Tensor:
+        """One new token for each request ``r`` (``seq_lens[r]`` includes it): a
+        block for those whose token starts one, then the slot mapping."""
+        S, table, req_blocks = self.S, self.table, self.req_blocks
+        positions = seq_lens - 1
+        for r in np.flatnonzero(positions % S == 0).tolist():
+            new_blocks = self.get_new_blocks(1)
+            blocks = req_blocks[r]
+            blocks.extend(new_blocks)
+            table[r, len(blocks) - 1 : len(blocks)] = [b.block_id for b in new_blocks]
+        index = np.arange(seq_lens.size) * table.shape[1] + positions // S
+        return torch.from_numpy(table.ravel()[index].astype(np.int64) * S + positions % S)

@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import torch
 
-MODELS = ("llama", "deepseek-v3.2", "glm-5")
 TRACES = ("multiturn", "shared-prompt", "longdoc")  # the built-in workloads
 SCALES = {"longdoc": 0.02}  # built-in lengths times this (default 0.05): a few hundred tokens a request
 BASES = {("float32", "bfloat16"), ("float32", "fp8"), ("bfloat16", "fp8")}  # (baseline, kv dtype) ratios shown
 
 
 def bench_model(name: str):
-    """The benchmark's configuration of model ``name``: small hidden sizes, the
-    released models' per-token cache shapes (see the module doc)."""
-    from ...models import TinyDsa, TinyLlama
+    """The benchmark's configuration of model ``name`` (one of
+    :data:`cpkv.models.MODELS`): small hidden sizes, the released model's
+    per-token cache shape (its ``with_released_cache``; see the module doc)."""
+    from ...models import model_config
 
-    if name == "llama":
-        return TinyLlama(hidden=256, heads=2, kv_heads=2, intermediate=256)
-    return TinyDsa(kind=name, kv_lora_rank=512, rope_dim=64, index_dim=128)
+    return model_config(name).with_released_cache()
 
 
 def _bytes_rows(name: str, adapter, dtypes, cp: int) -> list[dict]:
@@ -90,16 +88,17 @@ def _accuracy_rows(name: str, adapter, dtypes, cp: int, traces) -> list[dict]:
     return rows
 
 
-def bench_kvdtype(dtypes=("float32", "bfloat16", "fp8"), cp: int = 4, models=MODELS, traces=TRACES) -> dict:
+def bench_kvdtype(dtypes=("float32", "bfloat16", "fp8"), cp: int = 4, models=None, traces=TRACES) -> dict:
     """``{"bytes": rows, "accuracy": rows, "dsa_fp8_vs_bf16": ratio}``: the two
     tables of the module doc for ``dtypes`` on a CP group of ``cp`` thread
-    ranks (disaggregation: ``cp // 2`` prefill and ``cp // 2`` decode ranks),
-    and DeepSeek-V3.2's peak KV per rank at fp8 over bf16 when both ran."""
-    from ...models import build_adapter
+    ranks (disaggregation: ``cp // 2`` prefill and ``cp // 2`` decode ranks)
+    for ``models`` (default every one of :data:`cpkv.models.MODELS`), and
+    DeepSeek-V3.2's peak KV per rank at fp8 over bf16 when both ran."""
+    from ...models import MODELS, build_adapter
 
     torch.set_num_threads(1)
     out = {"bytes": [], "accuracy": []}
-    for name in models:
+    for name in MODELS if models is None else models:
         adapter = build_adapter(bench_model(name))
         out["bytes"] += _bytes_rows(name, adapter, dtypes, cp)
         out["accuracy"] += _accuracy_rows(name, adapter, dtypes, cp, traces)

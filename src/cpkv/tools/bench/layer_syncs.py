@@ -51,7 +51,8 @@ def bench_plan(repeats: int = 7, layers: int = 4, prefill_bs: int = 4, prefill_l
 
         def one(i, h, cache):
             if per_layer and i:  # the "before": the batch planned again in every layer but the first
-                cache.plan = ForwardPlan.build(pool, 0, alloc, batches.table.req_to_token, cache.mode, rows=rows_t)
+                cache.plan = ForwardPlan.build(pool, 0, alloc, batches.table.req_to_token, cache.plan.mode,
+                                               rows=rows_t)
             return layer(i, h, cache)
 
         def counted(i, h, cache):

@@ -10,13 +10,20 @@ import torch
 
 from .timing import median_seconds
 
-SPLIT_MODELS = ("llama", "deepseek-v3.2")
+#: The models the split benchmark runs (names of :data:`cpkv.models.MODELS`) and their shapes there, larger than
+#: the test configurations so that compute, not Python, dominates a forward on the CPU (see :func:`splits_model`).
+SPLIT_SHAPES = {
+    "llama": dict(hidden=256, layers=4, heads=8, kv_heads=2, intermediate=896),
+    "deepseek-v3.2": dict(hidden=256, layers=3, heads=8, q_lora_rank=192, kv_lora_rank=128, rope_dim=32, nope_dim=32,
+                          v_dim=32, intermediate=896, moe_intermediate=224, index_heads=16, index_dim=64,
+                          index_topk=256),
+}
+SPLIT_MODELS = tuple(SPLIT_SHAPES)
 
 
 def splits_model(name: str, max_positions: int):
-    """The model configuration the split benchmark runs for ``name`` (see
-    :data:`SPLIT_MODELS`), larger than the test configurations so that compute,
-    not Python, dominates a forward on the CPU; fp32, seeded.
+    """The model configuration the split benchmark runs for ``name`` (one of
+    :data:`SPLIT_MODELS`; its shape :data:`SPLIT_SHAPES`), fp32, seeded:
 
     * ``llama``: hidden 256, 8 heads of 32, 2 KV heads (GQA 4:1 as Llama-3-8B),
       MLP 896 (3.5x, as Llama-3-8B), 4 layers: K+V are 512 bytes per token per layer;
@@ -27,14 +34,9 @@ def splits_model(name: str, max_positions: int):
     """
     from ...models import model_config
 
-    if name == "llama":
-        return model_config("llama", hidden=256, layers=4, heads=8, kv_heads=2, intermediate=896,
-                            max_positions=max_positions)
-    if name == "deepseek-v3.2":
-        return model_config("deepseek-v3.2", hidden=256, layers=3, heads=8, q_lora_rank=192, kv_lora_rank=128,
-                            rope_dim=32, nope_dim=32, v_dim=32, intermediate=896, moe_intermediate=224,
-                            index_heads=16, index_dim=64, index_topk=256, max_positions=max_positions)
-    raise ValueError(f"unknown model {name!r} for the split benchmark; choose from {SPLIT_MODELS}")
+    if name not in SPLIT_SHAPES:
+        raise ValueError(f"unknown model {name!r} for the split benchmark; choose from {', '.join(SPLIT_MODELS)}")
+    return model_config(name, **SPLIT_SHAPES[name], max_positions=max_positions)
 
 
 @dataclass(frozen=True)
