@@ -16,7 +16,12 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def cmd_simulate(args) -> int:
     """``cpkv simulate``: each workload through the scheduler without a model, policies side by side; or
-    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`)."""
+    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`; with
+    ``--goodput``, their rate sweep: :func:`cpkv.tools.goodput.cmd_goodput`)."""
+    if args.mooncake and args.goodput:
+        from .goodput import cmd_goodput
+
+        return cmd_goodput(args)
     if args.mooncake:
         from .replay_report import cmd_replay
 
@@ -58,7 +63,7 @@ def cmd_simulate(args) -> int:
 #: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
 BUILTIN_ONLY = ("policies", "lane_pages", "host_pages", "kv_events", "kv_events_replay")
 MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests", "rate",
-                 "gpu_results", "markdown", "window", "max_output")
+                 "gpu_results", "markdown", "window", "max_output", "goodput", "slo_ttft", "slo_tpot", "jobs")
 
 
 def simulate_publisher(args):
@@ -97,6 +102,7 @@ def validate_simulate(args, parser) -> None:
     if args.page is None:
         args.page = 64 if args.mooncake else 16
     if args.mooncake:
+        refuse_goodput_flags(parser, args)
         refuse_mooncake_sizes(parser, args)
         return
     args.policies = args.policies or list(POLICIES)
@@ -105,6 +111,26 @@ def validate_simulate(args, parser) -> None:
         parser.error("--kv-events publishes one cache: name one --workload and one of --policies "
                      f"(got --workload {' '.join(args.workload)}, --policies {','.join(args.policies)})")
     refuse_unless_kv_events_bind(parser, args)
+
+
+def refuse_goodput_flags(parser, args) -> None:
+    """``cpkv simulate --goodput``: the SLO flags and ``--jobs`` need it; it sets the rate itself, prints no
+    markdown table and sweeps one decode split; ``--jobs`` at most this machine's cores."""
+    import os
+
+    if not args.goodput:
+        given = [f for f in ("slo_ttft", "slo_tpot", "jobs") if getattr(args, f) is not None]
+        if given:
+            parser.error(f"{', '.join('--' + f.replace('_', '-') for f in given)} set how --goodput runs; give "
+                         "--goodput too")
+        return
+    cores = os.cpu_count() or 1
+    if args.jobs is not None and args.jobs > cores:
+        parser.error(f"--jobs {args.jobs}: this machine has {cores} cores; give at most {cores}")
+    for flag, bad in (("--rate", args.rate is not None), ("--markdown", args.markdown),
+                      ("--decode-split with two splits", len(args.decode_split or ()) > 1)):
+        if bad:
+            parser.error(f"--goodput sweeps the arrival rate of one decode split; it does not take {flag}")
 
 
 def cmd_bench(args) -> int:
@@ -178,12 +204,14 @@ def cmd_bench_kvdtype(args) -> int:
 
 
 def cmd_bench_capacity(args) -> int:
-    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
+    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank (every run checked against
+    ``transformers`` with ``--check``)."""
     from .bench.capacity import CheckFailed, bench_capacity
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats or 5)
+        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats or 5,
+                                 check=args.check)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -195,9 +223,11 @@ def cmd_bench_capacity(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
+    checked = ("every run checked against transformers" if args.check
+               else "not checked (--check checks every run against transformers)")
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
-                            f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
-                            f"run to the end; {trace}; every run checked against transformers"))
+                            f"TinyLlama, ranks as {args.ranks_as}, chunk {capacity_config(args).chunk}; longest "
+                            f"request by the scheduler's up-front refusal, then run to the end; {trace}; {checked}"))
     return EXIT_OK
 
 
@@ -247,18 +277,20 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     except ValueError:
         return
     for kv in ("shared", "replicated"):
-        cfg = dataclasses.replace(base, kv=kv, check=True, host_pages=0)
+        cfg = dataclasses.replace(base, kv=kv, check=args.check, host_pages=0)
         refuse_unless_fits(parser, engine_footprint(cfg), timeout=cfg.timeout)
 
 
 def capacity_config(args):
     """``cpkv bench capacity``'s :class:`~cpkv.engine.config.EngineConfig`: the group, the memory, and a
-    Mooncake ``--workload`` slice when one is given (``ValueError`` for a memory that holds no page)."""
+    Mooncake ``--workload`` slice when one is given, prefilled in chunks scaled as its blocks are
+    (:func:`~cpkv.engine.mooncake.scaled_chunk`) (``ValueError`` for a memory that holds no page)."""
     from ..engine.config import EngineConfig
+    from ..engine.mooncake import scaled_chunk
 
     trace = {} if not args.workload else dict(workload=args.workload, requests=args.requests, step_ms=args.step_ms,
                                                block_tokens=args.block_tokens, window_ms=args.window,
-                                               max_output=args.max_output)
+                                               max_output=args.max_output, chunk=scaled_chunk(args.block_tokens))
     return EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, **trace)
 
 
