@@ -435,9 +435,8 @@ def plot_goodput(sweeps: list[Sweep], path: str) -> list[str]:
                 row[1].axhline(g.slo.tpot_ms, color="grey", linestyle="--", linewidth=0.8)
             for ax, what in zip(row, ("p99 TTFT (s)", "p99 TPOT (ms)")):
                 ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
-                ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+                ax.set_ylim(bottom=0)
                 ax.set_xlabel("arrival rate (x the trace's)")
                 ax.set_ylabel(what)
                 ax.set_title(f"{trace}: {dtype_host(d, h)}", fontsize=9)
