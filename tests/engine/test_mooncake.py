@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from cpkv.engine.mooncake import (BlockPrompt, TokenBook, is_mooncake, load_mooncake, mooncake_path,
-                                  read_mooncake, scale_lengths, take)
+                                  read_mooncake, scale_lengths, scaled_chunk, take)
 from cpkv.engine.trace import TraceError
 
 #: The traces beside the repository (``../shared/data/mooncake`` from its root), as a fresh clone finds them.
@@ -117,6 +117,9 @@ def test_scaling_keeps_the_blocks_and_scales_lengths(tmp_path):
     for bad in (0, 513, True, 1.5):
         with pytest.raises(ValueError, match="block_tokens"):
             scale_lengths(recs, bad)
+        with pytest.raises(ValueError, match="block_tokens"):
+            scaled_chunk(bad)
+    assert [scaled_chunk(b) for b in (512, 16, 1)] == [8192, 256, 16]  # the prefill chunk scales with the blocks
     with pytest.raises(ValueError, match="max_output"):
         scale_lengths(recs, 16, max_output=0)
 

@@ -10,7 +10,7 @@ from cpkv.tools.cli import main
 
 def test_capacity_small():
     rows, m = bench_capacity(EngineConfig(cp_size=2, page_size=16, kv_memory=128 * 2**10), documents=3,
-                             trace_scale=0.005, rounds=2, ranks="threads")
+                             trace_scale=0.005, rounds=2, ranks="threads", check=True)
     s, r = m["shared"], m["replicated"]
     assert s["longest"] >= 0.95 * 2 * r["longest"]
     for mode in (s, r):
@@ -20,6 +20,28 @@ def test_capacity_small():
     assert r["trace"]["evicted_pages"] + r["trace"]["preemptions"] > 0
     assert rows[0]["figure"].startswith("longest request") and rows[0]["shared / replicated"] == "2.00"
     assert any(x["figure"] == "trace: TPOT p99 (ms, median of 2)" for x in rows)
+
+
+def test_every_run_is_checked_only_with_check(monkeypatch):
+    """The default: no run asks for transformers' reference forward (most of a Mooncake slice's time outside the
+    engine); ``check=True``: every run does, the longest-request runs and every round of the trace alike."""
+    from cpkv.tools.bench import capacity
+
+    asked = []
+
+    def run(cfg, specs, ranks):  # a report with the fields the rounds compare, its check as the engine's
+        asked.append(cfg.check)
+        return {"config": {"kv": cfg.kv}, "requests": 1, "finished": 1, "steps": 1, "preemptions": 0,
+                "evicted_pages": 0, "device_hit_rate": 0.0, "latency": {"requests": []},
+                "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0} if cfg.check else None}
+
+    monkeypatch.setattr(capacity, "_run_specs", run)
+    base = EngineConfig(cp_size=2, page_size=16, kv_memory=128 * 2**10)
+    for check in (False, True):
+        asked.clear()
+        m = capacity.measure_capacity(base, documents=2, trace_scale=0.004, rounds=2, check=check)
+        assert asked == [check] * 6  # two longest-request runs, two rounds of each mode
+        assert (m["shared"]["trace"]["check"] is None) == (not check)
 
 
 def test_longest_prompt_is_the_refusal_edge():
@@ -62,7 +84,8 @@ def test_a_group_the_machine_cannot_hold_is_refused_before_any_rank_starts(monke
 
 
 def test_repeats_sets_the_trace_rounds(monkeypatch, capsys):
-    """``--repeats R``: each mode's trace runs R rounds (default 5), the ranks started as ``--ranks-as`` says."""
+    """``--repeats R``: each mode's trace runs R rounds (default 5), the ranks started as ``--ranks-as`` says,
+    every run checked against transformers only with ``--check``."""
     from cpkv.tools.bench import capacity
 
     seen = []
@@ -70,7 +93,10 @@ def test_repeats_sets_the_trace_rounds(monkeypatch, capsys):
     monkeypatch.setattr(capacity, "bench_capacity", lambda base, **kw: seen.append(kw) or ([row], {}))
     for argv in ([], ["--repeats", "2", "--ranks-as", "threads"]):
         assert main(["bench", "capacity", "--cp", "2", *argv]) == 0
-    assert seen == [{"ranks": "processes", "rounds": 5}, {"ranks": "threads", "rounds": 2}]
+    assert seen == [{"ranks": "processes", "rounds": 5, "check": False}, {"ranks": "threads", "rounds": 2,
+                                                                          "check": False}]
+    assert main(["bench", "capacity", "--cp", "2", "--check"]) == 0
+    assert seen[-1]["check"] is True and "every run checked against transformers" in capsys.readouterr().out
 
 
 def test_a_memory_too_small_for_the_trace_is_one_short_line_naming_the_memory_to_give(monkeypatch, capsys):
@@ -91,8 +117,9 @@ def test_a_memory_too_small_for_the_trace_is_one_short_line_naming_the_memory_to
 
 
 def test_a_mooncake_slice_is_the_trace_both_modes_run(monkeypatch, capsys, tmp_path):
-    """``--workload`` (a Mooncake trace): its slice, scaled, is what each mode's rounds run; a memory too small
-    for it is refused before any rank starts, naming the memory to give."""
+    """``--workload`` (a Mooncake trace): its slice, scaled, is what each mode's rounds run, in prefill chunks
+    scaled as its blocks are; a memory too small for it is refused before any rank starts, naming the memory to
+    give."""
     import json
 
     from cpkv.tools.bench import capacity
@@ -101,15 +128,16 @@ def test_a_mooncake_slice_is_the_trace_both_modes_run(monkeypatch, capsys, tmp_p
     path.write_text("".join(json.dumps({"timestamp": 40 * i, "input_length": 1000, "output_length": 64,
                                         "hash_ids": [0, i + 1]}) + "\n" for i in range(6)))
     seen = []
-    monkeypatch.setattr(capacity, "_run_specs", lambda cfg, specs, ranks: seen.append((cfg.kv, specs)) or {})
+    monkeypatch.setattr(capacity, "_run_specs", lambda cfg, specs, ranks: seen.append((cfg.kv, specs, cfg.chunk)) or {})
     monkeypatch.setattr(capacity, "_checked", lambda r, tol: r)
     monkeypatch.setattr(capacity, "_same_schedule", lambda mode, traces: None)
     monkeypatch.setattr(capacity, "capacity_rows", lambda m: [{"figure": "f"}])
     argv = ["bench", "capacity", "--cp", "2", "--workload", f"mooncake:{path}", "--requests", "4", "--max-output", "2",
             "--repeats", "1"]
     assert main(argv + ["--kv-memory", "128KiB"]) == 0
-    traces = [specs for _, specs in seen if len(specs) > 1]
+    traces = [specs for _, specs, _ in seen if len(specs) > 1]
     assert len(traces) == 2 and traces[0] == traces[1]  # both modes, the same slice
+    assert {chunk for *_, chunk in seen} == {256}  # the simulator's 8192 at 512 tokens a block, scaled to 16
     assert [(s.id, len(s.tokens), s.max_new_tokens, s.arrival) for s in traces[0]] == \
         [("line1", 32, 2, 0), ("line2", 32, 2, 0), ("line3", 32, 2, 0), ("line4", 32, 2, 0)]
     assert "m.jsonl, its first 4 requests at 16 tokens a block" in capsys.readouterr().out

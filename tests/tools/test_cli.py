@@ -161,6 +161,11 @@ BAD = [
     (["simulate", "--window", "x"], "--window"),
     (["simulate", "--max-output", "0"], "--max-output"),
     (["simulate", "--workload", "longdoc", "--kv", "shared"], "--kv"),  # a replay flag with a built-in trace
+    (["simulate", "--goodput=1"], "--goodput"),
+    (["simulate", "--slo-ttft", "0"], "--slo-ttft"),
+    (["simulate", "--slo-tpot", "100,-1"], "--slo-tpot"),
+    (["simulate", "--jobs", "0"], "--jobs"),
+    (["bench", "capacity", "--check=1"], "--check"),
     (["bench", "capacity", "--workload", "multiturn"], "--workload"),  # bench takes a Mooncake trace only
     (["bench", "alloc", "--workload", "README.md"], "--workload"),
     (["bench", "capacity", "--requests", "0"], "--requests"),

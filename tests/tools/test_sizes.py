@@ -219,6 +219,22 @@ def test_each_advice_given_back_is_not_refused_again(tmp_path, monkeypatch, caps
     assert followed >= 60
 
 
+def test_goodput_jobs_count_each_sweep_held_at_once(tmp_path):
+    """``--goodput --jobs J`` runs J sweeps at once, each holding its mode's caches: what fits one at a time is
+    refused two at a time, with the --jobs that fits."""
+    mc = mooncake_trace(tmp_path / "mc.jsonl")
+    longest = 1000 + 20 - 1  # the longest request: its prompt and its replies but the last
+    running = int(0.6 * sizes.usable_bytes(MACHINE)) // (8 * (longest + 1))  # its page table: 60 % of the machine
+    base = ["simulate", "--workload", f"mooncake:{mc}", "--goodput", "--kv", "shared,replicated", "--kv-dtype",
+            "fp8", "--host-memory", "0", "--kv-memory", "1GiB", "--max-running", str(running)]
+    assert _refusal(base) is None and _refusal(base + ["--jobs", "1"]) is None
+    why = _refusal(base + ["--jobs", "2"])
+    assert why is not None and "in each of 2 sweeps at once" in why and "give --jobs 1 or fewer" in why, why
+    assert _refusal(base + ["--kv", "shared", "--jobs", "2"]) is None  # one sweep: never two at once
+    why = _refusal(base + ["--jobs", str(MACHINE.cores + 1)])
+    assert why == f"--jobs {MACHINE.cores + 1}: this machine has {MACHINE.cores} cores; give --jobs {MACHINE.cores} or fewer"
+
+
 # -- the check and the command agree ----------------------------------------------------------------------
 def test_the_check_reads_each_flag_as_the_command_parses_it():
     import argparse

@@ -52,9 +52,9 @@ import numpy as np
 
 from .trace import RequestSpec, TraceError, json_object, trace_lines
 
-__all__ = ["BLOCK_TOKENS", "BlockPrompt", "MOONCAKE_FIELDS", "MOONCAKE_PREFIX", "MooncakeRecord", "MooncakeTrace",
-           "block_tokens", "is_mooncake", "load_mooncake", "mooncake_path", "read_mooncake", "scale_lengths",
-           "take"]
+__all__ = ["BLOCK_TOKENS", "BlockPrompt", "FULL_SCALE_CHUNK", "MOONCAKE_FIELDS", "MOONCAKE_PREFIX", "MooncakeRecord",
+           "MooncakeTrace", "block_tokens", "is_mooncake", "load_mooncake", "mooncake_path", "read_mooncake",
+           "scale_lengths", "scaled_chunk", "take"]
 
 #: Tokens per hash id in the released traces.
 BLOCK_TOKENS = 512
@@ -64,6 +64,16 @@ MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 MOONCAKE_PREFIX = "mooncake:"
 #: A vocabulary large enough that every sibling count fits one token (the simulator's: no model).
 NO_VOCAB = 2**31 - 1
+#: Prefill tokens per step at the traces' own scale: the simulator's default (``ReplayConfig.chunk``).
+FULL_SCALE_CHUNK = 8192
+
+
+def scaled_chunk(block: int) -> int:
+    """The prefill chunk for a trace read at ``block`` tokens a hash id: :data:`FULL_SCALE_CHUNK` scaled as the
+    blocks are (``8192 * block / 512``, at least 1), so that a scaled slice prefills in as many steps as the
+    trace would at full scale (16-token blocks: 256)."""
+    _check_block(block)
+    return max(1, FULL_SCALE_CHUNK * block // BLOCK_TOKENS)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from .commands import (EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
 from .sizes import refuse_sizes
 from .flags import (OneLineParser, add_device_flags, add_eviction_flag, add_group_flags, add_kv_dtype_flag,
                     add_kv_events_flags, add_mooncake_flags, comma_choices, disagg_arg, existing_file, finite_float,
-                    mooncake_arg, non_negative, output_file, positive, positive_float, positive_list, scale_arg,
-                    simulate_workload_arg, size_arg, size_list, workload_arg)
+                    mooncake_arg, non_negative, output_file, positive, positive_float, positive_floats, positive_list,
+                    scale_arg, simulate_workload_arg, size_arg, size_list, workload_arg)
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "parse_command"]
 
@@ -101,6 +101,18 @@ def _add_replay_flags(s) -> None:
     g.add_argument("--gpu-results", type=existing_file, default=None, metavar="PATH",
                    help="a results.json whose cost_model object replaces the H200 datasheet figures by measured ones")
     g.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    g.add_argument("--goodput", action="store_true",
+                   help="sweep the arrival-rate multiple for each mode and report the highest at which p99 TTFT and "
+                        "p99 TPOT meet each SLO (cpkv.tools.goodput: 2^(k/16) multiples, doublings from 1x then "
+                        "bisection; the rate found meets it, one step above does not)")
+    g.add_argument("--slo-ttft", type=finite_float(0, inclusive=False), default=None, metavar="SECONDS",
+                   help="--goodput: the p99 TTFT bound of every SLO (default 30: Mooncake FAST'25's TTFT threshold)")
+    g.add_argument("--slo-tpot", type=positive_floats, default=None, metavar="MS,..",
+                   help="--goodput: p99 TPOT bounds in ms, a comma list: the first is the SLO the goal is judged at, "
+                        "the others the sweep (default 100,200,300: Mooncake FAST'25's TBT thresholds)")
+    g.add_argument("--jobs", type=positive, default=None, metavar="N",
+                   help="--goodput: sweeps at a time, each in a process of its own (default 1; at most this "
+                        "machine's cores)")
     add_mooncake_flags(s, block=512, step_ms=False)
 
 
@@ -143,6 +155,9 @@ def _add_bench(sub) -> None:
     add_kv_dtype_flag(b, "all")
     b.add_argument("--kv-memory", type=size_arg, default=None, metavar="SIZE",
                    help="capacity: device KV bytes per rank of both modes (default 256KiB)")
+    b.add_argument("--check", action="store_true",
+                   help="capacity: check every run against transformers (every logit within 1e-4, every greedy "
+                        "token); without it no run computes the reference forward")
     b.add_argument("--ranks-as", choices=["processes", "threads"], default="processes",
                    help="capacity: start each run's ranks as processes (default, as a deployment runs them) or as "
                         "threads of this process (quicker to start; their Python runs one rank at a time)")

@@ -16,7 +16,12 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def cmd_simulate(args) -> int:
     """``cpkv simulate``: each workload through the scheduler without a model, policies side by side; or
-    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`)."""
+    Mooncake traces replayed on a modelled H200 group (:func:`cpkv.tools.replay_report.cmd_replay`; with
+    ``--goodput``, their rate sweep: :func:`cpkv.tools.goodput.cmd_goodput`)."""
+    if args.mooncake and args.goodput:
+        from .goodput import cmd_goodput
+
+        return cmd_goodput(args)
     if args.mooncake:
         from .replay_report import cmd_replay
 
@@ -173,12 +178,14 @@ def cmd_bench_kvdtype(args) -> int:
 
 
 def cmd_bench_capacity(args) -> int:
-    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank, every run checked."""
+    """``cpkv bench capacity``: shared against replicated KV at equal memory per rank (every run checked against
+    ``transformers`` with ``--check``)."""
     from .bench.capacity import CheckFailed, bench_capacity
     from .table import format_rows
 
     try:
-        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats)
+        rows, _ = bench_capacity(capacity_config(args), ranks=args.ranks_as, rounds=args.repeats,
+                                 check=args.check)
     except ValueError as e:
         print(f"cpkv bench capacity: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -190,9 +197,11 @@ def cmd_bench_capacity(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
+    checked = ("every run checked against transformers" if args.check
+               else "not checked (--check checks every run against transformers)")
     print(format_rows(rows, f"capacity: CP {args.cp}, {args.kv_memory} bytes of device KV per rank in both modes, "
-                            f"TinyLlama, ranks as {args.ranks_as}; longest request by the scheduler's up-front refusal, then "
-                            f"run to the end; {trace}; every run checked against transformers"))
+                            f"TinyLlama, ranks as {args.ranks_as}, chunk {capacity_config(args).chunk}; longest "
+                            f"request by the scheduler's up-front refusal, then run to the end; {trace}; {checked}"))
     return EXIT_OK
 
 
@@ -242,18 +251,20 @@ def refuse_capacity_unless_fits(args, parser) -> None:
     except ValueError:
         return
     for kv in ("shared", "replicated"):
-        cfg = dataclasses.replace(base, kv=kv, check=True, host_pages=0)
+        cfg = dataclasses.replace(base, kv=kv, check=args.check, host_pages=0)
         refuse_unless_fits(parser, engine_footprint(cfg), timeout=cfg.timeout)
 
 
 def capacity_config(args):
     """``cpkv bench capacity``'s :class:`~cpkv.engine.config.EngineConfig`: the group, the memory, and a
-    Mooncake ``--workload`` slice when one is given (``ValueError`` for a memory that holds no page)."""
+    Mooncake ``--workload`` slice when one is given, prefilled in chunks scaled as its blocks are
+    (:func:`~cpkv.engine.mooncake.scaled_chunk`) (``ValueError`` for a memory that holds no page)."""
     from ..engine.config import EngineConfig
+    from ..engine.mooncake import scaled_chunk
 
     trace = {} if not args.workload else dict(workload=args.workload, requests=args.requests, step_ms=args.step_ms,
                                                block_tokens=args.block_tokens, window_ms=args.window,
-                                               max_output=args.max_output)
+                                               max_output=args.max_output, chunk=scaled_chunk(args.block_tokens))
     return EngineConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, **trace)
 
 

@@ -121,6 +121,18 @@ def positive_list(text: str) -> list[int]:
 positive_list.__name__ = "comma list of integers >= 1"
 
 
+def positive_floats(text: str) -> list[float]:
+    """A ``type=`` for a comma list of finite numbers ``> 0`` (``100,200``)."""
+    parse = finite_float(0, inclusive=False)
+    try:
+        return [parse(t.strip()) for t in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"a comma list of numbers > 0: {e}") from None
+
+
+positive_floats.__name__ = "comma list of numbers > 0"
+
+
 def output_file(*suffixes: str):
     """A ``type=`` for a file to write: its folder must exist, its suffix be one of ``suffixes``."""
 
@@ -453,7 +465,7 @@ BENCH_FLAGS = {
     "splits": {"repeats", "json", "model", "cp", "tokens", "bs", "decode_bs", "context", "page", "device", "kernels"},
     "kvdtype": {"json", "cp", "kv_dtype"},
     "capacity": {"repeats", "json", "cp", "page", "kv_memory", "ranks_as", "workload", "requests", "block_tokens",
-                 "window", "max_output", "step_ms"},
+                 "window", "max_output", "step_ms", "check"},
     "plan": {"repeats", "json", "device", "kernels"},
     "scheduler": {"repeats", "json", "cp", "page", "batches", "contexts", "steps"},
     "kernels": {"json", "compile", "device"},

@@ -19,30 +19,38 @@ clock fell. A request the cache could never hold is refused (counted) and the
 rest run. ``clock="steps"`` runs the engine's own loop instead (arrivals at
 their step, idle steps skipped), the loop a model run has, so a slice can be
 compared with the engine's run of it.
+
+A run may be stopped early (``stop``, a :class:`Progress` test every
+:data:`STOP_EVERY` steps): the goodput sweep (:mod:`cpkv.tools.goodput`) stops
+a run as soon as it is certain to miss its latency objectives. A stopped
+run's figures cover what had happened by then (``ReplayResult.stopped``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..consumers.eviction import EVICTION_POLICIES
-from ..engine.mooncake import MooncakeTrace
+from ..engine.mooncake import FULL_SCALE_CHUNK, MooncakeTrace
 from ..engine.trace import CacheTooSmall
 from .cost_model import H200, CostModel, Hardware, kv_memory_per_rank
 
 if TYPE_CHECKING:  # the engine's scheduler is imported when a replay builds one
     from ..engine.scheduler import Scheduler
 
-__all__ = ["KV_MODES", "ReplayConfig", "ReplayResult", "build_replay_scheduler", "replay"]
+__all__ = ["KV_MODES", "Progress", "ReplayConfig", "ReplayResult", "STOP_EVERY", "build_replay_scheduler", "replay"]
 
 #: The group's cache: one shared owner-lane cache, or a full copy on every rank.
 KV_MODES = ("shared", "replicated")
 CLOCKS = ("ms", "steps")
+#: How many steps apart a run's ``stop`` test is asked.
+STOP_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class ReplayConfig:
     kv_memory: int | None = None
     kv_dtype: str = "bfloat16"
     host_memory: int = 0
-    chunk: int = 8192
+    chunk: int = FULL_SCALE_CHUNK
     max_running: int = 256
     admission: str = "lanes"
     decode_split: str = "owner"
@@ -126,6 +134,21 @@ def build_replay_scheduler(cfg: ReplayConfig, kv: str, specs: list, token_bytes:
                      host=HostTier(host, cfg.page_size) if host else None, wait_for_prefix=cfg.wait_for_prefix)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands, as its ``stop`` test sees it (arrays ``[n]`` over the
+    trace's requests, times in ms of the modelled clock): ``now``, each
+    request's ``arrival``, the end of its ``first``-token step and of its
+    ``finish`` step (NaN: not yet), and whether it was ``refused``. A request
+    whose arrival is after ``now`` has not been handed to the scheduler yet."""
+
+    now: float
+    arrival: np.ndarray
+    first: np.ndarray
+    finish: np.ndarray
+    refused: np.ndarray
+
+
 @dataclass
 class ReplayResult:
     """What one mode did on one trace (times in ms of the modelled clock)."""
@@ -157,6 +180,7 @@ class ReplayResult:
     decode_batch: np.ndarray = field(repr=False)  # requests decoding, per step with a decode
     series: dict = field(repr=False)  # per step: time_ms, resident_tokens, hit_tokens, host_hit_tokens, prompt_tokens
     per_request: list = field(repr=False, default_factory=list)  # (id, first-token step, finish step) per request
+    stopped: bool = False  # its ``stop`` test ended it before the trace did: figures of what had happened by then
 
     @property
     def peak_resident_tokens(self) -> int:
@@ -192,12 +216,17 @@ class ReplayResult:
 
 
 def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "trace", clock: str = "ms",
-           progress: bool = False) -> ReplayResult:
+           progress: bool = False, stop: Callable[[Progress], bool] | None = None) -> ReplayResult:
     """Run ``trace`` in mode ``kv`` (:data:`KV_MODES`) on ``cfg``'s group
     (see the module docstring); ``clock`` ``"ms"`` (the trace's milliseconds,
-    the cost model's steps) or ``"steps"`` (the engine's loop)."""
+    the cost model's steps) or ``"steps"`` (the engine's loop). ``stop``
+    (``clock="ms"`` only) is asked every :data:`STOP_EVERY` steps; when it
+    answers true the run ends there: every running request is dropped and the
+    result is marked ``stopped``, its figures over what had happened."""
     if clock not in CLOCKS:
         raise ValueError(f"unknown clock {clock!r}; choose from {CLOCKS}")
+    if stop is not None and clock != "ms":
+        raise ValueError("a stop test needs clock='ms' (it reads the modelled clock)")
     from ..runtime.progress import progress_bar
     from .simulate import null_execute
 
@@ -211,7 +240,8 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
     else:
         sched = build_replay_scheduler(cfg, kv, [], model.kv_token_bytes)
         accepted = []  # trace index of each request the scheduler holds, in its order
-    refused = 0
+    refused = np.zeros(n, dtype=bool)
+    stopped = False
     first = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     series = {k: [] for k in ("time_ms", "resident_tokens", "hit_tokens", "host_hit_tokens", "prompt_tokens")}
@@ -227,7 +257,7 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
                     sched.submit(dataclasses.replace(trace.specs[i], arrival=0))
                     accepted.append(i)
                 except CacheTooSmall:
-                    refused += 1
+                    refused[i] = True
                     bar.update(1)
                 i += 1
             if not sched.running and not sched.waiting:
@@ -265,27 +295,33 @@ def replay(trace: MooncakeTrace, kv: str, cfg: ReplayConfig, *, name: str = "tra
         series["hit_tokens"].append(st.hit_tokens)
         series["host_hit_tokens"].append(st.host_hit_tokens)
         series["prompt_tokens"].append(st.prompt_tokens)
+        if stop is not None and plan.step % STOP_EVERY == 0 and stop(Progress(now, arrival, first, finish, refused)):
+            stopped = True
+            for r in list(sched.running):
+                sched.cancel(r.index)
+            break
     bar.close()
     reqs = sched.requests
     gen = np.array([len(r.generated) for r in reqs], dtype=np.int64)
     idx = np.array(accepted, dtype=np.int64)
     f, e = first[idx], finish[idx]
-    more = gen > 1
+    more = (gen > 1) & np.isfinite(e)  # a stopped run: the requests that had finished
     per_request = [(r.spec.id, float(first[j]), float(finish[j])) for r, j in zip(reqs, accepted)]
     res = ReplayResult(
         trace=name, kv=kv, config=cfg,
         capacity_tokens=total_pages * S, longest_tokens=int(sched.cache.alloc.lane_pages.min()) * sched.N * S,
-        host_tokens=(sched.host.alloc.size if sched.host is not None else 0), requests=n, refused=refused,
-        finished=st.finished, prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens,
+        host_tokens=(sched.host.alloc.size if sched.host is not None else 0), requests=n, refused=int(refused.sum()),
+        finished=int(np.isfinite(finish).sum()), prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens,
         host_hit_tokens=st.host_hit_tokens, generated_tokens=st.generated_tokens, evicted_pages=st.evicted_pages,
         preemptions=st.preemptions, steps=st.steps, makespan_ms=now,
         last_arrival_ms=float(arrival[-1]) if n else 0.0, max_waiting=max_waiting, max_wait_ms=max_wait,
         wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
-        ttft_ms=(f - arrival[idx]) if clock == "ms" else f - np.array([trace.specs[j].arrival for j in idx]),
+        ttft_ms=((f - arrival[idx]) if clock == "ms" else f - np.array([trace.specs[j].arrival for j in idx]))[
+            np.isfinite(f)],
         tpot_ms=(e - f)[more] / (gen[more] - 1),
         decode_batch=np.asarray(decode_batch, dtype=np.int64),
         series={**{k: np.asarray(v) for k, v in series.items()}, "first_arrival_ms": float(arrival[0]) if n else 0.0},
-        per_request=per_request)
+        per_request=per_request, stopped=stopped)
     sched.drain()
     sched.check_drained()
     return res

@@ -92,6 +92,7 @@ FLAGS = (
     Flag(("--host-memory",), size_list, (SIM,), size=True),
     Flag(("--max-running",), positive, (RUN, SIM), size=True),
     Flag(("--lane-pages",), positive, (SIM,), size=True),
+    Flag(("--jobs",), positive, (SIM,), size=True),
     Flag(("--disagg",), disagg_arg, (RUN,), size=True),
     Flag(("--repeats",), positive, (BENCH,), size=True),
     Flag(("--tokens",), positive, (BENCH,), size=True),
@@ -131,6 +132,9 @@ FLAGS = (
     Flag(("--check",), None, (RUN,)),
     Flag(("--json",), None, (RUN, SIM, BENCH, BYTES)),
     Flag(("--markdown",), None, (SIM,)),
+    Flag(("--goodput",), None, (SIM,)),
+    Flag(("--slo-ttft",), str, (SIM,)),
+    Flag(("--slo-tpot",), str, (SIM,)),
     Flag(("--print-tokens",), None, (RUN,)),
     Flag(("--compile",), None, (BENCH,)),
 )
@@ -631,7 +635,8 @@ def _refuse_past_timeout(line: Line, specs, world: int, timeout: float, capacity
 #: ``cpkv simulate`` flags that apply to built-in traces only, and to Mooncake traces only.
 BUILTIN_ONLY = ("policies", "lane_pages", "host_pages", "kv_events", "kv_events_replay", "kv_events_buffer", "seed")
 MOONCAKE_ONLY = ("kv", "kv_memory", "kv_dtype", "host_memory", "decode_split", "chunk", "max_running", "requests",
-                 "rate", "gpu_results", "markdown", "window", "max_output", "block_tokens")
+                 "rate", "gpu_results", "markdown", "window", "max_output", "block_tokens", "goodput", "slo_ttft",
+                 "slo_tpot", "jobs")
 #: ``cpkv simulate``'s page size when not given: built-in traces, Mooncake traces (FlashMLA's page).
 SIMULATE_PAGE = {"builtin": 16, "mooncake": 64}
 
@@ -662,7 +667,15 @@ def _check_simulate(line: Line) -> None:
         (line.has("kv_events_buffer") and not line.has("kv_events_replay"),
          "--kv-events-buffer sizes --kv-events-replay's buffer; give --kv-events-replay too, or leave it out"),
         (line.has("markdown") and line.has("json"), "--markdown and --json each print the table; give one"),
-    ])
+    ] + [(line.has(f) and not line.has("goodput"),
+          f"--{f.replace('_', '-')} sets how --goodput runs; give --goodput too, or leave it out")
+         for f in ("slo_ttft", "slo_tpot", "jobs")]
+      + [(line.has("goodput") and bad, f"--goodput sweeps the arrival rate of one decode split; it does not take {flag}")
+         for flag, bad in (("--rate", line.has("rate")), ("--markdown", line.has("markdown")),
+                           ("--decode-split with two splits", "," in (line["decode_split"] or "")))])
+    cores = line.capacity.cores
+    if line.has("jobs") and line["jobs"] > cores:
+        raise Refused(f"--jobs {line['jobs']}: this machine has {cores} cores; give --jobs {cores} or fewer")
     capacity, usable = line.capacity, usable_bytes(line.capacity)
     page = line["page"] or SIMULATE_PAGE[kind]
     cp = line["cp"] or 8
@@ -766,16 +779,25 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
             raise Refused(f"--page {page}: {_fmt(kv_memory(cp))} of device KV per rank holds fewer than 2 pages "
                           f"of {_fmt(per_page)} ({dtype}); give --page {best or 1} or less")
 
-    def fits(**kw) -> bool:  # every mode and KV dtype asked for
-        return all((lambda b: b is not None and b <= usable)(need(k, d, **kw)) for k, d in combos)
+    # --goodput --jobs J: J sweeps at once, each a process holding one mode's caches
+    def sweeps_at_once(jobs: int | None) -> int:
+        return min(jobs or 1, len(combos) * len(hosts)) if line.has("goodput") else 1
+
+    at_once = sweeps_at_once(line["jobs"])
+
+    def fits(jobs=line["jobs"], **kw) -> bool:  # every mode and KV dtype asked for
+        n = sweeps_at_once(jobs)
+        return all((lambda b: b is not None and n * b <= usable)(need(k, d, **kw)) for k, d in combos)
 
     if fits():
         return
     kv, dtype = max(combos, key=lambda c: need(*c))
-    what = (f"the {kv} {dtype} caches' bookkeeping and page table take {_fmt(need(kv, dtype))}, more than this "
-            f"machine can give ({_fmt(usable)} usable)")
+    what = (f"the {kv} {dtype} caches' bookkeeping and page table take {_fmt(need(kv, dtype))}"
+            f"{f' in each of {at_once} sweeps at once' if at_once > 1 else ''}, more than this machine can give "
+            f"({_fmt(usable)} usable)")
     least_memory = 2 * page * max(DEEPSEEK_V32_TOKEN_BYTES[d] for d in dtypes)
-    for flag, dest, lo, kw in (("--kv-memory", "kv_memory", least_memory, "kv_memory_"),
+    for flag, dest, lo, kw in (("--jobs", "jobs", 1, "jobs"),  # first: fewer sweeps at once change no figure
+                               ("--kv-memory", "kv_memory", least_memory, "kv_memory_"),
                                ("--host-memory", "host_memory", 0, "host"),
                                ("--max-running", "max_running", 1, "running_"),
                                ("--cp", "cp", 1 if line.has("kv_memory") else least_cp, "cp_")):
@@ -786,7 +808,7 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
         if best is not None:
             sized = dest in ("kv_memory", "host_memory")
             raise Refused(f"{flag} {_size_arg(now) if sized else now}: {what}; give {flag} "
-                          f"{_size_arg(best) if sized else best} or {'fewer' if dest == 'cp' else 'less'}")
+                          f"{_size_arg(best) if sized else best} or {'fewer' if dest in ('cp', 'jobs') else 'less'}")
     raise Refused(what)
 
 

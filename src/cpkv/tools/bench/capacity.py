@@ -3,9 +3,12 @@
 Both modes run in the same engine, the ranks as processes (one per rank on
 POSIX shared memory, as a deployment runs them; ``ranks="threads"``: threads
 of this process, quicker to start, but the ranks' Python then runs one at a
-time) with the same ``kv_memory`` bytes per rank (:func:`~cpkv.runtime.sizing.pages_for_memory`),
-and every figure comes from a run that passed ``check`` (every logit against
-``transformers`` within ``tolerance``, every request its greedy tokens):
+time) with the same ``kv_memory`` bytes per rank (:func:`~cpkv.runtime.sizing.pages_for_memory`);
+with ``check``, every figure comes from a run that passed it (every logit against
+``transformers`` within ``tolerance``, every request its greedy tokens). Without
+it no run computes ``transformers``' reference forward, which took most of the
+time a Mooncake slice spent outside the engine (the longest request's reference
+alone holds a ``T x T`` attention matrix per head):
 
 * the longest single request each mode holds: the scheduler's up-front
   refusal (the allocator's lanes, ``TraceError``) marks the limit, found by
@@ -50,8 +53,11 @@ class CheckFailed(RuntimeError):
 
 
 def _checked(r: dict, tolerance: float) -> dict:
+    """``r``, or :class:`CheckFailed` when its check (if it ran one) failed."""
     from ...engine.exactness import failures
 
+    if r["check"] is None:
+        return r
     why = failures(r["check"], tolerance)
     if why:
         raise CheckFailed(f"{r['config']['kv']} run failed its check: {'; '.join(why)}")
@@ -105,13 +111,14 @@ TIMED_FIGURES = {"tokens_per_second": (("tokens_per_second",), 1.0),
 
 
 def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: float = 0.012, documents: int = 6,
-                     tolerance: float = 1e-4, rounds: int = 5, ranks: str = "processes") -> dict:
+                     tolerance: float = 1e-4, rounds: int = 5, ranks: str = "processes", check: bool = False) -> dict:
     """Both modes of ``base`` (its ``kv_memory``, ``cp_size``, model, pages):
     ``{mode: {"longest": tokens, "longest_run": report, "trace": report,
     "traces": [report per round]}}`` (``trace`` is the first round's), the
     trace run ``rounds`` times per mode, the modes interleaved, every run's
-    ranks started as ``ranks`` (:data:`RANKS`).
-    Raises :class:`CheckFailed` when a run does not match ``transformers``,
+    ranks started as ``ranks`` (:data:`RANKS`), every run checked against
+    ``transformers`` with ``check`` (each report's ``check``; ``None`` without).
+    Raises :class:`CheckFailed` when a checked run does not match ``transformers``,
     ``ValueError`` when ``base`` has no ``kv_memory``, ``rounds < 1`` or
     ``ranks`` is unknown, or a request of the trace could never fit either
     mode's cache (before any run, naming the memory to give),
@@ -123,7 +130,7 @@ def measure_capacity(base: EngineConfig, *, new_tokens: int = 4, trace_scale: fl
     if ranks not in RANKS:
         raise ValueError(f"unknown ranks {ranks!r}; choose from {RANKS}")
     base = base.sized()  # at launch: kv_memory's pages, the same in both modes
-    out, cfgs = {}, {mode: dataclasses.replace(base, kv=mode, check=True, host_pages=0) for mode in MODES}
+    out, cfgs = {}, {mode: dataclasses.replace(base, kv=mode, check=check, host_pages=0) for mode in MODES}
     specs = base.trace() if mooncake_path(base.workload) else _trace(base, documents, trace_scale)
     for mode in MODES:  # before any rank starts
         _refuse_unless_trace_fits(cfgs[mode], specs)
