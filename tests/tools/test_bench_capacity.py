@@ -33,7 +33,8 @@ def test_every_run_is_checked_only_with_check(monkeypatch):
         asked.append(cfg.check)
         return {"config": {"kv": cfg.kv}, "requests": 1, "finished": 1, "steps": 1, "preemptions": 0,
                 "evicted_pages": 0, "device_hit_rate": 0.0, "latency": {"requests": []},
-                "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0} if cfg.check else None}
+                "check": {"requests": 1, "requests_matched": 1, "max_abs_diff": 0.0, "values_compared": 1}
+                if cfg.check else None}
 
     monkeypatch.setattr(capacity, "_run_specs", run)
     base = EngineConfig(cp_size=2, page_size=16, kv_memory=128 * 2**10)

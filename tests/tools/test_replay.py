@@ -175,5 +175,5 @@ def test_run_replays_covers_every_combination(tmp_path):
     res = run_replays([("t", t)], dtypes=("bfloat16", "fp8"), hosts=(0, 2**40), splits=("owner", "lse"))
     assert len(res) == 2 * 2 * (2 + 1)  # dtypes x hosts x (shared owner, shared lse, replicated)
     assert {(r.kv, r.config.decode_split) for r in res} == {("shared", "owner"), ("shared", "lse"),
-                                                             ("replicated", "owner")}
+                                                             ("replicated", "auto")}
     assert all(r.finished == 4 for r in res)

@@ -90,9 +90,9 @@ def _add_replay_flags(s) -> None:
     g.add_argument("--host-memory", type=size_list, default=None, metavar="LIST",
                    help="host-tier bytes for the group, a comma list of sizes, 0 for none (default 0,1TiB: without "
                         "and with a host tier of half a DGX H200's 2 TB)")
-    g.add_argument("--decode-split", type=comma_choices(("owner", "lse")), default=None, metavar="LIST",
-                   help="the shared group's decode split in the cost model, a comma list of owner, lse "
-                        "(default owner)")
+    g.add_argument("--decode-split", type=comma_choices(("auto", "owner", "lse")), default=None, metavar="LIST",
+                   help="the shared group's decode split in the cost model, a comma list of auto (each step of "
+                        "decodes the cheaper of the two), owner, lse (default auto)")
     g.add_argument("--chunk", type=positive, default=None, help="prefill tokens per step (default 8192)")
     g.add_argument("--max-running", type=positive, default=None, help="requests running at once (default 256)")
     g.add_argument("--requests", type=positive, default=None, help="only the trace's first K requests")

@@ -465,7 +465,7 @@ def cmd_goodput(args) -> int:
     from .table import format_rows
 
     hw, base = replay_base(args)
-    base = dataclasses.replace(base, decode_split=(args.decode_split or ["owner"])[0])
+    base = dataclasses.replace(base, decode_split=(args.decode_split or ["auto"])[0])
     traces = args.mooncake_traces if getattr(args, "mooncake_traces", None) else load_traces(args)
     hosts = args.host_memory if args.host_memory is not None else [0, HOST_MEMORY]
     slos = slos_of(args)

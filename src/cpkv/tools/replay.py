@@ -44,11 +44,14 @@ from .cost_model import H200, CostModel, Hardware, kv_memory_per_rank
 if TYPE_CHECKING:  # the engine's scheduler is imported when a replay builds one
     from ..engine.scheduler import Scheduler
 
-__all__ = ["KV_MODES", "Progress", "ReplayConfig", "ReplayResult", "STOP_EVERY", "build_replay_scheduler", "replay"]
+__all__ = ["DECODE_SPLITS", "KV_MODES", "Progress", "ReplayConfig", "ReplayResult", "STOP_EVERY", "build_replay_scheduler", "replay"]
 
 #: The group's cache: one shared owner-lane cache, or a full copy on every rank.
 KV_MODES = ("shared", "replicated")
 CLOCKS = ("ms", "steps")
+#: The shared group's decode split in the cost model: each step of decodes at the cheaper of owner and lse
+#: (``auto``, the default: never dearer than either), or one of them throughout.
+DECODE_SPLITS = ("auto", "owner", "lse")
 #: How many steps apart a run's ``stop`` test is asked.
 STOP_EVERY = 32
 
@@ -77,7 +80,7 @@ class ReplayConfig:
     chunk: int = FULL_SCALE_CHUNK
     max_running: int = 256
     admission: str = "lanes"
-    decode_split: str = "owner"
+    decode_split: str = "auto"
     hw: Hardware = H200
     rate: float = 1.0
     wait_for_prefix: bool = True
@@ -97,8 +100,8 @@ class ReplayConfig:
         if not isinstance(self.wait_for_prefix, bool):
             raise ValueError(f"wait_for_prefix must be a bool, got {self.wait_for_prefix!r}")
         EVICTION_POLICIES.get(self.eviction)  # ValueError naming the choices
-        if self.decode_split not in ("owner", "lse"):
-            raise ValueError(f"decode_split must be 'owner' or 'lse', got {self.decode_split!r}")
+        if self.decode_split not in DECODE_SPLITS:
+            raise ValueError(f"decode_split must be one of {DECODE_SPLITS}, got {self.decode_split!r}")
 
     def cost_model(self, kv: str) -> CostModel:
         """The step costs of mode ``kv`` (:data:`KV_MODES`)."""

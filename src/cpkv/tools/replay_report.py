@@ -99,7 +99,7 @@ def equal_batch_rows(cfg: ReplayConfig, context: int, batches=(1, 8, 32, 64, 128
     rows = []
     models = {"replicated": cfg.cost_model("replicated"),
               **{f"shared ({s})": dataclasses.replace(cfg, decode_split=s).cost_model("shared")
-                 for s in ("owner", "lse")}}
+                 for s in ("owner", "lse", "auto")}}
     for b in batches:
         e = np.full(b, context)
         steps = {name: m.step(e - 1, e, decode_only=True).total * 1e3 for name, m in models.items()}
@@ -222,7 +222,7 @@ def cmd_replay(args) -> int:
     traces = args.mooncake_traces if getattr(args, "mooncake_traces", None) else load_traces(args)
     hosts = args.host_memory if args.host_memory is not None else [0, HOST_MEMORY]
     results = run_replays(traces, kvs=args.kv or ("shared", "replicated"), dtypes=args.kv_dtype or ("bfloat16", "fp8"),
-                          hosts=hosts, splits=args.decode_split or ("owner",), base=base,
+                          hosts=hosts, splits=args.decode_split or ("auto",), base=base,
                           progress=not (args.no_progress or args.json or args.markdown))
     rows, goals = replay_rows(results), goal_rows(results)
     mean_in = int(np.mean([len(s.tokens) for _, t in traces for s in t.specs]))
