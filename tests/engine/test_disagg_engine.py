@@ -122,6 +122,9 @@ def test_shared_source_pages_run_exact(llama, tmp_path):
                                         chunk=256, workload=str(path), check=True), llama)
     exact(r)
     assert r["prefill_hit_rate"] > 0
+    # decode_split "auto" (the default) on the decode group of 2 ranks, not the prefill group's 3
+    assert r["config"]["decode_costs"].startswith("CostModel(shared-auto, 2 ranks, page 16")
+    assert sum(r["decode_splits"].values()) > 0 and set(r["decode_splits"]) <= {"owner", "lse"}
 
 
 @pytest.mark.parametrize("kind", ["glm-5"])

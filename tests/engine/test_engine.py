@@ -72,7 +72,7 @@ def test_auto_decode_split_runs_the_cost_models_choice_each_step_exactly(tmp_pat
     import dataclasses
     import json
 
-    from cpkv.tools.cost_model import CostModel
+    from cpkv.engine.cost_model import CostModel
 
     p = tmp_path / "two.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in (
@@ -88,22 +88,29 @@ def test_auto_decode_split_runs_the_cost_models_choice_each_step_exactly(tmp_pat
     assert r["config"]["decode_costs"].startswith("CostModel(shared-auto, 2 ranks, page 64, DenseModel")
 
 
-def test_auto_decode_split_needs_a_cost_model_of_its_group():
+def test_auto_is_the_default_and_sized_builds_the_cost_model_of_the_group_that_decodes():
+    """``decode_split="auto"`` is the default; :meth:`RunConfig.sized` builds its cost model of the group that
+    decodes (a disaggregated run's decode group: its ranks, page and KV dtype), keeps one given, builds none for
+    a fixed split or a replicated cache; a cost model of another group size is refused by the rank."""
     import dataclasses
 
     from cpkv.engine.config import DisaggConfig
     from cpkv.engine.rank import decode_chooser
-    from cpkv.tools.cost_model import CostModel
+    from cpkv.engine.cost_model import CostModel
 
-    cfg = EngineConfig(cp_size=2, device_pages=8, decode_split="auto")
-    with pytest.raises(ValueError, match="give decode_costs"):
-        cfg.sized()
-    costs = CostModel.for_run(dataclasses.replace(cfg, cp_size=4))
+    cfg = EngineConfig(cp_size=2, device_pages=8)
+    assert cfg.decode_split == "auto" and cfg.decode_costs is None
+    costs = cfg.sized().decode_costs
+    assert (costs.mode, costs.N, costs.S) == ("shared-auto", 2, cfg.page_size)
+    assert dataclasses.replace(cfg, decode_split="owner").sized().decode_costs is None
+    assert dataclasses.replace(cfg, kv="replicated").sized().decode_costs is None
+    four = CostModel.for_run(dataclasses.replace(cfg, cp_size=4))
+    assert dataclasses.replace(cfg, decode_costs=four).sized().decode_costs is four  # one given is kept
+    d = DisaggConfig.from_engine(cfg, 1, 3, decode_page=32, decode_pages=8).sized().decode_costs
+    assert (d.N, d.S) == (3, 32)
     with pytest.raises(ValueError, match="cost model is of 4 ranks; this group has 2"):
-        decode_chooser(dataclasses.replace(cfg, decode_costs=costs), 2)
-    assert decode_chooser(dataclasses.replace(cfg, kv="replicated", decode_costs=costs), 2) is None
-    with pytest.raises(ValueError, match="with disaggregation choose owner or lse"):
-        DisaggConfig.from_engine(dataclasses.replace(cfg, decode_costs=costs), 1, 1).validate()
+        decode_chooser(dataclasses.replace(cfg, decode_costs=four), 2)
+    assert decode_chooser(dataclasses.replace(cfg, kv="replicated", decode_costs=four), 2) is None
 
 
 @pytest.mark.parametrize("kind", ["deepseek-v3.2", "glm-5"])

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cpkv.tools.cost_model import H200, MODES, CostModel, DsaModel, kv_memory_per_rank
+from cpkv.engine.cost_model import H200, MODES, CostModel, DsaModel, kv_memory_per_rank
 
 N = 8
 LAT, IDX = 1152 * 61, 256 * 61  # bf16 latent (512 + 64) and indexer key (128) per token, 61 layers
@@ -116,7 +116,7 @@ def test_every_term_of_one_step_is_the_hand_computation(model, mode, step):
 def test_remote_reads_are_every_reader_s_other_pages_whatever_the_lane_base(s, e, S):
     """The page split's scanned remote keys: the closed form against the walk
     position by position, for every lane base."""
-    from cpkv.tools.cost_model import _remote_scan
+    from cpkv.engine.cost_model import _remote_scan
 
     walks = {remote_scan(s, e, S, b) for b in range(N)}
     assert walks == {_remote_scan(np.array([s], float), np.array([e], float), S, N)}
@@ -273,7 +273,7 @@ def test_the_traffic_terms_by_hand():
     """Each term of :meth:`CostModel.traffic` written out for a small dense
     model and DeepSeek-V3.2: the lse split's exchanges from the shapes, the
     owner's remote reads by walking the pages."""
-    from cpkv.tools.cost_model import DenseModel
+    from cpkv.engine.cost_model import DenseModel
 
     dense = DenseModel(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=256)
     kv = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 heads of 16 float32

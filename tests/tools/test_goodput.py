@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cpkv.engine.mooncake import load_mooncake
 from cpkv.tools.cli import main
-from cpkv.tools.cost_model import CostModel
+from cpkv.engine.cost_model import CostModel
 from cpkv.tools.goodput import (DEFAULT_TPOT_MS, DEFAULT_TTFT_S, Goodput, Slo, SloWatch, compare, goodput_rows,
                                 p99s, rate, run_goodput, search, sweep, violators_to_fail)
 from cpkv.tools.replay import ReplayConfig, replay
@@ -247,7 +247,7 @@ def test_cpkv_simulate_goodput_prints_the_runs_the_goodputs_and_the_plot(tmp_pat
     assert main([*argv, "--json", "--kv", "shared"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["slos"] == [{"ttft_s": 0.3, "tpot_ms": 50.0}, {"ttft_s": 0.3, "tpot_ms": 400.0}]
-    assert {r["kv"] for r in got["runs"]} == {"shared (owner)"} and got["goodput"] == []
+    assert {r["kv"] for r in got["runs"]} == {"shared (auto)"} and got["goodput"] == []
 
 
 @pytest.mark.parametrize("flags,why", [

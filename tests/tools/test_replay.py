@@ -13,7 +13,7 @@ import pytest
 from cpkv.engine import EngineConfig, run_engine_threads
 from cpkv.engine.mooncake import load_mooncake
 from cpkv.tools.cli import main
-from cpkv.tools.cost_model import CostModel
+from cpkv.engine.cost_model import CostModel
 from cpkv.tools.replay import ReplayConfig, replay
 from cpkv.tools.replay_report import equal_batch_rows, goal_rows, markdown_table, run_replays
 
@@ -81,7 +81,7 @@ def test_the_replay_at_scale_shared_against_replicated():
     g = goal_rows([shared, rep])[0]
     assert g["KV tokens shared / replicated"] == pytest.approx(8.0, rel=1e-3) and g["goal >= 7.6"] == "met"
     table = markdown_table([shared, rep])
-    assert table.count("\n") == 3 and "| conv | bfloat16 | no | shared (owner) |" in table
+    assert table.count("\n") == 3 and "| conv | bfloat16 | no | shared (auto) |" in table
 
 
 def test_the_queue_and_the_host_tier_on_a_synthetic_trace(tmp_path):
@@ -122,6 +122,8 @@ def test_equal_batch_rows_judge_tpot_at_the_same_batch():
     for r in rows:
         assert r["shared (owner) / replicated"] == pytest.approx(r["shared (owner) ms"] / r["replicated ms"], rel=1e-2)
         assert r["replicated ms"] > 0
+        # auto (the default) runs the cheaper split: never dearer than either
+        assert r["shared (auto) ms"] == min(r["shared (owner) ms"], r["shared (lse) ms"])
 
 
 @needs_data
@@ -175,5 +177,5 @@ def test_run_replays_covers_every_combination(tmp_path):
     res = run_replays([("t", t)], dtypes=("bfloat16", "fp8"), hosts=(0, 2**40), splits=("owner", "lse"))
     assert len(res) == 2 * 2 * (2 + 1)  # dtypes x hosts x (shared owner, shared lse, replicated)
     assert {(r.kv, r.config.decode_split) for r in res} == {("shared", "owner"), ("shared", "lse"),
-                                                             ("replicated", "auto")}
+                                                             ("replicated", "owner")}
     assert all(r.finished == 4 for r in res)

@@ -262,7 +262,7 @@ def test_the_built_in_models_figures_are_the_models_own():
     from cpkv.engine.config import EngineConfig
     from cpkv.models import build_adapter, model_config
     from cpkv.tools.bench.splits import splits_model
-    from cpkv.tools.cost_model import CostModel, H200, kv_memory_beside, kv_memory_per_rank
+    from cpkv.engine.cost_model import CostModel, H200, kv_memory_beside, kv_memory_per_rank
     from cpkv.models.dsa import real_shape
 
     for name, fig in sizes.MODELS.items():

@@ -69,12 +69,13 @@ class RunConfig:
     ``check_plans`` (debug) adds one collective per batch comparing every
     rank's allocation; ``timeout`` seconds for the whole run; ``progress`` a
     progress bar on rank 0 (the command turns it on).
-    ``decode_split="auto"`` chooses each step's decode split with
-    ``decode_costs``, a cost model of this run (anything with
-    ``decode_split(starts, ends) -> "owner" | "lse"`` and ``N`` its ranks:
-    ``cpkv run`` gives :meth:`cpkv.tools.cost_model.CostModel.for_run`'s; the
-    engine, below the tools, builds none itself); :meth:`sized` refuses
-    ``auto`` without one.
+    ``decode_split="auto"`` (the default) chooses each step of decodes' split
+    with ``decode_costs``, a cost model of the group that decodes (anything
+    with ``decode_split(starts, ends) -> "owner" | "lse"`` and ``N`` its
+    ranks; ``None``: :meth:`sized` builds
+    :meth:`cpkv.engine.cost_model.CostModel.for_run`'s): the split it prices
+    lower, so never dearer in the model than ``"owner"`` or ``"lse"``
+    throughout, both exact.
 
     ``kv`` is ``"shared"`` (one owner-lane cache for the group) or
     ``"replicated"`` (the baseline: every rank a full copy,
@@ -108,7 +109,7 @@ class RunConfig:
     max_running: int = 16
     admission: str = "lanes"
     prefill_split: str = "page"
-    decode_split: str = "owner"
+    decode_split: str = "auto"
     kv_dtype: str = "float32"
     workload: str = "multiturn"
     requests: int = 8
@@ -150,6 +151,11 @@ class RunConfig:
 
         return REPLICATED_PREFILL_SPLITS[0], REPLICATED_DECODE_SPLITS[0]
 
+    def decode_group(self) -> tuple[int, int, str]:
+        """The group that decodes: its ranks, page size and KV dtype (what
+        ``decode_split="auto"``'s cost model is of)."""
+        return self.cp_size, self.page_size, self.kv_dtype
+
     def __post_init__(self):
         if self.kv not in KV_MODES:
             raise ValueError(f"unknown kv {self.kv!r}; choose from {KV_MODES}")
@@ -169,12 +175,14 @@ class RunConfig:
         built; ``ValueError`` when ``kv_memory`` holds no page."""
         from ..runtime.batch import default_kernels
 
-        if self.decode_split == "auto" and not self.replicated and self.decode_costs is None:
-            raise ValueError("decode_split 'auto' chooses each step from a cost model: give decode_costs "
-                             "(cpkv.tools.cost_model.CostModel.for_run(cfg), as cpkv run does)")
         pages = self.memory_pages(capacity) if self.device_pages is None else self.device_pages
         kernels = default_kernels(self.device) if self.kernels is None else self.kernels
-        return replace(self, device_pages=pages, kernels=kernels)
+        costs = self.decode_costs
+        if costs is None and self.decode_split == "auto" and not self.replicated:
+            from .cost_model import CostModel
+
+            costs = CostModel.for_run(self)
+        return replace(self, device_pages=pages, kernels=kernels, decode_costs=costs)
 
     def check_sized(self) -> None:
         """Refuse (``ValueError``) a configuration whose device cache is not
@@ -317,6 +325,11 @@ class DisaggConfig(RunConfig):
         """The decode group's KV dtype."""
         return self.decode_kv_dtype or self.kv_dtype
 
+    def decode_group(self) -> tuple[int, int, str]:
+        """The decode group: its ranks, page size and KV dtype (``decode_split="auto"``'s cost model is of it;
+        the prefill group runs no decode)."""
+        return self.decode_size, self.d_page, self.d_kv_dtype
+
     @property
     def d_pages(self) -> int:
         """The decode group's pages per rank."""
@@ -341,9 +354,6 @@ class DisaggConfig(RunConfig):
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.replicated:
             raise ValueError("kv='replicated' runs on one CP group; disaggregation moves a shared cache's pages")
-        if self.decode_split == "auto":
-            raise ValueError("decode_split 'auto' is one CP group's (its cost model is of that group); with "
-                             "disaggregation choose owner or lse")
         if not (self.timeout > 0 and self.transfer_timeout > 0):
             raise ValueError("timeout and transfer_timeout must be > 0 seconds")
 

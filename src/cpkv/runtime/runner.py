@@ -48,7 +48,7 @@ class CPRunner:
     (default: triton when the pool is on a GPU, else torch). ``decode_split="auto"`` asks
     ``choose_split(alloc)`` for each forward of decodes (``"owner"`` or
     ``"lse"``; every rank must get the same answer from the same
-    allocation: a cost model's, :meth:`cpkv.tools.cost_model.CostModel.decode_split`),
+    allocation: a cost model's, :meth:`cpkv.engine.cost_model.CostModel.decode_split`),
     counted in :attr:`decode_choices`. ``record_selection`` keeps each
     forward's sparse selection in :attr:`selected` (``--check``; under
     ``lse`` one more all-to-all a selecting layer). ``check_plans`` compares

@@ -79,12 +79,12 @@ def _add_replay_flags(s) -> None:
     """``cpkv simulate``'s flags for Mooncake traces (:mod:`cpkv.tools.replay`), in one group."""
     from .replay import KV_MODES
 
-    g = s.add_argument_group("Mooncake replay on a modelled H200 group (DeepSeek-V3.2; cpkv.tools.cost_model)")
+    g = s.add_argument_group("Mooncake replay on a modelled H200 group (DeepSeek-V3.2; cpkv.engine.cost_model)")
     g.add_argument("--kv", type=comma_choices(KV_MODES), default=None, metavar="LIST",
                    help="the group's cache, a comma list of shared, replicated (default both, same memory per rank)")
     g.add_argument("--kv-memory", type=size_arg, default=None, metavar="SIZE",
                    help="device KV bytes per rank, both modes (default: what an H200 keeps beside a DeepSeek-V3.2 "
-                        "shard, as cpkv.tools.cost_model.kv_memory_per_rank derives it)")
+                        "shard, as cpkv.engine.cost_model.kv_memory_per_rank derives it)")
     g.add_argument("--kv-dtype", type=comma_choices(("bfloat16", "fp8")), default=None, metavar="LIST",
                    help="comma list of bfloat16, fp8 (DeepSeek's 656 + 132 bytes a token and layer) (default both)")
     g.add_argument("--host-memory", type=size_list, default=None, metavar="LIST",
@@ -268,9 +268,9 @@ def _add_run(sub) -> None:
                    help="who computes a prefill token: page (the owner of its page, no K/V moves; default), "
                         "interleave or zigzag (token splits with an all-gather of new K/V)")
     r.add_argument("--decode-split", choices=DECODE_SPLITS, default=D.decode_split,
-                   help="owner (the owner of the new slot computes the token; default), lse (decode context "
+                   help="owner (the owner of the new slot computes the token), lse (decode context "
                         "parallelism: every rank attends over its own pages, partials merged by log-sum-exp at the "
-                        "token's rank) or auto (each step the one the cost model prices lower)")
+                        "token's rank) or auto (each step of decodes the one the cost model prices lower; default)")
     add_kv_dtype_flag(r, D.kv_dtype)
     r.add_argument("--seed", type=non_negative, default=D.seed, help=f"trace and weights seed (default {D.seed})")
     r.add_argument("--check", action="store_true",

@@ -339,14 +339,10 @@ def cmd_bytes(args) -> int:
 def run_config(args):
     """The :class:`~cpkv.engine.config.EngineConfig` of ``cpkv run``'s flags
     (``--cp`` not given: the default group size), not yet sized; with
-    ``--decode-split auto``, the run's cost model to choose each step by; with
     the KV event sockets bound at the start (``args.kv_publisher``), rank 0
     relays its batches there."""
-    import dataclasses
-
     from ..engine.config import EngineConfig
     from ..models import model_config
-    from .cost_model import CostModel
 
     cfg = EngineConfig(
         cp_size=default_cp_size() if args.cp is None else args.cp, page_size=args.page,
@@ -362,8 +358,6 @@ def run_config(args):
         window_ms=args.window, max_output=args.max_output, step_ms=args.step_ms,
         wait_for_prefix=not args.no_prefix_wait, eviction=args.eviction,
     )
-    if cfg.decode_split == "auto" and not cfg.replicated:
-        cfg = dataclasses.replace(cfg, decode_costs=CostModel.for_run(cfg))
     return cfg
 
 

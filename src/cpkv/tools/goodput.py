@@ -477,7 +477,7 @@ def cmd_goodput(args) -> int:
                           "capacity": capacity_rows(sweeps)}, indent=2, default=float))
     else:
         names = "; ".join(f"{i + 1}: {s.label()}" for i, s in enumerate(slos))
-        print(format_rows(runs, f"Goodput on a modelled {hw.name} group (DeepSeek-V3.2, cpkv.tools.cost_model): "
+        print(format_rows(runs, f"Goodput on a modelled {hw.name} group (DeepSeek-V3.2, cpkv.engine.cost_model): "
                                 f"CP {base.cp_size}, page {base.page_size}, {base.kv_memory:,} bytes of device KV per "
                                 f"rank in both modes, chunk {base.chunk}, max running {base.max_running}, decode "
                                 f"split {base.decode_split}; arrivals at 2^(k/{STEPS}) times the trace's rate; SLOs "

@@ -12,7 +12,7 @@ same memory per rank:
 Time is the trace's: a request is handed to the scheduler
 (:meth:`~cpkv.engine.scheduler.Scheduler.submit`) when the clock reaches its
 ``timestamp``, and each step advances the clock by what
-:class:`~cpkv.tools.cost_model.CostModel` says the group takes for it. A
+:class:`~cpkv.engine.cost_model.CostModel` says the group takes for it. A
 group slower than the arrivals queues them (admission waits while the lanes
 are full); the result says how long the queue grew and how far behind the
 clock fell. A request the cache could never hold is refused (counted) and the
@@ -39,7 +39,7 @@ import numpy as np
 from ..consumers.eviction import EVICTION_POLICIES
 from ..engine.mooncake import FULL_SCALE_CHUNK, MooncakeTrace
 from ..engine.trace import CacheTooSmall
-from .cost_model import H200, CostModel, Hardware, kv_memory_per_rank
+from ..engine.cost_model import H200, CostModel, Hardware, kv_memory_per_rank
 
 if TYPE_CHECKING:  # the engine's scheduler is imported when a replay builds one
     from ..engine.scheduler import Scheduler
@@ -60,7 +60,7 @@ STOP_EVERY = 32
 class ReplayConfig:
     """One group: ``cp_size`` ranks, ``page_size`` tokens a page,
     ``kv_memory`` bytes of device KV per rank (default: what an H200 keeps
-    beside a DeepSeek-V3.2 shard, :func:`~cpkv.tools.cost_model.kv_memory_per_rank`),
+    beside a DeepSeek-V3.2 shard, :func:`~cpkv.engine.cost_model.kv_memory_per_rank`),
     ``kv_dtype`` (``"bfloat16"`` or ``"fp8"``), ``host_memory`` bytes of
     host tier for the group (0: none), the scheduler's ``chunk``,
     ``max_running`` and ``admission``, the shared cache's ``decode_split``

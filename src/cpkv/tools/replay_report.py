@@ -192,7 +192,7 @@ def plot_replays(results: list[ReplayResult], path: str) -> list[str]:
 def replay_base(args):
     """``cpkv simulate``'s ``(Hardware, ReplayConfig)`` for Mooncake traces from its flags (every mode, dtype and
     host tier varies from this one); ``ValueError`` for a configuration :class:`ReplayConfig` refuses."""
-    from .cost_model import H200
+    from ..engine.cost_model import H200
 
     hw = H200.with_results(args.gpu_results) if args.gpu_results else H200
     return hw, ReplayConfig(cp_size=args.cp, page_size=args.page, kv_memory=args.kv_memory, hw=hw,
@@ -215,7 +215,7 @@ def cmd_replay(args) -> int:
     ``--markdown``, ``--json``), the goals, the cost model's decode step at equal batch, the plots."""
     import dataclasses
 
-    from .cost_model import kv_memory_per_rank
+    from ..engine.cost_model import kv_memory_per_rank
     from .table import format_rows
 
     hw, base = replay_base(args)
@@ -236,7 +236,7 @@ def cmd_replay(args) -> int:
         print(format_rows(rows, f"Mooncake replay: CP {args.cp}, page {args.page}, {base.kv_memory:,} bytes of device KV "
                                 f"per rank{default}, chunk {base.chunk}, max running {base.max_running}, arrivals at "
                                 f"{base.rate:g}x the trace's rate; "
-                                f"DeepSeek-V3.2 on {hw.name}; times modelled (cpkv.tools.cost_model)"))
+                                f"DeepSeek-V3.2 on {hw.name}; times modelled (cpkv.engine.cost_model)"))
         if goals:
             print()
             print(format_rows(goals, "shared against replicated at the same memory per rank"))

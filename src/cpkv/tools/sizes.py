@@ -716,7 +716,7 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
     from ..engine.config import BOOKKEEPING_BYTES_PER_PAGE
     from ..engine.mooncake import load_mooncake
     from ..engine.trace import TraceError, kv_tokens
-    from .cost_model import H200, kv_memory_beside
+    from ..engine.cost_model import H200, kv_memory_beside
     from .replay import KV_MODES
     from .replay_report import HOST_MEMORY
 
@@ -812,9 +812,9 @@ def _check_mooncake(line: Line, workloads: list[str], cp: int, page: int, capaci
     raise Refused(what)
 
 
-#: ``cpkv simulate``'s modelled DeepSeek-V3.2 (:mod:`cpkv.tools.cost_model`, the released shapes): KV bytes a token
+#: ``cpkv simulate``'s modelled DeepSeek-V3.2 (:mod:`cpkv.engine.cost_model`, the released shapes): KV bytes a token
 #: (every layer, latent and indexer key) by KV dtype, and its FP8 checkpoint's bytes
-#: (:func:`~cpkv.tools.cost_model.kv_memory_per_rank`). Checked against the cost model by the tests.
+#: (:func:`~cpkv.engine.cost_model.kv_memory_per_rank`). Checked against the cost model by the tests.
 DEEPSEEK_V32_TOKEN_BYTES = {"bfloat16": 85_888, "fp8": 48_068}
 DEEPSEEK_V32_CHECKPOINT_BYTES = 673_730_265_088
 #: The modelled machine's host memory (a DGX H200's 2 TB; the default host tier is half of it).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -58,7 +59,9 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     agree(world, side, fams, cfg.prefill_size)
     ctl = DisaggControl(cfg, cfg.trace(), fams)
     mine = ctl.prefill if side == "prefill" else ctl.decode
-    parts = build_rank(cfg, adapter, mine.layout, group, shared, cfg.host_pages if side == "prefill" else 0)
+    # the prefill group runs no decode: its runner gets a fixed split, not the decode group's cost model
+    rank_cfg = cfg if side == "decode" else dataclasses.replace(cfg, decode_split="owner", decode_costs=None)
+    parts = build_rank(rank_cfg, adapter, mine.layout, group, shared, cfg.host_pages if side == "prefill" else 0)
     runner = parts.runner
     link = TransferLink(cfg, world.rank, side, parts.pool, transport)
     ex = RankExecutor(runner, parts.host, check=cfg.check, receive=link.receive if side == "decode" else None)
@@ -90,7 +93,8 @@ def disagg_rank(world: Comm, group: Comm, side: str, shared: SharedBuffers, tran
     ranks = world.all_gather_object({"world_rank": world.rank, "side": side, "group_rank": group.rank,
                                      "bytes": link.bytes, "messages": link.messages,
                                      "transfer_seconds": link.seconds, "digest": ctl.digest,
-                                     "tokens_computed": runner.tokens_computed, "records": records})
+                                     "tokens_computed": runner.tokens_computed, "records": records,
+                                     "decode_splits": dict(runner.decode_choices)})
     if ctl.prefill.held:
         raise AssertionError(f"prefill requests {sorted(ctl.prefill.held)} still hold KV after the trace")
     for sched in (ctl.prefill, ctl.decode):

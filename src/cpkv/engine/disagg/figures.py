@@ -56,6 +56,8 @@ def disagg_report(cfg: DisaggConfig, ctl: DisaggControl, ranks: list[dict], seco
         "received_bytes_per_pair": received.tolist(),
         "bytes_moved": int(ctl.pair_slots.sum() * ctl.slot_bytes),
         "transfer_seconds": max((x["transfer_seconds"] for x in dec), default=0.0),
+        # each step of decodes' split on the decode group (its rank 0's count: every rank runs the same)
+        "decode_splits": dec[0]["decode_splits"] if dec else {},
         "transfer_seconds_per_rank": [x["transfer_seconds"] for x in ranks],
         "plan_digests": [x["digest"] for x in ranks],
         "seconds": seconds,

@@ -421,17 +421,19 @@ class CostModel:
     @classmethod
     def for_run(cls, cfg, hw: Hardware = H200) -> "CostModel":
         """The ``shared-auto`` model of an engine run (a
-        :class:`~cpkv.engine.config.RunConfig` with ``cp_size``: its model's
-        shapes, built on the meta device, its KV dtype, page size and group),
-        its activations float32 (the engine's models): what ``cpkv run
-        --decode-split auto`` asks each step (:meth:`decode_split`)."""
+        :class:`~cpkv.engine.config.RunConfig`: its model's shapes, built on
+        the meta device, and the group that decodes, its ranks, page size and
+        KV dtype: :meth:`~cpkv.engine.config.RunConfig.decode_group`), its
+        activations float32 (the engine's models): what a run under
+        ``decode_split="auto"`` asks each step (:meth:`decode_split`)."""
         import torch
 
         from ..models import build_adapter
 
         with torch.device("meta"):
             adapter = build_adapter(cfg.model)
-        return cls.for_adapter("shared-auto", cfg.cp_size, adapter, cfg.kv_dtype, cfg.page_size, act_bytes=4, hw=hw)
+        ranks, page, kv_dtype = cfg.decode_group()
+        return cls.for_adapter("shared-auto", ranks, adapter, kv_dtype, page, act_bytes=4, hw=hw)
 
     def __repr__(self) -> str:
         return (f"CostModel({self.mode}, {self.N} ranks, page {self.S}, {type(self.model).__name__} of "
