@@ -300,3 +300,44 @@ def test_a_slice_of_the_conversation_trace_at_full_scale(tmp_path):
     g = s.goodputs[0]
     assert not s.runs[0].stopped and g.lo is not None and g.lo >= 0
     assert g.hi is None or (g.hi == g.lo + 1 and (s.runs[g.hi].stopped or not g.slo.met(*p99s(s.runs[g.hi]))))
+
+
+def test_a_killed_command_leaves_no_sweep_process_running(tmp_path):
+    """``--jobs``' sweep processes end with the command however it ends: SIGKILL of the command, which runs no
+    Python code, ends its workers too (the kernel's parent-death signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, sys, time\n"
+              "from cpkv.tools.goodput import sweep_pool\n"
+              "pool = sweep_pool(2)\n"
+              "pids = {pool.submit(os.getpid).result() for _ in range(8)}\n"
+              "[pool.submit(time.sleep, 120) for _ in range(2)]\n"
+              "print(' '.join(map(str, sorted(pids))), flush=True)\n"
+              "time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(x) for x in p.stdout.readline().split()]
+        assert workers and p.pid not in workers
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (ended, not yet reaped by init) counts as ended
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+        assert all(alive(w) for w in workers)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(w) for w in workers), workers
+    finally:
+        p.kill()
+        p.wait()

@@ -59,7 +59,6 @@ several ranks per GPU on gloo.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import math
 import os
@@ -170,8 +169,6 @@ class RankContext:
 
 
 # -- inside a rank ----------------------------------------------------------------
-PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
-
 #: What a rank process runs first (``python -c``), before it imports anything of the run: it asks the
 #: kernel for SIGKILL at the death of its parent thread (the launcher's thread that spawned it), checks
 #: that this parent is still the launcher (a launcher that died before the ``prctl`` is caught here), takes
@@ -214,29 +211,6 @@ except BaseException as e:
     raise SystemExit(1)
 main(*params, outbox, target, args)
 """
-
-
-def _set_parent_death_signal(sig: int) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent thread ends (0: never)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _parent_death_signal() -> int:
-    """The signal this process gets when its parent thread ends (0: none, or not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    got = ctypes.c_int(0)
-    try:
-        ok = ctypes.CDLL(None, use_errno=True).prctl(PR_GET_PDEATHSIG, ctypes.byref(got), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return 0
-    return got.value if ok else 0
 
 
 def _send(conn, msg) -> None:

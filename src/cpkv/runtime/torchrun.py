@@ -82,7 +82,8 @@ import torch.distributed as dist
 from . import shm as shm_mod
 from .comm import DistComm
 from . import reaper as reaper_mod
-from .group import RankContext, _parent_death_signal, _set_parent_death_signal
+from .group import RankContext
+from .lifetime import parent_death_signal, set_parent_death_signal
 
 #: The variables torchrun (and any launcher speaking ``env://``) sets in every rank.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -270,8 +271,8 @@ class _StopGuard:
         self.prefix: str | None = None
         self._reaper = reaper_mod.reaper()
         self._saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        self._saved_death = _parent_death_signal()
-        _set_parent_death_signal(signal.SIGKILL)
+        self._saved_death = parent_death_signal()
+        set_parent_death_signal(signal.SIGKILL)
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
 
@@ -282,7 +283,7 @@ class _StopGuard:
     def uninstall(self) -> None:
         for s, h in self._saved.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
-        _set_parent_death_signal(self._saved_death)
+        set_parent_death_signal(self._saved_death)
         if self.prefix:
             self._reaper.remove(prefix=self.prefix)
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from .replay import KV_MODES, Progress, ReplayConfig, ReplayResult, replay
 
-__all__ = ["DEFAULT_TPOT_MS", "DEFAULT_TTFT_S", "Goodput", "K_MAX", "K_MIN", "STEPS", "Slo", "SloWatch",
+__all__ = ["DEFAULT_TPOT_MS", "DEFAULT_TTFT_S", "Goodput", "K_MAX", "K_MIN", "STEPS", "Slo", "SloWatch", "sweep_pool",
            "Sweep", "capacity_rows", "cmd_goodput", "compare", "goodput_rows", "margin_of", "p99s", "plot_goodput",
            "point_rows", "rate", "run_goodput", "search", "slos_of", "sweep", "violators_to_fail"]
 
@@ -290,11 +290,21 @@ def run_goodput(traces: list, kvs=KV_MODES, dtypes=("bfloat16", "fp8"), hosts=(0
              for name, trace in traces for dtype in dtypes for host in hosts for kv in kvs]
     if jobs == 1 or len(tasks) == 1:
         return [_sweep_task(t) for t in tasks]
+    with sweep_pool(min(jobs, len(tasks))) as pool:
+        return list(pool.map(_sweep_task, tasks))
+
+
+def sweep_pool(workers: int):
+    """The processes that run sweeps side by side (spawned; each ended by the kernel when the command's
+    thread that started it ends, however it ends: :func:`cpkv.runtime.lifetime.end_with_parent`)."""
     import multiprocessing
+    import os
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_sweep_task, tasks))
+    from ..runtime.lifetime import end_with_parent
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=end_with_parent,
+                               initargs=(os.getpid(),))
 
 
 def _sweep_task(task: tuple) -> Sweep:
