@@ -125,6 +125,10 @@ def test_shared_source_pages_run_exact(llama, tmp_path):
     # decode_split "auto" (the default) on the decode group of 2 ranks, not the prefill group's 3
     assert r["config"]["decode_costs"].startswith("CostModel(shared-auto, 2 ranks, page 16")
     assert sum(r["decode_splits"].values()) > 0 and set(r["decode_splits"]) <= {"owner", "lse"}
+    from cpkv.engine.disagg import format_disagg
+
+    line = ", ".join(f"{k} {v}" for k, v in sorted(r["decode_splits"].items()))
+    assert f"decode group's forwards of decodes by split (decode split auto): {line}" in format_disagg(r)
 
 
 @pytest.mark.parametrize("kind", ["glm-5"])

@@ -80,6 +80,8 @@ def format_disagg(r: dict) -> str:
              f"({r['prefill_host_hit_tokens']} from its host tier), decode side {r['decode_hit_tokens']} tokens "
              f"already there (not moved); preemptions prefill {r['preemptions']['prefill']}, decode "
              f"{r['preemptions']['decode']}",
+             *([f"decode group's forwards of decodes by split (decode split {r['config']['decode_split']}): "
+                + ", ".join(f"{k} {v}" for k, v in sorted(r["decode_splits"].items()))] if r.get("decode_splits") else []),
              "KV bytes sent, prefill rank (rows) -> decode rank (columns):",
              "      " + "".join(f"{'d' + str(b):>12}" for b in range(N))]
     for a in range(M):
