@@ -353,8 +353,11 @@ def test_ctrl_c_at_any_moment_after_the_interpreter_started(tmp_path):
         os.killpg(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=120)
         lines = err.splitlines()
-        assert p.returncode in (130, 0) and "Traceback" not in err, (delay, p.returncode, err)
-        if p.returncode == 130:  # (0: a loaded machine let the short run finish first)
+        # -SIGINT: CPython 3.11 can end the process by SIGINT at exit after a KeyboardInterrupt passed through one
+        # of its PyRun_* calls (its flag for an unhandled interrupt stays set), even one cpkv then caught; seen once
+        # under load, after the one line; a shell reports it as 130 too
+        assert p.returncode in (130, -signal.SIGINT, 0) and "Traceback" not in err, (delay, p.returncode, err)
+        if p.returncode != 0:  # (0: a loaded machine let the short run finish first)
             assert out == "" and lines[-1] in ("cpkv: interrupted", "cpkv run: interrupted"), (delay, err)
             assert all(x.startswith("cpkv") for x in lines), (delay, err)
         assert wait_until(lambda: all(gone(k) for k in kids), 10), (delay, [k for k in kids if not gone(k)])
