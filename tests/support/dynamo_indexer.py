@@ -8,7 +8,6 @@ model_name}`` re-hashes the tokens per block and answers, per worker, the tokens
 of full blocks on the device (``gpu``) and on the device or the host (``cpu``)."""
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,11 @@ import urllib.error
 import urllib.request
 from importlib.util import find_spec
 
+from support.ports import free_port
+
 WHY_NOT = None if find_spec("dynamo") is not None and find_spec("dynamo.indexer") is not None else (
     "Dynamo's KV indexer is not installed: pip install ai-dynamo-runtime==1.6.1 (an x86_64 wheel; "
     "make test installs it with the test extra)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Indexer:

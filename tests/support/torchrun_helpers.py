@@ -2,21 +2,14 @@
 the path, its log in the test's folder; every wait bounded."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a c10d rendezvous endpoint)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_torchrun(out: Path, launch_args: list[str], module: str, *args: str, log: str = "torchrun", **popen):

@@ -3,7 +3,6 @@ are bound before the first step, and a subscriber that connects while the run is
 first batches) still hands out every batch, from seq 0, through replay; the batches rebuild, from the
 events alone, the caches the simulator ends with (drained: nothing). [[RFC-0001:C-KV-EVENTS]]"""
 
-import socket
 import threading
 import time
 
@@ -17,12 +16,7 @@ import cpkv.tools.simulate as simulate_mod  # noqa: E402
 from cpkv.consumers.kv_events_zmq import KVEventSubscriber  # noqa: E402
 from cpkv.tools.cli import main  # noqa: E402
 from support.vllm_kv_events import VLLM, apply  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port  # noqa: E402
 
 
 def test_a_late_subscriber_sees_every_batch_of_cpkv_simulate_through_replay(monkeypatch, capsys):

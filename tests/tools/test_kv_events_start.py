@@ -3,7 +3,6 @@ batches relayed through the process that bound them, numbered, sent and buffered
 every batch in order, live or by replay. (Dynamo's indexer registered before the bind and during the imports:
 tests/engine/test_dynamo_interop.py.) [[RFC-0001:C-KV-EVENTS]]"""
 
-import socket
 import subprocess
 import sys
 import threading
@@ -17,12 +16,7 @@ pytest.importorskip("msgspec")
 from cpkv.consumers.kv_events_zmq import KVEventPublisher, KVEventRelay, KVEventSubscriber  # noqa: E402
 from cpkv.consumers.kv_wire import AllBlocksCleared, BlockRemoved, KVEventBatch  # noqa: E402
 from cpkv.tools.kv_events_start import bind_at_start  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port  # noqa: E402
 
 
 def endpoints():
